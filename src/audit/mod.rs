@@ -1,0 +1,526 @@
+//! The hash-chained audit log, `audit.jsonl`: one record per outcome, never a body.
+//!
+//! # Format
+//!
+//! Each line is one JSON object followed by `\n`. The object's keys are written in
+//! byte-wise ascending order with no whitespace (`{"attempts":1,"audit_id":"…",…}`);
+//! strings use JSON's standard escapes (`\"`, `\\`, `\n`, `\r`, `\t`, `\b`, `\f`,
+//! other control characters as lowercase `\u00xx`) and are otherwise raw UTF-8;
+//! numbers are integers; absent values are `null`. Fields: see [`AuditRecord`].
+//!
+//! # The chain
+//!
+//! `hash` is the lowercase hex SHA-256 of the record's canonical form **without** its
+//! `hash` key (the same serialisation rules as above). `prev_hash` is the previous
+//! record's `hash`, or 64 zeros ([`GENESIS_HASH`]) for the first; `seq` starts at 1
+//! and grows by exactly 1. In keyed mode ([`OutboxBuilder::audit_key`](crate::OutboxBuilder::audit_key))
+//! `hash` is HMAC-SHA-256 under the key instead of SHA-256.
+//!
+//! A third party can re-verify a file in a few lines of Python:
+//!
+//! ```text
+//! prev, seq = "0" * 64, 0
+//! for line in open("audit.jsonl", encoding="utf-8"):
+//!     rec = json.loads(line); h = rec.pop("hash"); seq += 1
+//!     assert rec["seq"] == seq and rec["prev_hash"] == prev
+//!     body = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+//!     assert hashlib.sha256(body.encode()).hexdigest() == h
+//!     prev = h
+//! ```
+//!
+//! # What it proves, and what it cannot
+//!
+//! Editing, deleting, inserting or reordering records breaks the chain. Cutting off
+//! the tail is caught against the head (seq, hash) that `outbox.json` records.
+//! Someone who can rewrite **both** files and recompute plain SHA-256 hashes cannot be
+//! detected without an outside anchor: use keyed mode, or copy
+//! [`AuditReport::head_hash`] somewhere the host cannot rewrite.
+//!
+//! # Crashes
+//!
+//! Appends are not atomic: a crash can leave a partial last line (or zeros). Such a
+//! torn tail is moved, byte for byte, to `audit.jsonl.torn-<seq>-<n>` and cut from
+//! the log, and the chain continues from the last whole record. Damage anywhere
+//! else is an error, and the file is never modified.
+
+mod record;
+
+use std::collections::VecDeque;
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+pub(crate) use record::{AuditEvent, Hasher};
+pub use record::{AuditOutcome, AuditRecord, GENESIS_HASH};
+
+use crate::error::{AuditFault, Error, Result};
+use crate::failpoint::Failpoints;
+use crate::fsutil;
+
+/// Name of the audit log inside an outbox directory.
+pub(crate) const AUDIT_FILE: &str = "audit.jsonl";
+
+/// How many recent (seq, hash) pairs the tail remembers for head cross-checks.
+const RECENT: usize = 64;
+
+/// The last record of a chain: its `seq` and `hash` (`seq` 0 and [`GENESIS_HASH`] when empty).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// The last record's sequence number (0 for an empty log).
+    pub seq: u64,
+    /// The last record's hash.
+    pub hash: String,
+}
+
+impl Head {
+    pub(crate) fn genesis() -> Self {
+        Self {
+            seq: 0,
+            hash: GENESIS_HASH.to_owned(),
+        }
+    }
+}
+
+/// The result of a successful verification.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AuditReport {
+    /// Whole records verified.
+    pub records: u64,
+    /// The last record's seq (0 when empty).
+    pub head_seq: u64,
+    /// The last record's hash ([`GENESIS_HASH`] when empty). Keep a copy off the
+    /// host to detect a wholesale rewrite later.
+    pub head_hash: String,
+    /// Bytes of an unfinished last line left by a crash (not yet quarantined), if any.
+    pub torn_tail_bytes: u64,
+}
+
+/// Read-only access to an audit file: verification and reading.
+///
+/// These functions never modify the file. An open [`Outbox`](crate::Outbox) is the
+/// only writer.
+#[derive(Debug)]
+pub struct AuditLog;
+
+impl AuditLog {
+    /// Verifies the whole chain of a plain (unkeyed) audit file.
+    ///
+    /// A missing file verifies as empty. A torn last line is reported in
+    /// [`AuditReport::torn_tail_bytes`], not as an error.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::AuditBroken`] naming the first bad line and the fault
+    /// ([`AuditFault`]); [`Error::Io`] when the file cannot be read.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::AuditLog;
+    /// let report = AuditLog::verify(dir.path().join("audit.jsonl"))?;
+    /// assert_eq!(report.records, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn verify(path: impl AsRef<Path>) -> Result<AuditReport> {
+        verify_file(path.as_ref(), &Hasher::Plain, |_| {})
+    }
+
+    /// Verifies a keyed (HMAC-SHA-256) audit file with `key`.
+    ///
+    /// # Errors
+    ///
+    /// As [`verify`](Self::verify); a wrong key fails at line 1 with
+    /// [`AuditFault::HashMismatch`].
+    pub fn verify_keyed(path: impl AsRef<Path>, key: &[u8]) -> Result<AuditReport> {
+        verify_file(path.as_ref(), &Hasher::Keyed(key.to_vec()), |_| {})
+    }
+
+    /// Reads every whole record, in order, without checking hashes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::AuditBroken`] with [`AuditFault::Malformed`] for a line that is not
+    /// a record (a torn last line is skipped); [`Error::Io`] when unreadable.
+    pub fn read(path: impl AsRef<Path>) -> Result<Vec<AuditRecord>> {
+        let path = path.as_ref();
+        let mut records = Vec::new();
+        for_each_line(path, |line_no, line| {
+            let record: AuditRecord = serde_json::from_slice(line)
+                .map_err(|e| broken(path, line_no, AuditFault::Malformed(e.to_string())))?;
+            records.push(record);
+            Ok(())
+        })?;
+        Ok(records)
+    }
+}
+
+fn broken(path: &Path, line: u64, fault: AuditFault) -> Error {
+    Error::AuditBroken {
+        path: path.to_path_buf(),
+        line,
+        fault,
+    }
+}
+
+/// Calls `f` with each whole line (without its `\n`); stops quietly at a torn tail.
+/// Returns the byte length of an unterminated tail.
+fn for_each_line(path: &Path, mut f: impl FnMut(u64, &[u8]) -> Result<()>) -> Result<u64> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(Error::io(path, "open", e)),
+    };
+    let mut reader = BufReader::with_capacity(1 << 16, file);
+    let mut line = Vec::with_capacity(512);
+    let mut line_no = 0;
+    loop {
+        line.clear();
+        let n = reader
+            .read_until(b'\n', &mut line)
+            .map_err(|e| Error::io(path, "read", e))?;
+        if n == 0 {
+            return Ok(0);
+        }
+        line_no += 1;
+        if line.last() != Some(&b'\n') || is_zero_fill(&line) {
+            // A crash remnant, unless more whole lines follow it.
+            let mut rest = Vec::new();
+            reader
+                .read_to_end(&mut rest)
+                .map_err(|e| Error::io(path, "read", e))?;
+            if is_tear(&line, &rest) {
+                return Ok((line.len() + rest.len()) as u64);
+            }
+        }
+        let body = line.strip_suffix(b"\n").unwrap_or(&line);
+        f(line_no, body)?;
+    }
+}
+
+/// A line of only NULs (and its newline): what a crash leaves when the file's size
+/// reached the disk before its data.
+fn is_zero_fill(line: &[u8]) -> bool {
+    line.iter().all(|b| *b == 0 || *b == b'\n')
+}
+
+/// Whether `first` (the first bad line) plus `rest` (everything after it) is a
+/// crash remnant rather than damage: an unterminated line at the very end, or zeros.
+fn is_tear(first: &[u8], rest: &[u8]) -> bool {
+    let unterminated_last = first.last() != Some(&b'\n') && rest.is_empty();
+    let zeros = is_zero_fill(first) && is_zero_fill(rest);
+    unterminated_last || zeros
+}
+
+/// Verification state carried from one record to the next.
+struct Chain<'h> {
+    hasher: &'h Hasher,
+    head: Head,
+}
+
+impl Chain<'_> {
+    /// Checks one line and advances the head.
+    fn check(&mut self, line: &[u8]) -> std::result::Result<(), AuditFault> {
+        let value: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(line).map_err(|e| AuditFault::Malformed(e.to_string()))?;
+        let text = |key: &str| value.get(key).and_then(serde_json::Value::as_str);
+        let seq = value
+            .get("seq")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| AuditFault::Malformed("missing or invalid seq".into()))?;
+        let hash = text("hash")
+            .ok_or_else(|| AuditFault::Malformed("missing hash".into()))?
+            .to_owned();
+        let prev =
+            text("prev_hash").ok_or_else(|| AuditFault::Malformed("missing prev_hash".into()))?;
+        let expected = self.head.seq + 1;
+        if prev != self.head.hash {
+            return Err(AuditFault::BrokenLink);
+        }
+        if seq != expected {
+            return Err(AuditFault::SeqGap {
+                expected,
+                found: seq,
+            });
+        }
+        if self.hasher.hash(&record::canonical_without_hash(value)) != hash {
+            return Err(AuditFault::HashMismatch);
+        }
+        self.head = Head { seq, hash };
+        Ok(())
+    }
+}
+
+fn verify_file(
+    path: &Path,
+    hasher: &Hasher,
+    mut on_record: impl FnMut(&Head),
+) -> Result<AuditReport> {
+    let mut chain = Chain {
+        hasher,
+        head: Head::genesis(),
+    };
+    let torn = for_each_line(path, |line_no, line| {
+        chain
+            .check(line)
+            .map_err(|fault| broken(path, line_no, fault))?;
+        on_record(&chain.head);
+        Ok(())
+    })?;
+    Ok(AuditReport {
+        records: chain.head.seq,
+        head_seq: chain.head.seq,
+        head_hash: chain.head.hash,
+        torn_tail_bytes: torn,
+    })
+}
+
+/// The writer's view of the log: what has been verified so far and where the chain ends.
+///
+/// **Invariant:** only touched while the directory lock is held, so no other writer
+/// appends between [`catch_up`](Self::catch_up) and [`append`](Self::append).
+#[derive(Debug)]
+pub(crate) struct AuditTail {
+    dir: PathBuf,
+    path: PathBuf,
+    hasher: Hasher,
+    /// Append handle, opened on first use.
+    file: Option<File>,
+    /// Bytes of the file verified so far; everything before is trusted.
+    verified_len: u64,
+    /// Lines verified so far (for error positions).
+    lines: u64,
+    /// The most recent heads, newest last, for cross-checks against `outbox.json`.
+    recent: VecDeque<Head>,
+}
+
+impl AuditTail {
+    pub(crate) fn new(dir: &Path, hasher: Hasher) -> Self {
+        let mut recent = VecDeque::with_capacity(RECENT);
+        recent.push_back(Head::genesis());
+        Self {
+            dir: dir.to_path_buf(),
+            path: dir.join(AUDIT_FILE),
+            hasher,
+            file: None,
+            verified_len: 0,
+            lines: 0,
+            recent,
+        }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn head(&self) -> &Head {
+        self.recent
+            .back()
+            .unwrap_or_else(|| unreachable!("recent always holds the head"))
+    }
+
+    /// The hash of record `seq`, if it is recent enough to be remembered.
+    pub(crate) fn hash_at(&self, seq: u64) -> Option<&str> {
+        self.recent
+            .iter()
+            .find(|h| h.seq == seq)
+            .map(|h| h.hash.as_str())
+    }
+
+    fn remember(&mut self, head: Head) {
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(head);
+    }
+
+    /// Reads and verifies whatever other writers appended since the last call, and
+    /// quarantines a torn tail left by a crash. O(new bytes).
+    pub(crate) fn catch_up(&mut self) -> Result<()> {
+        let mut file = match File::open(&self.path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.verified_len == 0 => {
+                return Ok(());
+            }
+            Err(e) => return Err(Error::io(&self.path, "open", e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(&self.path, "stat", e))?
+            .len();
+        if len == self.verified_len {
+            return Ok(());
+        }
+        if len < self.verified_len {
+            return Err(broken(
+                &self.path,
+                self.lines,
+                AuditFault::Truncated {
+                    expected_seq: self.head().seq,
+                    found_seq: 0,
+                },
+            ));
+        }
+        file.seek(SeekFrom::Start(self.verified_len))
+            .map_err(|e| Error::io(&self.path, "seek", e))?;
+        let mut fresh = Vec::with_capacity((len - self.verified_len) as usize);
+        file.read_to_end(&mut fresh)
+            .map_err(|e| Error::io(&self.path, "read", e))?;
+
+        let mut chain = Chain {
+            hasher: &self.hasher,
+            head: self.head().clone(),
+        };
+        let mut offset = 0;
+        let mut heads = Vec::new();
+        while offset < fresh.len() {
+            let rest = &fresh[offset..];
+            let end = rest.iter().position(|b| *b == b'\n');
+            let line = end.map_or(rest, |end| &rest[..=end]);
+            let after = end.map_or(&[][..], |end| &rest[end + 1..]);
+            if (end.is_none() || is_zero_fill(line)) && is_tear(line, after) {
+                break;
+            }
+            let body = line.strip_suffix(b"\n").unwrap_or(line);
+            let line_no = self.lines + heads.len() as u64 + 1;
+            chain
+                .check(body)
+                .map_err(|fault| broken(&self.path, line_no, fault))?;
+            heads.push(chain.head.clone());
+            offset += line.len();
+        }
+        self.lines += heads.len() as u64;
+        self.verified_len += offset as u64;
+        for head in heads {
+            self.remember(head);
+        }
+        if offset < fresh.len() {
+            self.quarantine_tail(&fresh[offset..])?;
+        }
+        Ok(())
+    }
+
+    /// Moves a torn tail into its own file, then cuts it from the log.
+    fn quarantine_tail(&mut self, tail: &[u8]) -> Result<()> {
+        let seq = self.head().seq;
+        let mut n = 0u32;
+        let (mut file, path) = loop {
+            let path = self.dir.join(format!("{AUDIT_FILE}.torn-{seq}-{n}"));
+            let mut options = fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                options.mode(fsutil::FILE_MODE);
+            }
+            match options.open(&path) {
+                Ok(file) => break (file, path),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
+                Err(e) => return Err(Error::io(&path, "create quarantine file", e)),
+            }
+        };
+        std::io::Write::write_all(&mut file, tail)
+            .and_then(|()| file.sync_all())
+            .map_err(|e| Error::io(&path, "write quarantine file", e))?;
+        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        let log = fs::OpenOptions::new()
+            .write(true)
+            .open(&self.path)
+            .map_err(|e| Error::io(&self.path, "open", e))?;
+        log.set_len(self.verified_len)
+            .and_then(|()| log.sync_all())
+            .map_err(|e| Error::io(&self.path, "truncate torn tail", e))?;
+        tracing::warn!(
+            log = %self.path.display(),
+            quarantine = %path.display(),
+            bytes = tail.len(),
+            "moved a torn audit tail aside"
+        );
+        Ok(())
+    }
+
+    /// Verifies the whole file from the start, and that it contains the head
+    /// `outbox.json` recorded (`expected`): a log cut short of it was truncated.
+    pub(crate) fn verify_whole(&self, expected: Option<&Head>) -> Result<AuditReport> {
+        let mut hash_at_expected = None;
+        let report = verify_file(&self.path, &self.hasher, |head| {
+            if expected.is_some_and(|e| e.seq == head.seq) {
+                hash_at_expected = Some(head.hash.clone());
+            }
+        })?;
+        if let Some(expected) = expected.filter(|e| e.seq > 0) {
+            match hash_at_expected {
+                None => {
+                    return Err(broken(
+                        &self.path,
+                        report.head_seq + 1,
+                        AuditFault::Truncated {
+                            expected_seq: expected.seq,
+                            found_seq: report.head_seq,
+                        },
+                    ));
+                }
+                Some(hash) if hash != expected.hash => {
+                    return Err(broken(
+                        &self.path,
+                        expected.seq,
+                        AuditFault::HeadMismatch { seq: expected.seq },
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(report)
+    }
+
+    /// Appends `events` as records after the current head, fsyncing before returning.
+    ///
+    /// On error the handle must be poisoned by the caller: the bytes may be partly
+    /// on disk, and only a fresh [`catch_up`](Self::catch_up) (after reopening) can
+    /// tell what survived.
+    pub(crate) fn append(
+        &mut self,
+        events: &[AuditEvent],
+        reconciled: bool,
+        faults: &Failpoints,
+    ) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let mut buffer = Vec::with_capacity(events.len() * 512);
+        let mut heads = Vec::with_capacity(events.len());
+        let mut head = self.head().clone();
+        for event in events {
+            let record =
+                AuditRecord::seal(event, head.seq + 1, &head.hash, reconciled, &self.hasher);
+            buffer.extend_from_slice(&record.to_line());
+            head = Head {
+                seq: record.seq,
+                hash: record.hash,
+            };
+            heads.push(head.clone());
+        }
+        if self.file.is_none() {
+            let created = !self.path.exists();
+            let file = fsutil::open_private(&self.path, true)
+                .map_err(|e| Error::io(&self.path, "open", e))?;
+            if created {
+                fsutil::sync_dir(&self.dir)
+                    .map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+            }
+            self.file = Some(file);
+        }
+        let Some(file) = self.file.as_mut() else {
+            unreachable!("opened above")
+        };
+        fsutil::append_synced(file, &self.path, &buffer, faults)?;
+        self.verified_len += buffer.len() as u64;
+        self.lines += heads.len() as u64;
+        for head in heads {
+            self.remember(head);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+//! One audit record, its canonical bytes and its hash.
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The `prev_hash` of the first record: 64 zeros.
+pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// What an audit record reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum AuditOutcome {
+    /// The item was enqueued.
+    Queued,
+    /// The item was delivered.
+    Sent,
+    /// The item failed terminally.
+    Failed,
+    /// A rate cap held the item back; it stays queued.
+    Deferred,
+    /// A retryable failure; the item stays queued for another attempt.
+    Retrying,
+    /// An operator moved a failed item back to the queue.
+    Requeued,
+    /// An operator cancelled a queued item.
+    Cancelled,
+}
+
+impl AuditOutcome {
+    /// The name written to the file, e.g. `sent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Sent => "sent",
+            Self::Failed => "failed",
+            Self::Deferred => "deferred",
+            Self::Retrying => "retrying",
+            Self::Requeued => "requeued",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The facts of one outcome, before it is given a place in the chain.
+///
+/// Stored in `outbox.json`'s `pending_audit` between the state write and the audit
+/// append, so a crash in between can be repaired exactly.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AuditEvent {
+    pub(crate) attempts: u32,
+    pub(crate) audit_id: String,
+    pub(crate) connector: String,
+    pub(crate) content_hash: String,
+    pub(crate) destination: String,
+    pub(crate) direction: String,
+    pub(crate) error_code: Option<String>,
+    pub(crate) grant_id: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) lane: String,
+    pub(crate) outcome: AuditOutcome,
+    /// Free text for operator actions (`operator: reason`); `None` otherwise.
+    #[serde(default)]
+    pub(crate) note: Option<String>,
+    /// Set when the event itself is a late repair (e.g. a terminal item that never got a record).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) reconciled: bool,
+    pub(crate) recorded_at_utc: String,
+    pub(crate) risk_class: Option<String>,
+    pub(crate) transport_ref: Option<String>,
+}
+
+/// One line of `audit.jsonl`.
+///
+/// Fields are declared in byte-wise alphabetical order: serde writes them in that
+/// order, which is the canonical key order (see the module docs of `audit`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct AuditRecord {
+    /// Attempts made when the outcome was recorded.
+    pub attempts: u32,
+    /// A unique id for this record (also on the receipt).
+    pub audit_id: String,
+    /// The item's connector.
+    pub connector: String,
+    /// SHA-256 of the message body (never the body itself).
+    pub content_hash: String,
+    /// The item's destination.
+    pub destination: String,
+    /// The item's direction label.
+    pub direction: String,
+    /// The error code, for failures, retries and deferrals.
+    pub error_code: Option<String>,
+    /// The item's grant.
+    pub grant_id: String,
+    /// SHA-256 (or HMAC-SHA-256 in keyed mode) of the canonical record without this field, hex.
+    pub hash: String,
+    /// The item's key.
+    pub idempotency_key: String,
+    /// The item's lane label.
+    pub lane: String,
+    /// Operator actions: who and why.
+    pub note: Option<String>,
+    /// What happened.
+    pub outcome: AuditOutcome,
+    /// The previous record's `hash` ([`GENESIS_HASH`] for the first record).
+    pub prev_hash: String,
+    /// `true` when the record was appended late, by crash repair, rather than
+    /// right after the outcome was committed.
+    pub reconciled: bool,
+    /// When the outcome happened (UTC, microseconds).
+    pub recorded_at_utc: String,
+    /// The item's risk class label.
+    pub risk_class: Option<String>,
+    /// 1 for the first record, then +1 per record.
+    pub seq: u64,
+    /// The platform's message id, for `sent`.
+    pub transport_ref: Option<String>,
+}
+
+/// The record minus `hash`, borrowed, in canonical field order: what gets hashed.
+#[derive(Serialize)]
+struct Unhashed<'a> {
+    attempts: u32,
+    audit_id: &'a str,
+    connector: &'a str,
+    content_hash: &'a str,
+    destination: &'a str,
+    direction: &'a str,
+    error_code: Option<&'a str>,
+    grant_id: &'a str,
+    idempotency_key: &'a str,
+    lane: &'a str,
+    note: Option<&'a str>,
+    outcome: AuditOutcome,
+    prev_hash: &'a str,
+    reconciled: bool,
+    recorded_at_utc: &'a str,
+    risk_class: Option<&'a str>,
+    seq: u64,
+    transport_ref: Option<&'a str>,
+}
+
+/// How record hashes are computed.
+#[derive(Clone)]
+pub(crate) enum Hasher {
+    /// Plain SHA-256: detects accidents and edits by anyone who does not recompute the chain.
+    Plain,
+    /// HMAC-SHA-256 with a secret key: a chain cannot be recomputed without the key.
+    Keyed(Vec<u8>),
+}
+
+impl std::fmt::Debug for Hasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Plain => f.write_str("Plain"),
+            Self::Keyed(_) => f.write_str("Keyed(<secret>)"),
+        }
+    }
+}
+
+impl Hasher {
+    pub(crate) fn hash(&self, canonical: &[u8]) -> String {
+        match self {
+            Self::Plain => hex::encode(Sha256::digest(canonical)),
+            Self::Keyed(key) => {
+                #[expect(clippy::expect_used, reason = "HMAC accepts keys of every length")]
+                let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC key of any length");
+                mac.update(canonical);
+                hex::encode(mac.finalize().into_bytes())
+            }
+        }
+    }
+}
+
+impl AuditRecord {
+    /// Places `event` after `prev` in the chain and computes its hash.
+    pub(crate) fn seal(
+        event: &AuditEvent,
+        seq: u64,
+        prev_hash: &str,
+        reconciled: bool,
+        hasher: &Hasher,
+    ) -> Self {
+        let unhashed = Unhashed {
+            attempts: event.attempts,
+            audit_id: &event.audit_id,
+            connector: &event.connector,
+            content_hash: &event.content_hash,
+            destination: &event.destination,
+            direction: &event.direction,
+            error_code: event.error_code.as_deref(),
+            grant_id: &event.grant_id,
+            idempotency_key: &event.idempotency_key,
+            lane: &event.lane,
+            note: event.note.as_deref(),
+            outcome: event.outcome,
+            prev_hash,
+            reconciled: reconciled || event.reconciled,
+            recorded_at_utc: &event.recorded_at_utc,
+            risk_class: event.risk_class.as_deref(),
+            seq,
+            transport_ref: event.transport_ref.as_deref(),
+        };
+        let hash = hasher.hash(&canonical_bytes(&unhashed));
+        Self {
+            attempts: event.attempts,
+            audit_id: event.audit_id.clone(),
+            connector: event.connector.clone(),
+            content_hash: event.content_hash.clone(),
+            destination: event.destination.clone(),
+            direction: event.direction.clone(),
+            error_code: event.error_code.clone(),
+            grant_id: event.grant_id.clone(),
+            hash,
+            idempotency_key: event.idempotency_key.clone(),
+            lane: event.lane.clone(),
+            note: event.note.clone(),
+            outcome: event.outcome,
+            prev_hash: prev_hash.to_owned(),
+            reconciled: reconciled || event.reconciled,
+            recorded_at_utc: event.recorded_at_utc.clone(),
+            risk_class: event.risk_class.clone(),
+            seq,
+            transport_ref: event.transport_ref.clone(),
+        }
+    }
+
+    /// The record as one line of the file, newline included.
+    pub(crate) fn to_line(&self) -> Vec<u8> {
+        let mut line = canonical_bytes(self);
+        line.push(b'\n');
+        line
+    }
+}
+
+#[expect(
+    clippy::expect_used,
+    reason = "serialising strings, integers, booleans and nulls cannot fail"
+)]
+fn canonical_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("audit records always serialise")
+}
+
+/// Recomputes a parsed line's hash the generic way: drop `hash`, re-serialise with
+/// sorted keys and compact separators. This is the path a third-party verifier takes.
+pub(crate) fn canonical_without_hash(
+    mut value: serde_json::Map<String, serde_json::Value>,
+) -> Vec<u8> {
+    value.remove("hash");
+    canonical_bytes(&value)
+}

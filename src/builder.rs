@@ -1,0 +1,155 @@
+//! `Outbox::builder(dir)`: every knob, with its default, validated in one place.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, Sleeper, SystemClock, ThreadSleeper};
+use crate::error::{Error, Result};
+use crate::outbox::Outbox;
+use crate::rate::RateLimit;
+use crate::retry::Backoff;
+
+/// Configures and opens an [`Outbox`].
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// use durable_outbox::{Backoff, Outbox};
+/// use std::time::Duration;
+///
+/// let outbox = Outbox::builder(dir.path())
+///     .max_attempts(5)
+///     .backoff(Backoff::Exponential {
+///         base: Duration::from_millis(200),
+///         cap: Duration::from_secs(30),
+///         jitter: true,
+///     })
+///     .rate_limit(1, Duration::from_secs(1)) // Telegram: about 1 message/s per chat
+///     .open()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use = "a builder does nothing until `open` is called"]
+pub struct OutboxBuilder {
+    pub(crate) dir: PathBuf,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) rate_limit: RateLimit,
+    pub(crate) max_inline_wait: Duration,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) sleeper: Arc<dyn Sleeper>,
+    pub(crate) audit_key: Option<Vec<u8>>,
+    #[cfg(feature = "test-failpoints")]
+    pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
+}
+
+impl std::fmt::Debug for OutboxBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxBuilder")
+            .field("dir", &self.dir)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff", &self.backoff)
+            .field("rate_limit", &self.rate_limit)
+            .field("max_inline_wait", &self.max_inline_wait)
+            .field("clock", &"<clock>")
+            .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
+            .finish_non_exhaustive()
+    }
+}
+
+impl OutboxBuilder {
+    pub(crate) fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            max_attempts: 3,
+            backoff: Backoff::default(),
+            rate_limit: RateLimit::default(),
+            max_inline_wait: Duration::from_secs(5),
+            clock: Arc::new(SystemClock),
+            sleeper: Arc::new(ThreadSleeper),
+            audit_key: None,
+            #[cfg(feature = "test-failpoints")]
+            failpoints: Vec::new(),
+        }
+    }
+
+    /// Attempts (claims) allowed per item before a retryable failure becomes
+    /// terminal. Default 3. Must be at least 1.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// The wait after a retryable failure. Default: 250 ms, then 500 ms.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// At most `count` sends per destination in any sliding `window`.
+    /// Default: 10 per 60 s. Both must be positive.
+    pub fn rate_limit(mut self, count: u32, window: Duration) -> Self {
+        self.rate_limit = RateLimit { count, window };
+        self
+    }
+
+    /// The longest wait [`Outbox::process`] sleeps inline before retrying. A
+    /// longer wait (a long backoff or a platform's `retry_after`) ends the call
+    /// with [`Outcome::Deferred`](crate::Outcome::Deferred) instead, and
+    /// [`Outbox::process_due`] picks the item up when it is due. Default 5 s.
+    pub fn max_inline_wait(mut self, wait: Duration) -> Self {
+        self.max_inline_wait = wait;
+        self
+    }
+
+    /// Where "now" comes from. Default: the system clock.
+    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// How inline retries wait. Default: `std::thread::sleep`.
+    pub fn sleeper(mut self, sleeper: impl Sleeper + 'static) -> Self {
+        self.sleeper = Arc::new(sleeper);
+        self
+    }
+
+    /// Keys the audit chain: record hashes become HMAC-SHA-256 under `key`, so
+    /// someone who can edit the files but does not know the key cannot forge a
+    /// valid chain. Every process writing the outbox must use the same key, and
+    /// an existing log must have been written with it. Default: unkeyed SHA-256.
+    pub fn audit_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.audit_key = Some(key.into());
+        self
+    }
+
+    /// Arms a test failpoint on this outbox (feature `test-failpoints` only).
+    #[cfg(feature = "test-failpoints")]
+    pub fn failpoint(mut self, name: &str, action: crate::failpoint::FailAction) -> Self {
+        self.failpoints.push((name.to_owned(), action));
+        self
+    }
+
+    /// Validates the settings, creates the directory if needed and opens the outbox.
+    ///
+    /// Opening sweeps temp files left by crashed writers, verifies the audit chain
+    /// (moving a torn last line aside), validates `outbox.json` and appends audit
+    /// records a crash left pending.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a bad setting; [`Error::Corrupt`],
+    /// [`Error::InvalidRecord`] or [`Error::UnsupportedVersion`] for a damaged
+    /// `outbox.json`; [`Error::AuditBroken`] for a damaged audit log (neither file
+    /// is modified); [`Error::Io`] when the directory or files are inaccessible.
+    pub fn open(self) -> Result<Outbox> {
+        if self.max_attempts == 0 {
+            return Err(Error::invalid_config("max_attempts", "must be at least 1"));
+        }
+        self.backoff.validate()?;
+        self.rate_limit.validate()?;
+        if matches!(&self.audit_key, Some(key) if key.is_empty()) {
+            return Err(Error::invalid_config("audit_key", "must not be empty"));
+        }
+        Outbox::open_with(self)
+    }
+}

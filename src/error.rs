@@ -1,0 +1,218 @@
+//! The crate's one error type.
+
+use std::io;
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the outbox, with the context needed to act on it.
+///
+/// Messages are lowercase and name the field, key, file and position involved. The
+/// enum is `#[non_exhaustive]`: match the variants you handle and keep a catch-all.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A caller-supplied field is blank, too long or contains a forbidden character.
+    /// Nothing was written.
+    #[error("invalid {field}: {reason}")]
+    InvalidField {
+        /// The field's name as in [`NewMessage`](crate::NewMessage), e.g. `destination`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A builder setting is out of range. Nothing was opened.
+    #[error("invalid outbox setting {setting}: {reason}")]
+    InvalidConfig {
+        /// The builder method's name, e.g. `max_attempts`.
+        setting: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The idempotency key already names a message that differs in `field`.
+    /// Nothing was written.
+    #[error("idempotency key {key:?} already names a different message ({field} differs)")]
+    IdempotencyConflict {
+        /// The reused key.
+        key: String,
+        /// The first field that differs: `connector`, `grant_id`, `destination` or `content`.
+        field: &'static str,
+    },
+
+    /// No item has this idempotency key.
+    #[error("no outbox item has idempotency key {key:?}")]
+    NotFound {
+        /// The key that was looked up.
+        key: String,
+    },
+
+    /// An operator action was refused because of the item's current state.
+    #[error("item {key:?} cannot be {action}: {reason}")]
+    InvalidTransition {
+        /// The item's key.
+        key: String,
+        /// The refused action, e.g. `requeued`.
+        action: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+
+    /// A file is not valid JSON (or JSON lines). The file was left untouched.
+    #[error("{path}: invalid JSON at line {line}, column {column}")]
+    Corrupt {
+        /// The damaged file.
+        path: PathBuf,
+        /// 1-based line of the first error.
+        line: usize,
+        /// 1-based column of the first error.
+        column: usize,
+        /// The parser's description.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A file parses as JSON but a value in it is not allowed. The file was left untouched.
+    #[error("{path}: {location}: {reason}")]
+    InvalidRecord {
+        /// The damaged file.
+        path: PathBuf,
+        /// Where in the file: an item's key and field, or a line number.
+        location: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// `outbox.json` declares a format version this release does not know.
+    #[error("{path}: unsupported outbox format version {version} (this release reads 1 and 2)")]
+    UnsupportedVersion {
+        /// The file.
+        path: PathBuf,
+        /// The version it declares.
+        version: u64,
+    },
+
+    /// The audit log failed verification. The file was left untouched.
+    #[error("{path}: line {line}: {fault}")]
+    AuditBroken {
+        /// The audit file.
+        path: PathBuf,
+        /// 1-based line number of the first bad record.
+        line: u64,
+        /// What is wrong with it.
+        fault: AuditFault,
+    },
+
+    /// An I/O operation failed. When it happened while writing, the previous
+    /// durable state is intact unless the handle was also poisoned.
+    #[error("{path}: {op} failed")]
+    Io {
+        /// The file or directory involved.
+        path: PathBuf,
+        /// The operation, e.g. `fsync`, `rename`, `open`.
+        op: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// An earlier durability failure (a failed fsync after data reached the kernel)
+    /// left the on-disk state uncertain; this handle refuses further writes.
+    /// Open the outbox again to re-read what is really on disk.
+    #[error("outbox handle is poisoned by an earlier durability failure; reopen it")]
+    Poisoned,
+}
+
+/// Why an audit record failed verification.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AuditFault {
+    /// The line is not a valid audit record.
+    Malformed(String),
+    /// The record's `hash` does not match its contents: the record was edited.
+    HashMismatch,
+    /// The record's `prev_hash` is not the previous record's hash: a record was
+    /// deleted, inserted or moved.
+    BrokenLink,
+    /// The record's `seq` is not one more than the previous record's.
+    SeqGap {
+        /// The sequence number verification expected.
+        expected: u64,
+        /// The sequence number the record carries.
+        found: u64,
+    },
+    /// The log ends before the head recorded in `outbox.json`: its tail was cut off.
+    Truncated {
+        /// The head sequence number `outbox.json` recorded.
+        expected_seq: u64,
+        /// The last sequence number actually in the log.
+        found_seq: u64,
+    },
+    /// The log's record at the recorded head has a different hash than `outbox.json`
+    /// recorded: the log was rewritten.
+    HeadMismatch {
+        /// The sequence number of the recorded head.
+        seq: u64,
+    },
+}
+
+impl std::fmt::Display for AuditFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Malformed(why) => write!(f, "malformed audit record: {why}"),
+            Self::HashMismatch => f.write_str("hash mismatch: the record was altered"),
+            Self::BrokenLink => f.write_str(
+                "prev_hash does not match the previous record: a record was deleted, inserted or reordered",
+            ),
+            Self::SeqGap { expected, found } => {
+                write!(f, "sequence gap: expected seq {expected}, found {found}")
+            }
+            Self::Truncated {
+                expected_seq,
+                found_seq,
+            } => write!(
+                f,
+                "audit log truncated: outbox.json recorded head seq {expected_seq}, the log ends at seq {found_seq}"
+            ),
+            Self::HeadMismatch { seq } => write!(
+                f,
+                "record seq {seq} does not match the audit head recorded in outbox.json"
+            ),
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            op,
+            source,
+        }
+    }
+
+    pub(crate) fn invalid_field(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidField {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn invalid_config(setting: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidConfig {
+            setting,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn corrupt(path: impl Into<PathBuf>, source: serde_json::Error) -> Self {
+        Self::Corrupt {
+            path: path.into(),
+            line: source.line(),
+            column: source.column(),
+            source,
+        }
+    }
+}
+
+/// Shorthand used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,119 @@
+//! Named fault-injection points, compiled in only with the `test-failpoints` feature.
+//!
+//! Each open outbox carries its own [`Failpoints`] (set on the builder, or read from
+//! the `DURABLE_OUTBOX_FAILPOINTS` environment variable by child processes in crash
+//! tests), so tests running in parallel threads never see each other's faults.
+//! Without the feature every check compiles to nothing.
+
+use std::io;
+
+/// What a failpoint does when it is hit.
+#[cfg(feature = "test-failpoints")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailAction {
+    /// Return an injected I/O error (`EIO`) from the step.
+    Error,
+    /// Return an injected I/O error only on the n-th hit (1-based), pass otherwise.
+    ErrorOnHit(u32),
+    /// Kill the process on the spot (`SIGKILL` to itself): no destructors, no flushing.
+    Kill,
+    /// Panic in the calling thread.
+    Panic,
+}
+
+#[cfg(feature = "test-failpoints")]
+mod enabled {
+    use super::FailAction;
+    use std::collections::HashMap;
+    use std::io;
+    use std::sync::Mutex;
+
+    /// The failpoints armed for one open outbox.
+    #[derive(Debug, Default)]
+    pub struct Failpoints {
+        armed: Mutex<HashMap<String, (FailAction, u32)>>,
+    }
+
+    impl Failpoints {
+        pub(crate) fn arm(&self, name: &str, action: FailAction) {
+            self.armed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(name.to_owned(), (action, 0));
+        }
+
+        /// Reads `name=error;name2=kill;name3=error@2` from the environment.
+        pub(crate) fn from_env() -> Self {
+            let this = Self::default();
+            if let Ok(spec) = std::env::var("DURABLE_OUTBOX_FAILPOINTS") {
+                for entry in spec.split(';').filter(|e| !e.is_empty()) {
+                    let (name, action) = entry.split_once('=').unwrap_or((entry, "error"));
+                    let action = match action {
+                        "kill" => FailAction::Kill,
+                        "panic" => FailAction::Panic,
+                        other => match other.strip_prefix("error@").map(str::parse) {
+                            Some(Ok(n)) => FailAction::ErrorOnHit(n),
+                            _ => FailAction::Error,
+                        },
+                    };
+                    this.arm(name, action);
+                }
+            }
+            this
+        }
+
+        pub(crate) fn check(&self, name: &str) -> io::Result<()> {
+            let mut armed = self
+                .armed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some((action, hits)) = armed.get_mut(name) else {
+                return Ok(());
+            };
+            *hits += 1;
+            let action = *action;
+            let hits = *hits;
+            drop(armed);
+            match action {
+                FailAction::Error => Err(super::injected(name)),
+                FailAction::ErrorOnHit(n) if n == hits => Err(super::injected(name)),
+                FailAction::ErrorOnHit(_) => Ok(()),
+                FailAction::Kill => {
+                    // SIGKILL ourselves: the closest a test can get to pulling the plug
+                    // on the process (the kernel still flushes what it already has).
+                    let _ = std::process::Command::new("kill")
+                        .args(["-9", &std::process::id().to_string()])
+                        .status();
+                    std::process::abort();
+                }
+                FailAction::Panic => panic!("failpoint {name} panicked"),
+            }
+        }
+    }
+}
+
+#[cfg(feature = "test-failpoints")]
+pub use enabled::Failpoints;
+
+/// The failpoints of one open outbox: nothing, without the `test-failpoints` feature.
+#[cfg(not(feature = "test-failpoints"))]
+#[derive(Debug, Default)]
+pub(crate) struct Failpoints;
+
+#[cfg(not(feature = "test-failpoints"))]
+impl Failpoints {
+    pub(crate) fn from_env() -> Self {
+        Self
+    }
+
+    #[inline]
+    #[allow(clippy::unused_self, clippy::unnecessary_wraps)]
+    pub(crate) fn check(&self, _name: &str) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg_attr(not(feature = "test-failpoints"), allow(dead_code))]
+fn injected(name: &str) -> io::Error {
+    io::Error::other(format!("injected fault at failpoint {name}"))
+}

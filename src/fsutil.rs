@@ -1,0 +1,162 @@
+//! The few low-level file operations everything durable is built from.
+//!
+//! Durability contract (see ARCHITECTURE.md): a rename within one directory is
+//! atomic; data is durable only after `sync_all` on the file **and** an fsync of the
+//! directory that names it. `tempfile`'s `persist` is a bare rename, so the syncs
+//! are done here explicitly. A failed fsync is never retried: the caller gets the
+//! error and must treat the data as possibly lost.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::failpoint::Failpoints;
+
+/// Mode of every file the outbox creates: owner read/write only (bodies are private).
+pub(crate) const FILE_MODE: u32 = 0o600;
+
+/// Prefix of temp files used for atomic replacement; swept on open.
+pub(crate) const TEMP_PREFIX: &str = ".outbox-tmp-";
+
+/// How far an atomic replace got before it failed.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum ReplaceFailure {
+    /// Failed before the rename: the previous file is intact and current.
+    BeforeRename,
+    /// The rename happened but the directory fsync failed: the new file is visible
+    /// but may not survive a power loss. The handle must be poisoned.
+    AfterRename,
+}
+
+/// Opens (creating if needed, mode 0600) a file for reading and writing, refusing
+/// to follow a symlink at the last path component.
+pub(crate) fn open_private(path: &Path, append: bool) -> io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.read(true).create(true);
+    if append {
+        options.append(true);
+    } else {
+        options.write(true);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(FILE_MODE).custom_flags(O_NOFOLLOW);
+    }
+    options.open(path)
+}
+
+/// `O_NOFOLLOW` for the platforms we build on (the value differs by architecture).
+#[cfg(all(unix, any(target_os = "linux", target_os = "android")))]
+#[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
+const O_NOFOLLOW: i32 = 0o100_000;
+#[cfg(all(unix, any(target_os = "linux", target_os = "android")))]
+#[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
+const O_NOFOLLOW: i32 = 0o400_000;
+#[cfg(all(unix, not(any(target_os = "linux", target_os = "android"))))]
+const O_NOFOLLOW: i32 = 0x0100;
+
+/// fsyncs a directory so that renames and creations inside it are durable.
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        File::open(dir)?.sync_all()
+    }
+    #[cfg(not(unix))]
+    {
+        // Windows has no directory fsync; NTFS journals the rename's metadata.
+        let _ = dir;
+        Ok(())
+    }
+}
+
+/// Atomically replaces `dir/name` with `bytes`: temp file in `dir` (mode 0600, unique
+/// name, created exclusively so a planted symlink is never followed) → write →
+/// fsync → rename over → fsync `dir`.
+///
+/// On failure before the rename the temp file is removed and the old file is
+/// untouched.
+pub(crate) fn replace_atomically(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    faults: &Failpoints,
+) -> std::result::Result<(), (ReplaceFailure, Error)> {
+    let target = dir.join(name);
+    let before = |op: &'static str, path: &Path, e: io::Error| {
+        (ReplaceFailure::BeforeRename, Error::io(path, op, e))
+    };
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(TEMP_PREFIX).suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(fs::Permissions::from_mode(FILE_MODE));
+    }
+    let mut temp = builder
+        .tempfile_in(dir)
+        .map_err(|e| before("create temp file", dir, e))?;
+    let temp_path = temp.path().to_path_buf();
+    faults
+        .check("state.write")
+        .and_then(|()| temp.write_all(bytes))
+        .map_err(|e| before("write", &temp_path, e))?;
+    faults
+        .check("state.fsync")
+        .and_then(|()| temp.as_file().sync_all())
+        .map_err(|e| before("fsync", &temp_path, e))?;
+    faults
+        .check("state.rename")
+        .map_err(|e| before("rename", &target, e))?;
+    temp.persist(&target)
+        .map_err(|e| before("rename", &target, e.error))?;
+    faults
+        .check("state.dir_fsync")
+        .and_then(|()| sync_dir(dir))
+        .map_err(|e| {
+            (
+                ReplaceFailure::AfterRename,
+                Error::io(dir, "fsync directory", e),
+            )
+        })?;
+    Ok(())
+}
+
+/// Appends `bytes` to an open append-mode file and fsyncs it.
+pub(crate) fn append_synced(
+    file: &mut File,
+    path: &Path,
+    bytes: &[u8],
+    faults: &Failpoints,
+) -> Result<()> {
+    faults
+        .check("audit.write")
+        .and_then(|()| file.write_all(bytes))
+        .map_err(|e| Error::io(path, "append", e))?;
+    faults
+        .check("audit.fsync")
+        .and_then(|()| file.sync_data())
+        .map_err(|e| Error::io(path, "fsync", e))
+}
+
+/// Removes temp files left behind by writers that crashed mid-replace.
+/// Call only while holding the directory lock: a live writer's temp file is in use
+/// until it releases the lock.
+pub(crate) fn sweep_temp_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let entries = fs::read_dir(dir).map_err(|e| Error::io(dir, "read directory", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(dir, "read directory", e))?;
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with(TEMP_PREFIX) {
+            let path = entry.path();
+            match fs::remove_file(&path) {
+                Ok(()) => removed.push(path),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&path, "remove stale temp file", e)),
+            }
+        }
+    }
+    Ok(removed)
+}

@@ -1,0 +1,196 @@
+//! One durable message and its lifecycle state.
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+
+use crate::message::ContentSummary;
+
+/// Where an item is in its lifecycle.
+///
+/// `Queued` items may be attempted; `Sent` and `Failed` are terminal and are never
+/// sent again by [`Outbox::process`](crate::Outbox::process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ItemState {
+    /// Waiting to be sent (possibly claimed by a worker right now, see
+    /// [`OutboxItem::dispatch_claimed`]).
+    Queued,
+    /// Delivered; `sent_at` and possibly `transport_ref` are set.
+    Sent,
+    /// Given up; `error_code` says why. Only an operator can requeue it.
+    Failed,
+}
+
+impl ItemState {
+    /// The name stored in `outbox.json`: `queued`, `sent` or `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Sent => "sent",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// `true` for `Sent` and `Failed`.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, Self::Queued)
+    }
+
+    pub(crate) fn parse(text: &str) -> Option<Self> {
+        match text {
+            "queued" => Some(Self::Queued),
+            "sent" => Some(Self::Sent),
+            "failed" => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ItemState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Who holds a dispatch claim, as recorded in `outbox.json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claim {
+    /// The owner id of the open outbox that claimed the item. `None` for claims
+    /// written by the reference design, which recorded no owner: such a claim can
+    /// only be a leftover from a crash.
+    pub(crate) owner: Option<String>,
+    /// When the claim was taken (counts against the destination's rate cap).
+    pub(crate) at: Option<DateTime<Utc>>,
+}
+
+/// One message in the outbox, as last persisted.
+///
+/// Accessors are named after the item's fields in `outbox.json`. `Debug` prints the
+/// body as its length and hash, never its text.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OutboxItem {
+    pub(crate) idempotency_key: String,
+    pub(crate) connector: String,
+    pub(crate) grant_id: String,
+    pub(crate) destination: String,
+    pub(crate) content: String,
+    pub(crate) content_hash: String,
+    pub(crate) state: ItemState,
+    pub(crate) attempts: u32,
+    /// `Some` exactly when `dispatch_claimed` is true in the file.
+    pub(crate) claim: Option<Claim>,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) updated_at: DateTime<Utc>,
+    pub(crate) next_attempt_at: Option<DateTime<Utc>>,
+    pub(crate) sent_at: Option<DateTime<Utc>>,
+    pub(crate) error_code: Option<String>,
+    pub(crate) lane: String,
+    pub(crate) direction: String,
+    pub(crate) risk_class: Option<String>,
+    pub(crate) transport_ref: Option<String>,
+    /// The audit id of the last outcome recorded for this item, when known.
+    pub(crate) last_audit_id: Option<String>,
+}
+
+impl OutboxItem {
+    /// The caller-owned key.
+    pub fn idempotency_key(&self) -> &str {
+        &self.idempotency_key
+    }
+    /// The connector that sends it.
+    pub fn connector(&self) -> &str {
+        &self.connector
+    }
+    /// The grant (credential) it is sent under.
+    pub fn grant_id(&self) -> &str {
+        &self.grant_id
+    }
+    /// Where it goes.
+    pub fn destination(&self) -> &str {
+        &self.destination
+    }
+    /// The message body.
+    pub fn content(&self) -> &str {
+        &self.content
+    }
+    /// SHA-256 of the body, lowercase hex.
+    pub fn content_hash(&self) -> &str {
+        &self.content_hash
+    }
+    /// Lifecycle state.
+    pub fn state(&self) -> ItemState {
+        self.state
+    }
+    /// How many times a send was started (claims taken).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+    /// `true` while a worker holds the at-most-once dispatch claim (or held it when it died).
+    pub fn dispatch_claimed(&self) -> bool {
+        self.claim.is_some()
+    }
+    /// When it was enqueued.
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+    /// When it last changed.
+    pub fn updated_at(&self) -> DateTime<Utc> {
+        self.updated_at
+    }
+    /// The earliest time the next attempt may start (after a deferral or a retryable failure).
+    pub fn next_attempt_at(&self) -> Option<DateTime<Utc>> {
+        self.next_attempt_at
+    }
+    /// When it was delivered.
+    pub fn sent_at(&self) -> Option<DateTime<Utc>> {
+        self.sent_at
+    }
+    /// Why the last attempt failed, or why the item failed.
+    pub fn error_code(&self) -> Option<&str> {
+        self.error_code.as_deref()
+    }
+    /// The lane label.
+    pub fn lane(&self) -> &str {
+        &self.lane
+    }
+    /// The direction label.
+    pub fn direction(&self) -> &str {
+        &self.direction
+    }
+    /// The risk class label, if any.
+    pub fn risk_class(&self) -> Option<&str> {
+        self.risk_class.as_deref()
+    }
+    /// The platform's id for the delivered message, used to correlate replies.
+    pub fn transport_ref(&self) -> Option<&str> {
+        self.transport_ref.as_deref()
+    }
+    /// The audit id of the last outcome recorded for this item, if known.
+    pub fn last_audit_id(&self) -> Option<&str> {
+        self.last_audit_id.as_deref()
+    }
+
+    /// The owner id written into the claim, if any.
+    pub(crate) fn claim_owner(&self) -> Option<&str> {
+        self.claim.as_ref().and_then(|c| c.owner.as_deref())
+    }
+}
+
+impl fmt::Debug for OutboxItem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboxItem")
+            .field("idempotency_key", &self.idempotency_key)
+            .field("connector", &self.connector)
+            .field("grant_id", &self.grant_id)
+            .field("destination", &self.destination)
+            .field("content", &ContentSummary(&self.content))
+            .field("state", &self.state)
+            .field("attempts", &self.attempts)
+            .field("dispatch_claimed", &self.dispatch_claimed())
+            .field("next_attempt_at", &self.next_attempt_at)
+            .field("sent_at", &self.sent_at)
+            .field("error_code", &self.error_code)
+            .field("transport_ref", &self.transport_ref)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,86 @@
+//! A durable, at-most-once outbox for bots on one host.
+//!
+//! A bot records each outbound message under a caller-owned idempotency key, then
+//! hands it to its own transport through [`Outbox::process`]. The outbox promises,
+//! in this order:
+//!
+//! 1. **Never send twice.** A dispatch claim is fsynced before `send` runs. A claim
+//!    whose worker died (crash, `kill -9`) makes the item `failed` with
+//!    [`AMBIGUOUS_AFTER_RESTART`]; it is never resent automatically. A claim held
+//!    by a live worker makes other callers back off with [`Outcome::InFlight`].
+//! 2. **Never lose a queued message.** [`Outbox::enqueue`] returns after the item
+//!    is in `outbox.json` and fsynced (temp file → fsync → rename → fsync directory).
+//! 3. **Never corrupt or silently overwrite state.** Every read-modify-write runs
+//!    under an advisory lock on `outbox.lock`; a damaged file is reported with its
+//!    path and position and left untouched.
+//! 4. **Prove what happened.** Every outcome appends a hash-chained record to
+//!    `audit.jsonl` (content hashes only, never bodies); see [`AuditLog`].
+//!
+//! ```
+//! # let dir = tempfile::tempdir()?;
+//! use durable_outbox::{NewMessage, Outbox, Outcome, SendError};
+//!
+//! let outbox = Outbox::open(dir.path())?;
+//! outbox.enqueue(NewMessage {
+//!     idempotency_key: "order-17".into(),
+//!     connector: "telegram".into(),
+//!     grant_id: "bot-1".into(),
+//!     destination: "chat-42".into(),
+//!     content: "your order shipped".into(),
+//!     ..Default::default()
+//! })?;
+//!
+//! let receipt = outbox.process("order-17", |item| {
+//!     // Call the platform here. Say which class of failure happened, if any:
+//!     // SendError::retryable / permanent / ambiguous.
+//!     let _ = item.content();
+//!     Ok::<_, SendError>(Some("tg-981".into()))
+//! })?;
+//! assert_eq!(receipt.outcome, Outcome::Sent);
+//!
+//! // A reply arrives quoting message id tg-981: which outbound item does it answer?
+//! let original = outbox.find_by_transport_ref("tg-981")?.expect("known reply");
+//! assert_eq!(original.idempotency_key(), "order-17");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Files in an outbox directory: `outbox.json` (state), `audit.jsonl` (audit log),
+//! `outbox.lock` (the lock target, never replaced) and `owners/` (one locked file per
+//! open handle, which is how a live claim is told from a dead one). Keep the
+//! directory on a local filesystem: advisory locks are unreliable over the network.
+
+mod audit;
+mod builder;
+mod clock;
+mod error;
+mod failpoint;
+mod fsutil;
+mod item;
+mod lock;
+mod message;
+mod outbox;
+mod rate;
+mod receipt;
+mod retry;
+mod send;
+mod store;
+
+pub use crate::audit::{AuditLog, AuditOutcome, AuditRecord, AuditReport, GENESIS_HASH, Head};
+pub use crate::builder::OutboxBuilder;
+pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
+pub use crate::error::{AuditFault, Error, Result};
+#[cfg(feature = "test-failpoints")]
+pub use crate::failpoint::FailAction;
+pub use crate::item::{ItemState, OutboxItem};
+pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
+pub use crate::outbox::{
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, Outbox, RATE_CAPPED, SEND_PANICKED,
+};
+pub use crate::rate::RateLimit;
+pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+pub use crate::retry::Backoff;
+pub use crate::send::{FailureClass, SendError};
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

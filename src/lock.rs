@@ -1,0 +1,220 @@
+//! Advisory locks: `outbox.lock` serialises read-modify-writes across threads and
+//! processes; one `owners/<id>.owner` file per open outbox proves its owner is alive.
+//!
+//! Locks are `flock`-style (std `File::lock`): released by the kernel when the
+//! holder dies, which is exactly what makes a dead claimant detectable. They are
+//! advisory and unreliable on network filesystems: keep an outbox on a local disk.
+
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crate::error::{Error, Result};
+use crate::fsutil;
+
+/// Name of the lock file inside an outbox directory. Never replaced or deleted.
+pub(crate) const LOCK_FILE: &str = "outbox.lock";
+/// Directory holding one owner file per open outbox.
+pub(crate) const OWNERS_DIR: &str = "owners";
+
+/// The directory-wide exclusive lock, guarding this process's cached state `T`.
+#[derive(Debug)]
+pub(crate) struct DirLock<T> {
+    path: PathBuf,
+    /// One descriptor per open outbox plus the state only touched under the lock.
+    /// The mutex serialises this process's threads (a `flock` belongs to an open
+    /// file description, so threads sharing it would not exclude each other); the
+    /// `flock` serialises processes.
+    inner: Mutex<(File, T)>,
+}
+
+/// Proof that the directory lock is held; gives access to the guarded `T`.
+/// Unlocks on drop.
+pub(crate) struct DirGuard<'a, T> {
+    inner: MutexGuard<'a, (File, T)>,
+    path: &'a Path,
+}
+
+impl<T> DirLock<T> {
+    pub(crate) fn open(dir: &Path, state: T) -> Result<Self> {
+        let path = dir.join(LOCK_FILE);
+        let file = fsutil::open_private(&path, false)
+            .map_err(|e| Error::io(&path, "open lock file", e))?;
+        Ok(Self {
+            path,
+            inner: Mutex::new((file, state)),
+        })
+    }
+
+    /// Blocks until this thread holds the lock exclusively.
+    pub(crate) fn lock(&self) -> Result<DirGuard<'_, T>> {
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match inner.0.lock() {
+                Ok(()) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(&self.path, "lock", e)),
+            }
+        }
+        Ok(DirGuard {
+            inner,
+            path: &self.path,
+        })
+    }
+}
+
+impl<T> std::ops::Deref for DirGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.inner.1
+    }
+}
+
+impl<T> std::ops::DerefMut for DirGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.inner.1
+    }
+}
+
+impl<T> Drop for DirGuard<'_, T> {
+    fn drop(&mut self) {
+        if let Err(e) = self.inner.0.unlock() {
+            tracing::error!(path = %self.path.display(), error = %e, "failed to release the outbox lock");
+        }
+    }
+}
+
+/// This open outbox's liveness token: an exclusively locked `owners/<id>.owner`.
+///
+/// **Invariant:** the lock is held for the whole life of the open outbox, so a claim
+/// naming this owner is live exactly while the file is locked.
+#[derive(Debug)]
+pub(crate) struct OwnerLease {
+    id: String,
+    path: PathBuf,
+    _file: File,
+}
+
+static OWNER_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl OwnerLease {
+    /// Creates and locks a fresh owner file. Call with the directory lock held so
+    /// a concurrent sweep cannot remove the file between creation and locking.
+    pub(crate) fn acquire<T>(dir: &Path, _held: &DirGuard<'_, T>) -> Result<Self> {
+        let owners = dir.join(OWNERS_DIR);
+        create_private_dir(&owners)?;
+        loop {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let id = format!(
+                "{}-{:x}-{}",
+                std::process::id(),
+                nanos,
+                OWNER_COUNTER.fetch_add(1, Ordering::Relaxed)
+            );
+            let path = owners.join(format!("{id}.owner"));
+            let mut options = OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                options.mode(fsutil::FILE_MODE);
+            }
+            match options.open(&path) {
+                Ok(file) => {
+                    file.try_lock().map_err(|e| {
+                        Error::io(&path, "lock owner file", io::Error::other(e.to_string()))
+                    })?;
+                    return Ok(Self {
+                        id,
+                        path,
+                        _file: file,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(Error::io(&path, "create owner file", e)),
+            }
+        }
+    }
+
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Drop for OwnerLease {
+    fn drop(&mut self) {
+        // Remove first, then the descriptor closes and the lock goes with it. A
+        // checker that opened the file just before the removal sees it unlocked
+        // only after we are gone, which is the truth.
+        if let Err(e) = fs::remove_file(&self.path) {
+            tracing::warn!(path = %self.path.display(), error = %e, "could not remove owner file");
+        }
+    }
+}
+
+/// Whether the open outbox `owner` is still alive (holds its owner file's lock).
+///
+/// Errors other than "not found" count as alive: a wrong "alive" only delays a
+/// claim's resolution, a wrong "dead" would fail a message that is being sent.
+pub(crate) fn owner_is_alive(dir: &Path, owner: &str) -> bool {
+    if owner.is_empty() || owner.contains(['/', '\\']) || owner.contains("..") {
+        return false;
+    }
+    let path = dir.join(OWNERS_DIR).join(format!("{owner}.owner"));
+    match File::open(&path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot check owner liveness; assuming alive");
+            true
+        }
+        Ok(file) => match file.try_lock() {
+            Ok(()) => false,
+            Err(TryLockError::WouldBlock) => true,
+            Err(TryLockError::Error(e)) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot check owner liveness; assuming alive");
+                true
+            }
+        },
+    }
+}
+
+/// Removes owner files whose owners are gone. Call with the directory lock held.
+pub(crate) fn sweep_dead_owners<T>(dir: &Path, _held: &DirGuard<'_, T>) {
+    let Ok(entries) = fs::read_dir(dir.join(OWNERS_DIR)) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(id) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".owner"))
+        else {
+            continue;
+        };
+        if !owner_is_alive(dir, id)
+            && let Err(e) = fs::remove_file(&path)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), error = %e, "could not remove a dead owner file");
+        }
+    }
+}
+
+/// Creates a directory (mode 0700 on Unix) if it does not exist.
+pub(crate) fn create_private_dir(path: &Path) -> Result<()> {
+    let mut builder = fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    builder
+        .create(path)
+        .map_err(|e| Error::io(path, "create directory", e))
+}

@@ -1,0 +1,931 @@
+//! The `Outbox` handle: enqueue, process, correlate, audit.
+
+use std::collections::HashSet;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
+
+use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, AuditTail, Hasher, Head};
+use crate::builder::OutboxBuilder;
+use crate::clock::{Clock, Sleeper, chrono_duration, format_timestamp};
+use crate::error::{AuditFault, Error, Result};
+use crate::failpoint::Failpoints;
+use crate::fsutil::{self, ReplaceFailure};
+use crate::item::{Claim, ItemState, OutboxItem};
+use crate::lock::{self, DirLock, OwnerLease};
+use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
+use crate::rate::RateLimit;
+use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+use crate::retry::Backoff;
+use crate::send::{FailureClass, SendError};
+use crate::store::{State, Store};
+
+/// The error code of an item whose claimant died mid-send: it may or may not have left.
+pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
+/// The error code of an item whose `send` panicked (treated as ambiguous).
+pub const SEND_PANICKED: &str = "send_panicked";
+/// The error code on a deferral caused by the destination's rate cap.
+pub const RATE_CAPPED: &str = "destination_rate_cap";
+/// The error code of a queued item that already used up its attempts (e.g. after
+/// `max_attempts` was lowered).
+pub const ATTEMPTS_EXHAUSTED: &str = "max_attempts_exhausted";
+
+/// A durable, at-most-once outbox in one directory.
+///
+/// Cheap to clone (an `Arc` inside) and `Send + Sync`: share one across threads.
+/// Any number of processes may open the same directory; every read-modify-write
+/// of `outbox.json` happens under the exclusive `outbox.lock`, which is never held
+/// while `send` runs.
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// use durable_outbox::{NewMessage, Outbox, Outcome};
+///
+/// let outbox = Outbox::open(dir.path())?;
+/// outbox.enqueue(NewMessage {
+///     idempotency_key: "order-17".into(),
+///     connector: "telegram".into(),
+///     grant_id: "bot-1".into(),
+///     destination: "chat-42".into(),
+///     content: "your order shipped".into(),
+///     ..Default::default()
+/// })?;
+/// let receipt = outbox.process("order-17", |_item| Ok(Some("tg-981".into())))?;
+/// assert_eq!(receipt.outcome, Outcome::Sent);
+/// let original = outbox.find_by_transport_ref("tg-981")?.expect("correlated");
+/// assert_eq!(original.idempotency_key(), "order-17");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("dir", &self.inner.dir)
+            .field("owner", &self.inner.owner.id())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Config {
+    max_attempts: u32,
+    backoff: Backoff,
+    rate_limit: RateLimit,
+    max_inline_wait: Duration,
+    clock: Arc<dyn Clock>,
+    sleeper: Arc<dyn Sleeper>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    store: Store,
+    /// Held only for read-modify-write; never across `send`. Guards the audit tail.
+    lock: DirLock<Locked>,
+    /// This handle's liveness token; claims name its id.
+    owner: OwnerLease,
+    /// Keys this handle is sending right now. A claim naming our owner id but
+    /// missing here was left by a call of ours that failed after claiming.
+    in_flight: Mutex<HashSet<String>>,
+    /// Set after a durability failure whose outcome on disk is unknown.
+    poisoned: AtomicBool,
+    config: Config,
+    faults: Failpoints,
+    audit_ids: AtomicU64,
+}
+
+/// What this process knows that is only touched under the directory lock.
+struct Locked {
+    audit: AuditTail,
+}
+
+/// One read-modify-write of the state, with the outcomes it produces.
+struct Txn {
+    state: State,
+    events: Vec<AuditEvent>,
+    dirty: bool,
+    now: DateTime<Utc>,
+}
+
+impl Txn {
+    fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
+        self.dirty = true;
+        self.state
+            .items
+            .get_mut(key)
+            .ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })
+    }
+}
+
+/// What the decision step of `process` concluded.
+enum Decision {
+    Done(DeliveryReceipt),
+    Send(Box<OutboxItem>),
+}
+
+/// How `process` handles a retryable failure.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RetryMode {
+    /// Sleep and retry within the call (for waits up to `max_inline_wait`).
+    Inline,
+    /// Reschedule and return (used by `process_due`).
+    Reschedule,
+}
+
+/// What `send` produced, with panics caught.
+type SendResult = std::thread::Result<std::result::Result<Option<String>, SendError>>;
+
+impl Outbox {
+    /// Opens (creating if needed) the outbox in `dir` with default settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`OutboxBuilder::open`].
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::builder(dir).open()
+    }
+
+    /// Starts configuring an outbox in `dir`.
+    pub fn builder(dir: impl AsRef<Path>) -> OutboxBuilder {
+        OutboxBuilder::new(dir.as_ref().to_path_buf())
+    }
+
+    pub(crate) fn open_with(builder: OutboxBuilder) -> Result<Self> {
+        let dir = builder.dir;
+        lock::create_private_dir(&dir)?;
+        let hasher = builder.audit_key.map_or(Hasher::Plain, Hasher::Keyed);
+        let lock = DirLock::open(
+            &dir,
+            Locked {
+                audit: AuditTail::new(&dir, hasher),
+            },
+        )?;
+        #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
+        let mut faults = Failpoints::from_env();
+        #[cfg(feature = "test-failpoints")]
+        for (name, action) in &builder.failpoints {
+            faults.arm(name, *action);
+        }
+        let _ = &mut faults;
+        let store = Store::new(&dir);
+        let owner = {
+            let mut guard = lock.lock()?;
+            for stale in fsutil::sweep_temp_files(&dir)? {
+                tracing::info!(path = %stale.display(), "removed a temp file left by a crashed writer");
+            }
+            lock::sweep_dead_owners(&dir, &guard);
+            let owner = OwnerLease::acquire(&dir, &guard)?;
+            guard.audit.catch_up()?;
+            let state = store.load()?;
+            reconcile_audit(&mut guard.audit, &state, store.path(), &faults)?;
+            owner
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                dir,
+                store,
+                lock,
+                owner,
+                in_flight: Mutex::new(HashSet::new()),
+                poisoned: AtomicBool::new(false),
+                config: Config {
+                    max_attempts: builder.max_attempts,
+                    backoff: builder.backoff,
+                    rate_limit: builder.rate_limit,
+                    max_inline_wait: builder.max_inline_wait,
+                    clock: builder.clock,
+                    sleeper: builder.sleeper,
+                },
+                faults,
+                audit_ids: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The outbox directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Records a message, durably, under its idempotency key.
+    ///
+    /// Enqueueing the same key again with the same connector, grant, destination
+    /// and content returns the existing item (in whatever state it is) and writes
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidField`] for a blank, oversize or NUL-containing field;
+    /// [`Error::IdempotencyConflict`] when the key names a different message (both
+    /// with nothing written); the load and write errors of every operation
+    /// ([`Error::Corrupt`], [`Error::Io`], [`Error::Poisoned`], …).
+    ///
+    /// # Durability
+    ///
+    /// Returns only after the item is in `outbox.json`, the file and its directory
+    /// entry are fsynced, and its `queued` audit record is appended and fsynced.
+    pub fn enqueue(&self, message: NewMessage) -> Result<OutboxItem> {
+        message.validate()?;
+        let hash = content_hash(&message.content);
+        self.transact(move |txn| {
+            if let Some(existing) = txn.state.items.get(&message.idempotency_key) {
+                return same_message(existing, &message, &hash).map(|()| existing.clone());
+            }
+            let key = message.idempotency_key;
+            let item = OutboxItem {
+                idempotency_key: key.clone(),
+                connector: message.connector,
+                grant_id: message.grant_id,
+                destination: message.destination,
+                content: message.content,
+                content_hash: hash,
+                state: ItemState::Queued,
+                attempts: 0,
+                claim: None,
+                created_at: txn.now,
+                updated_at: txn.now,
+                next_attempt_at: None,
+                sent_at: None,
+                error_code: None,
+                lane: message.lane.unwrap_or_else(|| DEFAULT_LANE.to_owned()),
+                direction: message
+                    .direction
+                    .unwrap_or_else(|| DEFAULT_DIRECTION.to_owned()),
+                risk_class: message.risk_class,
+                transport_ref: None,
+                last_audit_id: None,
+            };
+            txn.state.items.insert(key.clone(), item);
+            self.record(txn, &key, AuditOutcome::Queued, None)?;
+            Ok(txn.state.items[&key].clone())
+        })
+    }
+
+    /// The item with this key, if any.
+    ///
+    /// # Errors
+    ///
+    /// The load errors: [`Error::Corrupt`], [`Error::InvalidRecord`],
+    /// [`Error::UnsupportedVersion`], [`Error::Io`].
+    pub fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
+        Ok(self.inner.store.load()?.items.remove(key))
+    }
+
+    /// Every item, sorted by key.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn list_items(&self) -> Result<Vec<OutboxItem>> {
+        Ok(self.inner.store.load()?.items.into_values().collect())
+    }
+
+    /// The item whose delivery returned this transport reference (the platform's
+    /// message id), for correlating a reply with what it answers. A blank
+    /// reference finds nothing. When several items share a reference, the first by
+    /// key wins.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn find_by_transport_ref(&self, transport_ref: &str) -> Result<Option<OutboxItem>> {
+        if transport_ref.trim().is_empty() {
+            return Ok(None);
+        }
+        Ok(self
+            .inner
+            .store
+            .load()?
+            .items
+            .into_values()
+            .find(|item| item.transport_ref.as_deref() == Some(transport_ref)))
+    }
+
+    /// Delivers one item at most once through `send`, the caller's transport call.
+    ///
+    /// - A terminal item is not sent again: its receipt is returned (and a missing
+    ///   terminal audit record is appended, marked reconciled).
+    /// - A claim left by a worker that died makes the item `failed` with
+    ///   [`AMBIGUOUS_AFTER_RESTART`]; `send` is not called.
+    /// - A claim held by a live worker (thread or process) gives
+    ///   [`Outcome::InFlight`] and changes nothing.
+    /// - An item not yet due (backoff, `retry_after`, rate deferral) gives
+    ///   [`Outcome::Deferred`] without an attempt.
+    /// - A full rate window defers the item to the exact moment a slot frees.
+    /// - Otherwise the item is claimed (`attempts + 1`) durably, then `send` runs
+    ///   without any lock held. `Ok(Some(id))` stores `id` as the transport ref.
+    ///   A retryable error is retried with backoff up to `max_attempts`, sleeping
+    ///   inline for waits up to `max_inline_wait` (a longer wait returns
+    ///   `Deferred`); permanent and ambiguous errors fail the item at once.
+    ///
+    /// # Panics
+    ///
+    /// A panic inside `send` is recorded first (the item fails with
+    /// [`SEND_PANICKED`], as an ambiguous delivery), then resumed in the caller.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`] for an unknown key; the load and write errors of every
+    /// operation. If recording the result fails after `send` ran, the item keeps
+    /// its claim and becomes ambiguous on the next `process`: it is never resent.
+    ///
+    /// # Durability
+    ///
+    /// The claim is fsynced before `send` is called; the outcome and its audit
+    /// record are fsynced before this returns.
+    pub fn process<F>(&self, key: &str, mut send: F) -> Result<DeliveryReceipt>
+    where
+        F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
+    {
+        self.process_one(key, &mut send, RetryMode::Inline)
+            .map(|(receipt, _)| receipt)
+    }
+
+    /// Processes every queued item that is due now, oldest first, and returns a
+    /// tally. Retryable failures are rescheduled (no inline sleeping) and counted
+    /// as `retried`; rate-capped items are deferred.
+    ///
+    /// # Panics
+    ///
+    /// As [`process`](Self::process): a panic in `send` is recorded, then resumed.
+    ///
+    /// # Errors
+    ///
+    /// The first load or write error stops the pass; items already processed
+    /// keep their recorded outcomes.
+    pub fn process_due<F>(&self, mut send: F) -> Result<DrainReport>
+    where
+        F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
+    {
+        let now = self.inner.config.clock.now();
+        let mut due: Vec<(DateTime<Utc>, String)> = self
+            .inner
+            .store
+            .load()?
+            .items
+            .into_values()
+            .filter(|item| item.state == ItemState::Queued)
+            .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
+            .map(|item| (item.created_at, item.idempotency_key))
+            .collect();
+        due.sort();
+        let mut report = DrainReport::default();
+        for (_, key) in due {
+            let (receipt, retried) = self.process_one(&key, &mut send, RetryMode::Reschedule)?;
+            report.add(receipt, retried);
+        }
+        Ok(report)
+    }
+
+    /// Verifies the audit chain and cross-checks it against the head `outbox.json`
+    /// recorded, so a truncated log is detected too.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::AuditBroken`] naming the first bad line and the fault, including
+    /// [`AuditFault::Truncated`]; the load errors of `outbox.json`.
+    pub fn verify_audit(&self) -> Result<AuditReport> {
+        let mut guard = self.inner.lock.lock()?;
+        guard.audit.catch_up()?;
+        let state = self.inner.store.load()?;
+        guard.audit.verify_whole(state.audit_head.as_ref())
+    }
+
+    /// Appends any audit records a crash left pending and re-checks the log's tail.
+    /// Every write does this first; call it to repair without writing anything else.
+    ///
+    /// # Errors
+    ///
+    /// The load and write errors of every operation.
+    pub fn reconcile(&self) -> Result<()> {
+        self.transact(|_| Ok(()))
+    }
+
+    /// The audit log's current head (seq and hash).
+    ///
+    /// # Errors
+    ///
+    /// The errors of reading the audit log's new records.
+    pub fn audit_head(&self) -> Result<Head> {
+        let mut guard = self.inner.lock.lock()?;
+        guard.audit.catch_up()?;
+        Ok(guard.audit.head().clone())
+    }
+
+    /// Every audit record for one item, oldest first.
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`AuditLog::read`](crate::AuditLog::read).
+    pub fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
+        let path = self.inner.dir.join(crate::audit::AUDIT_FILE);
+        let mut records = crate::audit::AuditLog::read(path)?;
+        records.retain(|r| r.idempotency_key == key);
+        Ok(records)
+    }
+
+    // ----- internals -----------------------------------------------------
+
+    /// Runs one locked read-modify-write: catch up on the audit log, load, repair
+    /// pending audit records, apply `f`, then (if anything changed) write the state
+    /// and append the new records.
+    fn transact<T>(&self, f: impl FnOnce(&mut Txn) -> Result<T>) -> Result<T> {
+        let inner = &*self.inner;
+        if inner.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        let mut guard = inner.lock.lock()?;
+        guard.audit.catch_up()?;
+        let state = inner.store.load()?;
+        self.guard_poison(reconcile_audit(
+            &mut guard.audit,
+            &state,
+            inner.store.path(),
+            &inner.faults,
+        ))?;
+        let mut txn = Txn {
+            state,
+            events: Vec::new(),
+            dirty: false,
+            now: inner.config.clock.now(),
+        };
+        let value = f(&mut txn)?;
+        if !txn.dirty {
+            return Ok(value);
+        }
+        txn.state.audit_head = Some(guard.audit.head().clone());
+        txn.state.pending_audit = std::mem::take(&mut txn.events);
+        match inner.store.save(&txn.state, &inner.faults) {
+            Ok(()) => {}
+            Err((ReplaceFailure::BeforeRename, e)) => return Err(e),
+            Err((ReplaceFailure::AfterRename, e)) => {
+                inner.poisoned.store(true, Ordering::Release);
+                return Err(e);
+            }
+        }
+        self.guard_poison(
+            inner
+                .faults
+                .check("commit.before_audit")
+                .map_err(|e| Error::io(guard.audit.path(), "append", e)),
+        )?;
+        self.guard_poison(
+            guard
+                .audit
+                .append(&txn.state.pending_audit, false, &inner.faults),
+        )?;
+        Ok(value)
+    }
+
+    /// Poisons the handle when a durability step failed after data may have reached the disk.
+    fn guard_poison<T>(&self, result: Result<T>) -> Result<T> {
+        if result.is_err() {
+            self.inner.poisoned.store(true, Ordering::Release);
+        }
+        result
+    }
+
+    /// Queues an audit event for the item's current state and stamps its id on the item.
+    fn record(
+        &self,
+        txn: &mut Txn,
+        key: &str,
+        outcome: AuditOutcome,
+        reconciled_note: Option<&str>,
+    ) -> Result<String> {
+        let audit_id = self.next_audit_id();
+        let now = txn.now;
+        let item = txn.item_mut(key)?;
+        item.last_audit_id = Some(audit_id.clone());
+        item.updated_at = item.updated_at.max(now);
+        let event = AuditEvent {
+            attempts: item.attempts,
+            audit_id: audit_id.clone(),
+            connector: item.connector.clone(),
+            content_hash: item.content_hash.clone(),
+            destination: item.destination.clone(),
+            direction: item.direction.clone(),
+            error_code: item.error_code.clone(),
+            grant_id: item.grant_id.clone(),
+            idempotency_key: item.idempotency_key.clone(),
+            lane: item.lane.clone(),
+            outcome,
+            note: reconciled_note.map(str::to_owned),
+            reconciled: reconciled_note.is_some(),
+            recorded_at_utc: format_timestamp(now),
+            risk_class: item.risk_class.clone(),
+            transport_ref: item.transport_ref.clone(),
+        };
+        txn.events.push(event);
+        Ok(audit_id)
+    }
+
+    fn next_audit_id(&self) -> String {
+        let n = self.inner.audit_ids.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let digest = Sha256::new()
+            .chain_update(self.inner.owner.id().as_bytes())
+            .chain_update(n.to_le_bytes())
+            .chain_update(nanos.to_le_bytes())
+            .finalize();
+        hex::encode(&digest[..16])
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.inner
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One item through decide → send → record, looping for inline retries.
+    /// Returns the receipt and whether the last attempt was a retryable failure.
+    fn process_one(
+        &self,
+        key: &str,
+        send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
+        mode: RetryMode,
+    ) -> Result<(DeliveryReceipt, bool)> {
+        loop {
+            let decision = self.transact(|txn| self.decide(txn, key));
+            let item = match decision {
+                Ok(Decision::Done(receipt)) => return Ok((receipt, false)),
+                Ok(Decision::Send(item)) => item,
+                Err(e) => {
+                    // A claim that did not commit is not in flight.
+                    self.in_flight().remove(key);
+                    return Err(e);
+                }
+            };
+            self.inner
+                .faults
+                .check("process.before_send")
+                .map_err(|e| Error::io(self.inner.store.path(), "process", e))?;
+            let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
+            let recorded = self
+                .inner
+                .faults
+                .check("process.after_send")
+                .map_err(|e| Error::io(self.inner.store.path(), "process", e))
+                .and_then(|()| self.transact(|txn| self.finish(txn, key, &result)));
+            self.in_flight().remove(key);
+            let (receipt, retry_wait) = match (recorded, result) {
+                (recorded, Err(panic)) => {
+                    if let Err(e) = recorded {
+                        tracing::error!(key, error = %e, "could not record a panicked send");
+                    }
+                    resume_unwind(panic)
+                }
+                (recorded, Ok(_)) => recorded?,
+            };
+            match retry_wait {
+                Some(wait)
+                    if mode == RetryMode::Inline && wait <= self.inner.config.max_inline_wait =>
+                {
+                    self.inner.config.sleeper.sleep(wait);
+                }
+                Some(_) => return Ok((receipt, true)),
+                None => return Ok((receipt, false)),
+            }
+        }
+    }
+
+    /// Under the lock: decide what to do with the item, claiming it if it is to be sent.
+    fn decide(&self, txn: &mut Txn, key: &str) -> Result<Decision> {
+        let now = txn.now;
+        let Some(item) = txn.state.items.get(key) else {
+            return Err(Error::NotFound {
+                key: key.to_owned(),
+            });
+        };
+        if item.state.is_terminal() {
+            let outcome = terminal_outcome(item.state);
+            let audit_id = match &item.last_audit_id {
+                Some(id) => id.clone(),
+                None => self.record(
+                    txn,
+                    key,
+                    audit_outcome_of(item.state),
+                    Some("terminal outcome had no audit record"),
+                )?,
+            };
+            let item = &txn.state.items[key];
+            return Ok(Decision::Done(DeliveryReceipt::for_item(
+                item,
+                outcome,
+                Some(audit_id),
+            )));
+        }
+        if let Some(claim) = &item.claim {
+            if self.claim_is_live(key, claim) {
+                return Ok(Decision::Done(DeliveryReceipt::for_item(
+                    item,
+                    Outcome::InFlight,
+                    None,
+                )));
+            }
+            tracing::warn!(
+                key,
+                "found a claim whose worker is gone; failing it as ambiguous"
+            );
+            return self.fail(txn, key, AMBIGUOUS_AFTER_RESTART);
+        }
+        if item.attempts >= self.inner.config.max_attempts {
+            return self.fail(txn, key, ATTEMPTS_EXHAUSTED);
+        }
+        if let Some(at) = item.next_attempt_at
+            && at > now
+        {
+            return Ok(Decision::Done(DeliveryReceipt::for_item(
+                item,
+                Outcome::Deferred,
+                None,
+            )));
+        }
+        if let Some(free_at) = self.next_free_slot(&txn.state, &item.destination, now) {
+            let item = txn.item_mut(key)?;
+            item.next_attempt_at = Some(free_at);
+            item.error_code = Some(RATE_CAPPED.to_owned());
+            let audit_id = self.record(txn, key, AuditOutcome::Deferred, None)?;
+            let item = &txn.state.items[key];
+            return Ok(Decision::Done(DeliveryReceipt::for_item(
+                item,
+                Outcome::Deferred,
+                Some(audit_id),
+            )));
+        }
+        let owner = self.inner.owner.id().to_owned();
+        let item = txn.item_mut(key)?;
+        item.attempts += 1;
+        item.claim = Some(Claim {
+            owner: Some(owner),
+            at: Some(now),
+        });
+        item.next_attempt_at = None;
+        item.error_code = None;
+        item.updated_at = now;
+        let claimed = item.clone();
+        // Marked before the lock is released, so no thread of ours mistakes the
+        // claim for an orphan.
+        self.in_flight().insert(key.to_owned());
+        Ok(Decision::Send(Box::new(claimed)))
+    }
+
+    /// Whether a claim belongs to a worker that is still alive.
+    fn claim_is_live(&self, key: &str, claim: &Claim) -> bool {
+        match claim.owner.as_deref() {
+            // The reference design records no owner: such a claim survived a crash.
+            None => false,
+            Some(owner) if owner == self.inner.owner.id() => self.in_flight().contains(key),
+            Some(owner) => lock::owner_is_alive(&self.inner.dir, owner),
+        }
+    }
+
+    /// Send and claim times of `destination` (claims count: they may be sending now).
+    fn next_free_slot(
+        &self,
+        state: &State,
+        destination: &str,
+        now: DateTime<Utc>,
+    ) -> Option<DateTime<Utc>> {
+        let times = state
+            .items
+            .values()
+            .filter(|i| i.destination == destination)
+            .filter_map(|i| match (i.state, &i.claim) {
+                (ItemState::Sent, _) => i.sent_at,
+                (ItemState::Queued, Some(claim)) => claim.at.or(Some(i.updated_at)),
+                _ => None,
+            });
+        self.inner.config.rate_limit.next_free_slot(now, times)
+    }
+
+    /// Fails an item terminally with `code`.
+    fn fail(&self, txn: &mut Txn, key: &str, code: &str) -> Result<Decision> {
+        let item = txn.item_mut(key)?;
+        item.state = ItemState::Failed;
+        item.claim = None;
+        item.next_attempt_at = None;
+        item.error_code = Some(code.to_owned());
+        let audit_id = self.record(txn, key, AuditOutcome::Failed, None)?;
+        Ok(Decision::Done(DeliveryReceipt::for_item(
+            &txn.state.items[key],
+            Outcome::Failed,
+            Some(audit_id),
+        )))
+    }
+
+    /// Under the lock: record what `send` did. Returns the receipt and, for a
+    /// retryable failure with attempts left, how long to wait.
+    fn finish(
+        &self,
+        txn: &mut Txn,
+        key: &str,
+        result: &SendResult,
+    ) -> Result<(DeliveryReceipt, Option<Duration>)> {
+        let now = txn.now;
+        let ours = txn
+            .state
+            .items
+            .get(key)
+            .is_some_and(|i| i.claim_owner() == Some(self.inner.owner.id()));
+        if !ours {
+            // Only possible if outbox.json was replaced behind our back.
+            tracing::error!(
+                key,
+                "our claim vanished while sending; leaving the item as it is"
+            );
+            let item = txn.state.items.get(key).ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })?;
+            return Ok((
+                DeliveryReceipt::for_item(item, Outcome::InFlight, None),
+                None,
+            ));
+        }
+        match result {
+            Ok(Ok(transport_ref)) => {
+                let item = txn.item_mut(key)?;
+                item.state = ItemState::Sent;
+                item.claim = None;
+                item.sent_at = Some(now);
+                item.error_code = None;
+                item.transport_ref = transport_ref
+                    .as_deref()
+                    .filter(|r| !r.trim().is_empty())
+                    .map(|r| sanitize(r, limits::TRANSPORT_REF));
+                let audit_id = self.record(txn, key, AuditOutcome::Sent, None)?;
+                let item = &txn.state.items[key];
+                Ok((
+                    DeliveryReceipt::for_item(item, Outcome::Sent, Some(audit_id)),
+                    None,
+                ))
+            }
+            Ok(Err(error)) => {
+                let code = sanitize(error.code(), limits::TRANSPORT_REF);
+                let attempts = txn.state.items[key].attempts;
+                if error.class() == FailureClass::Retryable
+                    && attempts < self.inner.config.max_attempts
+                {
+                    let backoff = self.inner.config.backoff.delay(attempts, key);
+                    let wait = error
+                        .retry_after_hint()
+                        .map_or(backoff, |hint| hint.max(backoff));
+                    let item = txn.item_mut(key)?;
+                    item.claim = None;
+                    item.error_code = Some(code);
+                    item.next_attempt_at = Some(now + chrono_duration(wait));
+                    let audit_id = self.record(txn, key, AuditOutcome::Retrying, None)?;
+                    let item = &txn.state.items[key];
+                    Ok((
+                        DeliveryReceipt::for_item(item, Outcome::Deferred, Some(audit_id)),
+                        Some(wait),
+                    ))
+                } else {
+                    match self.fail(txn, key, &code)? {
+                        Decision::Done(receipt) => Ok((receipt, None)),
+                        Decision::Send(_) => unreachable!("fail always decides"),
+                    }
+                }
+            }
+            Err(_panic) => match self.fail(txn, key, SEND_PANICKED)? {
+                Decision::Done(receipt) => Ok((receipt, None)),
+                Decision::Send(_) => unreachable!("fail always decides"),
+            },
+        }
+    }
+}
+
+/// Checks that an existing item is the same message as `message`.
+fn same_message(existing: &OutboxItem, message: &NewMessage, hash: &str) -> Result<()> {
+    let differs = if existing.connector != message.connector {
+        Some("connector")
+    } else if existing.grant_id != message.grant_id {
+        Some("grant_id")
+    } else if existing.destination != message.destination {
+        Some("destination")
+    } else if existing.content_hash != hash {
+        Some("content")
+    } else {
+        None
+    };
+    match differs {
+        None => Ok(()),
+        Some(field) => Err(Error::IdempotencyConflict {
+            key: message.idempotency_key.clone(),
+            field,
+        }),
+    }
+}
+
+fn terminal_outcome(state: ItemState) -> Outcome {
+    match state {
+        ItemState::Sent => Outcome::Sent,
+        ItemState::Failed | ItemState::Queued => Outcome::Failed,
+    }
+}
+
+fn audit_outcome_of(state: ItemState) -> AuditOutcome {
+    match state {
+        ItemState::Sent => AuditOutcome::Sent,
+        ItemState::Failed => AuditOutcome::Failed,
+        ItemState::Queued => AuditOutcome::Queued,
+    }
+}
+
+/// Makes a caller-supplied code or reference storable: no NUL or control
+/// characters, not blank, at most `max` bytes (cut on a character boundary).
+fn sanitize(text: &str, max: usize) -> String {
+    let mut clean: String = text
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if clean.trim().is_empty() {
+        "unspecified".clone_into(&mut clean);
+    }
+    if clean.len() > max {
+        let mut cut = max;
+        while !clean.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        clean.truncate(cut);
+    }
+    clean
+}
+
+/// Cross-checks the log against the head `outbox.json` recorded and appends the
+/// records of outcomes that were committed but not yet logged.
+fn reconcile_audit(
+    audit: &mut AuditTail,
+    state: &State,
+    state_path: &Path,
+    faults: &Failpoints,
+) -> Result<()> {
+    let head = audit.head().clone();
+    let Some(base) = &state.audit_head else {
+        if head.seq > 0 {
+            return Err(Error::InvalidRecord {
+                path: state_path.to_path_buf(),
+                location: "audit_head".into(),
+                reason: format!(
+                    "missing, but the audit log already has {} records: outbox.json was replaced or rolled back",
+                    head.seq
+                ),
+            });
+        }
+        return Ok(());
+    };
+    if head.seq < base.seq {
+        return Err(Error::AuditBroken {
+            path: audit.path().to_path_buf(),
+            line: head.seq,
+            fault: AuditFault::Truncated {
+                expected_seq: base.seq,
+                found_seq: head.seq,
+            },
+        });
+    }
+    if audit
+        .hash_at(base.seq)
+        .is_some_and(|hash| hash != base.hash)
+    {
+        return Err(Error::AuditBroken {
+            path: audit.path().to_path_buf(),
+            line: base.seq,
+            fault: AuditFault::HeadMismatch { seq: base.seq },
+        });
+    }
+    let logged = (head.seq - base.seq) as usize;
+    if logged > state.pending_audit.len() {
+        return Err(Error::InvalidRecord {
+            path: state_path.to_path_buf(),
+            location: "audit_head".into(),
+            reason: format!(
+                "records seq {} (+{} pending) but the audit log is at seq {}: outbox.json was replaced or rolled back",
+                base.seq,
+                state.pending_audit.len(),
+                head.seq
+            ),
+        });
+    }
+    let missing = &state.pending_audit[logged..];
+    if !missing.is_empty() {
+        tracing::warn!(
+            records = missing.len(),
+            "appending audit records a crash left pending"
+        );
+        audit.append(missing, true, faults)?;
+    }
+    Ok(())
+}

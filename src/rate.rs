@@ -1,0 +1,116 @@
+//! Per-destination sliding-window rate caps.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::clock::chrono_duration;
+
+/// At most `count` sends per destination in any sliding `window`.
+///
+/// Sends are counted from the persisted `sent_at` times (and the claim times of
+/// sends in progress), so a cap holds across restarts and across processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    /// Sends allowed per window.
+    pub count: u32,
+    /// The window's length.
+    pub window: Duration,
+}
+
+impl Default for RateLimit {
+    /// The reference design's cap: 10 sends per 60 s.
+    fn default() -> Self {
+        Self {
+            count: 10,
+            window: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RateLimit {
+    /// `None` when a send may start at `now`; otherwise the exact moment a slot frees.
+    ///
+    /// `recent` are the send (or claim) times of the destination; times at or
+    /// before `now - window` no longer count.
+    pub(crate) fn next_free_slot(
+        &self,
+        now: DateTime<Utc>,
+        recent: impl IntoIterator<Item = DateTime<Utc>>,
+    ) -> Option<DateTime<Utc>> {
+        let window = chrono_duration(self.window);
+        let cutoff = now - window;
+        let mut in_window: Vec<DateTime<Utc>> =
+            recent.into_iter().filter(|t| *t > cutoff).collect();
+        let count = self.count as usize;
+        if in_window.len() < count {
+            return None;
+        }
+        in_window.sort_unstable();
+        // Enough of the oldest sends must age out that fewer than `count` remain.
+        let must_expire = in_window.len() - count + 1;
+        Some(in_window[must_expire - 1] + window)
+    }
+
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        if self.count == 0 {
+            return Err(crate::Error::invalid_config(
+                "rate_limit",
+                "count must be at least 1",
+            ));
+        }
+        if self.window.is_zero() {
+            return Err(crate::Error::invalid_config(
+                "rate_limit",
+                "window must be positive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000 + secs, 0).unwrap()
+    }
+
+    fn cap(count: u32, secs: u64) -> RateLimit {
+        RateLimit {
+            count,
+            window: Duration::from_secs(secs),
+        }
+    }
+
+    #[test]
+    fn under_the_cap_is_free() {
+        assert_eq!(cap(3, 60).next_free_slot(t(100), [t(50), t(90)]), None);
+    }
+
+    #[test]
+    fn at_the_cap_the_oldest_send_decides() {
+        let free = cap(2, 60).next_free_slot(t(100), [t(90), t(50)]);
+        assert_eq!(free, Some(t(110)));
+    }
+
+    #[test]
+    fn over_the_cap_enough_sends_must_age_out() {
+        // Four sends in the window with a cap of two: three must expire.
+        let free = cap(2, 60).next_free_slot(t(100), [t(41), t(42), t(43), t(44)]);
+        assert_eq!(free, Some(t(103)));
+    }
+
+    #[test]
+    fn a_send_exactly_one_window_ago_no_longer_counts() {
+        assert_eq!(cap(1, 60).next_free_slot(t(100), [t(40)]), None);
+        assert_eq!(cap(1, 60).next_free_slot(t(100), [t(41)]), Some(t(101)));
+    }
+
+    #[test]
+    fn zero_values_are_rejected() {
+        assert!(cap(0, 60).validate().is_err());
+        assert!(cap(1, 0).validate().is_err());
+    }
+}

@@ -1,0 +1,94 @@
+//! The on-disk format of `outbox.json`, kept apart from the API types.
+//!
+//! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
+//! optional fields: `audit_head` and `pending_audit` at the top level, and
+//! `claim_owner`, `claimed_at_utc`, `last_audit_id` on items. This crate reads
+//! both and writes version 2. Item keys are written sorted, as the reference does.
+
+use serde::{Deserialize, Serialize};
+
+use crate::audit::{AuditEvent, Head};
+use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE};
+
+/// The version this release writes.
+pub(crate) const CURRENT_VERSION: u64 = 2;
+
+/// The whole file.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileV1 {
+    pub(crate) version: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) audit_head: Option<HeadV1>,
+    pub(crate) items: Vec<ItemV1>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) pending_audit: Vec<AuditEvent>,
+}
+
+/// Only the version, for a helpful error when the rest does not parse.
+#[derive(Deserialize)]
+pub(crate) struct VersionProbe {
+    pub(crate) version: Option<u64>,
+}
+
+/// The audit head as recorded in the file.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HeadV1 {
+    pub(crate) hash: String,
+    pub(crate) seq: u64,
+}
+
+impl From<&Head> for HeadV1 {
+    fn from(head: &Head) -> Self {
+        Self {
+            hash: head.hash.clone(),
+            seq: head.seq,
+        }
+    }
+}
+
+/// One item, with the reference design's field names (alphabetical, as it writes them).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ItemV1 {
+    pub(crate) attempts: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) claim_owner: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) claimed_at_utc: Option<String>,
+    pub(crate) connector: String,
+    pub(crate) content: String,
+    pub(crate) content_hash: String,
+    pub(crate) created_at_utc: String,
+    pub(crate) destination: String,
+    #[serde(default = "default_direction")]
+    pub(crate) direction: String,
+    pub(crate) dispatch_claimed: bool,
+    #[serde(default)]
+    pub(crate) error_code: Option<String>,
+    pub(crate) grant_id: String,
+    pub(crate) idempotency_key: String,
+    #[serde(default = "default_lane")]
+    pub(crate) lane: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) last_audit_id: Option<String>,
+    #[serde(default)]
+    pub(crate) next_attempt_at_utc: Option<String>,
+    #[serde(default)]
+    pub(crate) risk_class: Option<String>,
+    #[serde(default)]
+    pub(crate) sent_at_utc: Option<String>,
+    pub(crate) state: String,
+    #[serde(default)]
+    pub(crate) transport_ref: Option<String>,
+    pub(crate) updated_at_utc: String,
+}
+
+fn default_lane() -> String {
+    DEFAULT_LANE.to_owned()
+}
+
+fn default_direction() -> String {
+    DEFAULT_DIRECTION.to_owned()
+}
