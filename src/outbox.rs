@@ -568,10 +568,6 @@ impl Outbox {
                     return Err(e);
                 }
             };
-            self.inner
-                .faults
-                .check("process.before_send")
-                .map_err(|e| Error::io(self.inner.store.path(), "process", e))?;
             let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
             let recorded = self
                 .inner

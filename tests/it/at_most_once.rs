@@ -1,0 +1,170 @@
+//! At-most-once: a claim is persisted before send; live claims block, dead ones fail as ambiguous.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc;
+
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outcome, SEND_PANICKED, SendError};
+
+use crate::harness::Harness;
+
+/// Runs `during` while another thread is inside `send` for `key`, then lets it finish.
+fn while_sending(h: &Harness, key: &str, during: impl FnOnce()) -> Outcome {
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let outbox = h.outbox.clone();
+        let sender = s.spawn(move || {
+            outbox
+                .process(key, |_| {
+                    entered_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                    Ok(Some("tg-live".into()))
+                })
+                .unwrap()
+                .outcome
+        });
+        entered_rx.recv().unwrap();
+        during();
+        release_tx.send(()).unwrap();
+        sender.join().unwrap()
+    })
+}
+
+#[test]
+fn a_second_thread_gets_in_flight_and_changes_nothing() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let outcome = while_sending(&h, "k", || {
+        let receipt =
+            h.assert_files_unchanged(|| h.outbox.process("k", |_| panic!("sent twice")).unwrap());
+        assert_eq!(receipt.outcome, Outcome::InFlight);
+        assert_eq!(receipt.audit_id, None);
+    });
+    assert_eq!(outcome, Outcome::Sent);
+    assert_eq!(h.outbox.get("k").unwrap().unwrap().attempts(), 1);
+}
+
+#[test]
+fn another_open_handle_sees_a_live_claim_as_in_flight() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let other = h.reopen();
+    let outcome = while_sending(&h, "k", || {
+        let receipt = other.process("k", |_| panic!("sent twice")).unwrap();
+        assert_eq!(receipt.outcome, Outcome::InFlight);
+        let report = other.process_due(|_| panic!("sent twice")).unwrap();
+        assert_eq!(report.in_flight, 1);
+    });
+    assert_eq!(outcome, Outcome::Sent);
+}
+
+#[test]
+fn a_claim_whose_owner_is_gone_fails_as_ambiguous_without_sending() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    // The handle that claims it disappears without recording an outcome, as a
+    // process would after kill -9: forge that by naming an owner that no longer exists.
+    let path = h.path("outbox.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text = text.replace(
+        "\"dispatch_claimed\": false",
+        "\"claim_owner\": \"4242-dead-0\",\n      \"claimed_at_utc\": \"2026-01-15T09:00:00.000000Z\",\n      \"dispatch_claimed\": true",
+    );
+    std::fs::write(&path, text).unwrap();
+
+    let receipt = h
+        .outbox
+        .process("k", |_| panic!("an ambiguous claim must never be resent"))
+        .unwrap();
+    assert_eq!(receipt.outcome, Outcome::Failed);
+    assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(item.state(), ItemState::Failed);
+    assert!(!item.dispatch_claimed());
+    assert_eq!(h.audit_outcomes().last().unwrap(), "failed:k");
+}
+
+#[test]
+fn a_panic_in_send_fails_the_item_as_ambiguous_and_leaves_the_outbox_usable() {
+    let h = Harness::new();
+    h.enqueue("boom", "chat-1");
+    h.enqueue("next", "chat-1");
+    let caught = catch_unwind(AssertUnwindSafe(|| {
+        h.outbox
+            .process("boom", |_| -> Result<Option<String>, SendError> {
+                panic!("transport bug")
+            })
+    }));
+    assert!(caught.is_err(), "the panic reaches the caller");
+    let item = h.outbox.get("boom").unwrap().unwrap();
+    assert_eq!(item.state(), ItemState::Failed);
+    assert_eq!(item.error_code(), Some(SEND_PANICKED));
+    assert!(!item.dispatch_claimed());
+    assert_eq!(
+        h.outbox
+            .process("boom", |_| panic!("resent"))
+            .unwrap()
+            .outcome,
+        Outcome::Failed
+    );
+    assert_eq!(
+        h.outbox.process("next", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn ambiguous_and_permanent_failures_are_not_retried() {
+    for error in [
+        SendError::ambiguous("read_timeout"),
+        SendError::permanent("chat_not_found"),
+    ] {
+        let h = Harness::new();
+        h.enqueue("k", "chat-1");
+        let mut calls = 0;
+        let receipt = h
+            .outbox
+            .process("k", |_| {
+                calls += 1;
+                Err(error.clone())
+            })
+            .unwrap();
+        assert_eq!(calls, 1, "{error}");
+        assert_eq!(receipt.outcome, Outcome::Failed);
+        assert_eq!(receipt.error_code.as_deref(), Some(error.code()));
+    }
+}
+
+#[test]
+fn many_threads_racing_on_the_same_keys_send_each_exactly_once() {
+    let h = Harness::new();
+    let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        h.enqueue(key, &format!("chat-{i}"));
+    }
+    let sends = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for key in &keys {
+                    h.outbox
+                        .process(key, |item| {
+                            sends
+                                .lock()
+                                .unwrap()
+                                .push(item.idempotency_key().to_owned());
+                            Ok(None)
+                        })
+                        .unwrap();
+                }
+            });
+        }
+    });
+    let mut sends = sends.into_inner().unwrap();
+    sends.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(sends, expected, "every key sent exactly once");
+    h.outbox.verify_audit().unwrap();
+}

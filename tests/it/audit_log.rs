@@ -1,0 +1,341 @@
+//! The audit log: a verifiable chain with one record per outcome, and never a body.
+
+use std::fs;
+
+use durable_outbox::{AuditFault, AuditLog, Error, GENESIS_HASH, Outbox, SendError};
+use sha2::{Digest, Sha256};
+
+use crate::harness::{Harness, builder, msg, secs};
+
+/// A mixed workload: sends, retries, deferrals, failures.
+fn busy() -> Harness {
+    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
+    for i in 0..12 {
+        h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 3));
+    }
+    for i in 0..12 {
+        let key = format!("k{i:02}");
+        h.outbox
+            .process(&key, |item| match i % 4 {
+                0 => Ok(Some(format!("tr-{}", item.idempotency_key()))),
+                1 => Err(SendError::permanent("chat_not_found")),
+                2 if item.attempts() == 1 => Err(SendError::retryable("http_502")),
+                _ => Ok(None),
+            })
+            .unwrap();
+    }
+    h
+}
+
+fn lines(h: &Harness) -> Vec<String> {
+    String::from_utf8(h.audit_bytes())
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn write_lines(h: &Harness, lines: &[String]) {
+    let text: String = lines.iter().flat_map(|l| [l.as_str(), "\n"]).collect();
+    fs::write(h.path("audit.jsonl"), text).unwrap();
+}
+
+fn fault(err: Error) -> (u64, AuditFault) {
+    match err {
+        Error::AuditBroken { line, fault, .. } => (line, fault),
+        other => panic!("expected AuditBroken, got {other}"),
+    }
+}
+
+#[test]
+fn a_mixed_workload_verifies_clean_with_one_record_per_outcome() {
+    let h = busy();
+    let report = h.outbox.verify_audit().unwrap();
+    let outcomes = h.audit_outcomes();
+    assert_eq!(report.records, outcomes.len() as u64);
+    for kind in ["queued", "sent", "failed", "deferred", "retrying"] {
+        assert!(
+            outcomes.iter().any(|o| o.starts_with(kind)),
+            "no {kind} record in {outcomes:?}"
+        );
+    }
+    assert_eq!(report, AuditLog::verify(h.path("audit.jsonl")).unwrap());
+    assert_eq!(h.outbox.audit_head().unwrap().hash, report.head_hash);
+}
+
+/// Recomputes the chain with nothing but `serde_json` and `sha2`, as a third party would.
+#[test]
+fn an_independent_reverifier_agrees_with_verify() {
+    let h = busy();
+    let mut prev = GENESIS_HASH.to_owned();
+    let mut seq = 0;
+    for line in lines(&h) {
+        let mut value: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&line).unwrap();
+        let hash = value.remove("hash").unwrap().as_str().unwrap().to_owned();
+        seq += 1;
+        assert_eq!(value["seq"], seq);
+        assert_eq!(value["prev_hash"], prev.as_str());
+        let canonical = serde_json::to_string(&value).unwrap(); // BTreeMap: sorted keys, compact
+        assert_eq!(hex::encode(Sha256::digest(canonical.as_bytes())), hash);
+        prev = hash;
+    }
+    assert_eq!(h.outbox.verify_audit().unwrap().head_hash, prev);
+}
+
+/// The Python snippet in the audit module docs, run for real when python3 exists.
+#[test]
+fn the_documented_python_verifier_accepts_the_log() {
+    let h = busy();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/verify_audit.py");
+    match std::process::Command::new("python3")
+        .arg(script)
+        .arg(h.path("audit.jsonl"))
+        .output()
+    {
+        Err(e) => eprintln!("skipped: python3 is not available ({e})"),
+        Ok(out) => {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let expected = format!("ok {}\n", h.outbox.verify_audit().unwrap().records);
+            assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+        }
+    }
+}
+
+#[test]
+fn an_edited_field_is_detected_at_its_line() {
+    let h = busy();
+    let mut l = lines(&h);
+    l[4] = l[4].replace("\"attempts\":0", "\"attempts\":9");
+    write_lines(&h, &l);
+    assert_eq!(
+        fault(h.outbox.verify_audit().unwrap_err()),
+        (5, AuditFault::HashMismatch)
+    );
+    assert_eq!(
+        fault(AuditLog::verify(h.path("audit.jsonl")).unwrap_err()),
+        (5, AuditFault::HashMismatch)
+    );
+}
+
+#[test]
+fn a_deleted_line_is_detected() {
+    let h = busy();
+    let mut l = lines(&h);
+    l.remove(3);
+    write_lines(&h, &l);
+    assert_eq!(
+        fault(AuditLog::verify(h.path("audit.jsonl")).unwrap_err()),
+        (4, AuditFault::BrokenLink)
+    );
+}
+
+#[test]
+fn swapped_lines_are_detected() {
+    let h = busy();
+    let mut l = lines(&h);
+    l.swap(5, 6);
+    write_lines(&h, &l);
+    assert_eq!(
+        fault(AuditLog::verify(h.path("audit.jsonl")).unwrap_err()).0,
+        6
+    );
+}
+
+#[test]
+fn an_inserted_forged_line_with_a_correct_hash_is_detected() {
+    let h = busy();
+    let mut l = lines(&h);
+    // Forge a record that links to line 2 and hashes correctly, and slip it in after it.
+    let mut forged: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&l[1]).unwrap();
+    let prev = forged.remove("hash").unwrap();
+    forged.insert("prev_hash".into(), prev);
+    forged.insert("seq".into(), 3.into());
+    forged.insert("outcome".into(), "sent".into());
+    let hash = hex::encode(Sha256::digest(
+        serde_json::to_string(&forged).unwrap().as_bytes(),
+    ));
+    forged.insert("hash".into(), hash.into());
+    l.insert(2, serde_json::to_string(&forged).unwrap());
+    write_lines(&h, &l);
+    let (line, fault) = fault(AuditLog::verify(h.path("audit.jsonl")).unwrap_err());
+    assert_eq!(
+        line, 4,
+        "the forged line verifies, the next one cannot link to it"
+    );
+    assert_eq!(fault, AuditFault::BrokenLink);
+}
+
+#[test]
+fn a_truncated_tail_is_detected_against_the_head_in_outbox_json() {
+    let h = busy();
+    let mut l = lines(&h);
+    let total = l.len() as u64;
+    l.truncate(l.len() - 3);
+    write_lines(&h, &l);
+    // The file alone still verifies: only the head recorded in outbox.json reveals the cut.
+    assert_eq!(
+        AuditLog::verify(h.path("audit.jsonl")).unwrap().records,
+        total - 3
+    );
+    let err = Outbox::open(h.dir.path()).unwrap_err();
+    assert!(matches!(fault(err).1, AuditFault::Truncated { .. }));
+}
+
+#[test]
+fn a_torn_last_line_is_quarantined_and_the_chain_continues() {
+    let h = busy();
+    let before = h.outbox.verify_audit().unwrap();
+    let mut bytes = h.audit_bytes();
+    let torn = br#"{"attempts":1,"audit_id":"abc","conn"#;
+    bytes.extend_from_slice(torn);
+    fs::write(h.path("audit.jsonl"), &bytes).unwrap();
+    assert_eq!(
+        AuditLog::verify(h.path("audit.jsonl"))
+            .unwrap()
+            .torn_tail_bytes,
+        torn.len() as u64
+    );
+
+    let reopened = builder(h.dir.path(), &h.clock)
+        .rate_limit(2, secs(60))
+        .open()
+        .unwrap();
+    let quarantined: Vec<_> = fs::read_dir(h.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("audit.jsonl.torn-")
+        })
+        .collect();
+    assert_eq!(quarantined.len(), 1);
+    assert_eq!(
+        fs::read(&quarantined[0]).unwrap(),
+        torn,
+        "the torn bytes are kept, not dropped"
+    );
+    reopened.enqueue(msg("after", "chat-9")).unwrap();
+    let after = reopened.verify_audit().unwrap();
+    assert_eq!(after.records, before.records + 1);
+    assert_eq!(after.torn_tail_bytes, 0);
+}
+
+#[test]
+fn a_tail_of_zeros_is_treated_as_torn() {
+    let h = busy();
+    let mut bytes = h.audit_bytes();
+    bytes.extend_from_slice(&[0u8; 300]);
+    fs::write(h.path("audit.jsonl"), &bytes).unwrap();
+    let reopened = h.reopen();
+    reopened.verify_audit().unwrap();
+}
+
+#[test]
+fn damage_in_the_middle_is_fatal_and_the_log_is_left_untouched() {
+    let h = busy();
+    let mut bytes = h.audit_bytes();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+    fs::write(h.path("audit.jsonl"), &bytes).unwrap();
+    assert!(matches!(
+        Outbox::open(h.dir.path()),
+        Err(Error::AuditBroken { .. })
+    ));
+    // A handle that verified the file earlier trusts those bytes for appends, but
+    // its full verification still reports the damage.
+    assert!(matches!(
+        h.outbox.verify_audit(),
+        Err(Error::AuditBroken { .. })
+    ));
+    assert_eq!(h.audit_bytes(), bytes);
+}
+
+#[test]
+fn no_message_body_ever_reaches_the_audit_log() {
+    let h = Harness::new();
+    let secret = "the launch code is 0000";
+    let mut m = msg("k", "chat-1");
+    m.content = secret.into();
+    h.outbox.enqueue(m).unwrap();
+    h.outbox
+        .process("k", |_| Err(SendError::retryable("x")))
+        .unwrap();
+    let audit = String::from_utf8(h.audit_bytes()).unwrap();
+    assert!(!audit.contains("launch code"));
+    assert!(
+        audit.contains(&hex::encode(Sha256::digest(secret.as_bytes()))),
+        "the hash is recorded instead"
+    );
+}
+
+#[test]
+fn history_lists_one_items_records_in_order() {
+    let h = busy();
+    let outcomes: Vec<_> = h
+        .outbox
+        .history("k02")
+        .unwrap()
+        .iter()
+        .map(|r| r.outcome.as_str())
+        .collect();
+    assert_eq!(outcomes, ["queued", "retrying", "sent"]);
+}
+
+#[test]
+fn keyed_chains_reject_a_chain_recomputed_without_the_key() {
+    let key = b"0123456789abcdef0123456789abcdef";
+    let h = Harness::with(|b| b.audit_key(key.to_vec()));
+    h.enqueue("a", "chat-1");
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    let path = h.path("audit.jsonl");
+    assert_eq!(AuditLog::verify_keyed(&path, key).unwrap().records, 2);
+    assert_eq!(
+        fault(AuditLog::verify(&path).unwrap_err()),
+        (1, AuditFault::HashMismatch)
+    );
+    assert_eq!(
+        fault(AuditLog::verify_keyed(&path, b"wrong key").unwrap_err()),
+        (1, AuditFault::HashMismatch)
+    );
+
+    // An attacker edits a record and recomputes every hash with plain SHA-256.
+    let mut prev = GENESIS_HASH.to_owned();
+    let forged: Vec<String> = lines(&h)
+        .iter()
+        .map(|line| {
+            let mut v: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(line).unwrap();
+            v.remove("hash");
+            v.insert("prev_hash".into(), prev.clone().into());
+            v.insert("destination".into(), "chat-evil".into());
+            prev = hex::encode(Sha256::digest(
+                serde_json::to_string(&v).unwrap().as_bytes(),
+            ));
+            v.insert("hash".into(), prev.clone().into());
+            serde_json::to_string(&v).unwrap()
+        })
+        .collect();
+    write_lines(&h, &forged);
+    assert!(
+        AuditLog::verify(&path).is_ok(),
+        "the forgery is a valid plain chain…"
+    );
+    assert_eq!(
+        fault(AuditLog::verify_keyed(&path, key).unwrap_err()),
+        (1, AuditFault::HashMismatch),
+        "…but not a keyed one"
+    );
+    let err = builder(h.dir.path(), &h.clock)
+        .audit_key(key.to_vec())
+        .open()
+        .unwrap_err();
+    assert!(matches!(err, Error::AuditBroken { .. }), "{err}");
+}

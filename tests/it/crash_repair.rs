@@ -1,0 +1,49 @@
+//! A crash between the state write and the audit append is repaired on the next touch.
+
+use durable_outbox::{AuditLog, Error, FailAction, Outbox};
+
+use crate::harness::{Harness, msg};
+
+#[test]
+fn an_outcome_committed_without_its_record_is_appended_on_reopen_marked_reconciled() {
+    let h = Harness::with(|b| b.failpoint("commit.before_audit", FailAction::Error));
+    let err = h.outbox.enqueue(msg("k", "chat-1")).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert!(
+        matches!(h.outbox.enqueue(msg("k2", "chat-1")), Err(Error::Poisoned)),
+        "the handle refuses further writes"
+    );
+    assert!(
+        AuditLog::read(h.path("audit.jsonl")).unwrap().is_empty(),
+        "the record is missing"
+    );
+
+    let reopened = h.reopen();
+    let history = reopened.history("k").unwrap();
+    assert_eq!(history.len(), 1);
+    assert!(history[0].reconciled);
+    assert_eq!(
+        Some(history[0].audit_id.as_str()),
+        reopened.get("k").unwrap().unwrap().last_audit_id(),
+        "the repaired record is the one the item names"
+    );
+    reopened.verify_audit().unwrap();
+}
+
+#[test]
+fn reconcile_repairs_without_any_other_write() {
+    // Commit 1 is the enqueue, 2 the claim, 3 the sent outcome: fail after the third.
+    let h = Harness::with(|b| b.failpoint("commit.before_audit", FailAction::ErrorOnHit(3)));
+    h.enqueue("a", "chat-1");
+    h.outbox.process("a", |_| Ok(None)).unwrap_err();
+    // Another live handle repairs it explicitly.
+    let other = Outbox::open(h.dir.path()).unwrap();
+    other.reconcile().unwrap();
+    let outcomes: Vec<_> = other
+        .history("a")
+        .unwrap()
+        .iter()
+        .map(|r| (r.outcome.as_str(), r.reconciled))
+        .collect();
+    assert_eq!(outcomes, [("queued", false), ("sent", true)]);
+}

@@ -1,0 +1,213 @@
+//! The happy path a bot relies on: enqueue, deliver, correlate, never resend.
+
+use std::cell::Cell;
+
+use durable_outbox::{Error, ItemState, Outcome, SendError};
+
+use crate::harness::{Harness, msg, secs};
+
+#[test]
+fn enqueue_then_process_delivers_once_and_records_the_transport_ref() {
+    let h = Harness::new();
+    let item = h.outbox.enqueue(msg("order-17", "chat-42")).unwrap();
+    assert_eq!(item.state(), ItemState::Queued);
+    assert_eq!(item.attempts(), 0);
+
+    let calls = Cell::new(0);
+    let receipt = h
+        .outbox
+        .process("order-17", |item| {
+            calls.set(calls.get() + 1);
+            assert_eq!(item.content(), "body of order-17");
+            assert!(
+                item.dispatch_claimed(),
+                "send runs with the claim persisted"
+            );
+            Ok(Some("tg-1".into()))
+        })
+        .unwrap();
+    assert_eq!(receipt.outcome, Outcome::Sent);
+    assert_eq!(receipt.attempts, 1);
+    assert_eq!(receipt.transport_ref.as_deref(), Some("tg-1"));
+    assert!(receipt.audit_id.is_some());
+    assert_eq!(calls.get(), 1);
+
+    let stored = h.outbox.get("order-17").unwrap().unwrap();
+    assert_eq!(stored.state(), ItemState::Sent);
+    assert!(!stored.dispatch_claimed());
+    assert_eq!(stored.sent_at(), Some(h.clock_now()));
+    assert_eq!(stored.transport_ref(), Some("tg-1"));
+}
+
+#[test]
+fn a_sent_item_is_never_sent_again_and_returns_the_same_receipt() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let first = h.outbox.process("k", |_| Ok(Some("tg-9".into()))).unwrap();
+    let again = h
+        .outbox
+        .process("k", |_| panic!("a sent item must not reach send"))
+        .unwrap();
+    assert_eq!(again, first);
+}
+
+#[test]
+fn a_failed_item_is_never_sent_again() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let failed = h
+        .outbox
+        .process("k", |_| Err(SendError::permanent("chat_not_found")))
+        .unwrap();
+    assert_eq!(failed.outcome, Outcome::Failed);
+    let again = h.outbox.process("k", |_| panic!("must not send")).unwrap();
+    assert_eq!(again.outcome, Outcome::Failed);
+    assert_eq!(again.error_code.as_deref(), Some("chat_not_found"));
+}
+
+#[test]
+fn enqueue_is_idempotent_for_the_same_message() {
+    let h = Harness::new();
+    let first = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+    let audit = h.audit_bytes();
+    let second = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+    assert_eq!(first, second);
+    assert_eq!(
+        h.audit_bytes(),
+        audit,
+        "a duplicate enqueue records nothing"
+    );
+    assert_eq!(h.outbox.list_items().unwrap().len(), 1);
+}
+
+#[test]
+fn enqueue_of_a_sent_key_returns_the_sent_item_without_requeueing() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    h.outbox.process("k", |_| Ok(None)).unwrap();
+    let again = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+    assert_eq!(again.state(), ItemState::Sent);
+}
+
+#[test]
+fn find_by_transport_ref_correlates_replies_and_ignores_blanks() {
+    let h = Harness::new();
+    for (key, tr) in [("a", "tg-1"), ("b", "tg-2")] {
+        h.enqueue(key, "chat-1");
+        h.outbox.process(key, |_| Ok(Some(tr.into()))).unwrap();
+        h.clock.advance(secs(10));
+    }
+    assert_eq!(
+        h.outbox
+            .find_by_transport_ref("tg-2")
+            .unwrap()
+            .unwrap()
+            .idempotency_key(),
+        "b"
+    );
+    assert!(h.outbox.find_by_transport_ref("tg-3").unwrap().is_none());
+    assert!(h.outbox.find_by_transport_ref("  ").unwrap().is_none());
+    assert!(h.outbox.find_by_transport_ref("").unwrap().is_none());
+}
+
+#[test]
+fn a_send_without_a_message_id_is_still_sent() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let r = h.outbox.process("k", |_| Ok(Some("   ".into()))).unwrap();
+    assert_eq!(r.outcome, Outcome::Sent);
+    assert_eq!(r.transport_ref, None, "a blank id is not a reference");
+}
+
+#[test]
+fn list_items_is_sorted_by_key_and_get_returns_none_for_unknown_keys() {
+    let h = Harness::new();
+    for key in ["c", "a", "b"] {
+        h.enqueue(key, "chat-1");
+    }
+    let keys: Vec<_> = h
+        .outbox
+        .list_items()
+        .unwrap()
+        .iter()
+        .map(|i| i.idempotency_key().to_owned())
+        .collect();
+    assert_eq!(keys, ["a", "b", "c"]);
+    assert!(h.outbox.get("zzz").unwrap().is_none());
+}
+
+#[test]
+fn processing_an_unknown_key_is_a_typed_error() {
+    let h = Harness::new();
+    let err = h.outbox.process("ghost", |_| Ok(None)).unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { ref key } if key == "ghost"),
+        "{err}"
+    );
+}
+
+#[test]
+fn process_due_drains_oldest_first_and_tallies_every_outcome() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    // Enqueued out of key order, to prove the drain goes by age, not by key.
+    for key in ["b-first", "a-second"] {
+        h.enqueue(key, "chat-1");
+        h.clock.advance(secs(1));
+    }
+    h.enqueue("c-perm", "chat-2");
+    h.enqueue("d-retry", "chat-3");
+    let mut order = Vec::new();
+    let report = h
+        .outbox
+        .process_due(|item| {
+            order.push(item.idempotency_key().to_owned());
+            match item.idempotency_key() {
+                "c-perm" => Err(SendError::permanent("bot_blocked")),
+                "d-retry" => Err(SendError::retryable("http_503")),
+                _ => Ok(None),
+            }
+        })
+        .unwrap();
+    assert_eq!(
+        order,
+        ["b-first", "c-perm", "d-retry"],
+        "a-second is capped behind b-first"
+    );
+    assert_eq!(
+        (
+            report.sent,
+            report.failed,
+            report.deferred,
+            report.retried,
+            report.in_flight
+        ),
+        (1, 1, 1, 1, 0)
+    );
+    assert_eq!(report.total(), 4);
+}
+
+#[test]
+fn process_due_skips_items_that_are_not_due_yet() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let r = h
+        .outbox
+        .process(
+            "k",
+            |_| Err(SendError::retryable("x").retry_after(secs(30))),
+        )
+        .unwrap();
+    assert_eq!(r.outcome, Outcome::Deferred);
+    let report = h.outbox.process_due(|_| panic!("not due")).unwrap();
+    assert_eq!(report.total(), 0);
+    h.clock.advance(secs(30));
+    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+    assert_eq!(report.sent, 1);
+}
+
+impl Harness {
+    pub fn clock_now(&self) -> chrono::DateTime<chrono::Utc> {
+        use durable_outbox::Clock;
+        self.clock.now()
+    }
+}

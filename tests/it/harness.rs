@@ -1,0 +1,100 @@
+//! A small harness so each test reads as the behaviour it checks.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use durable_outbox::{ManualClock, NewMessage, Outbox, OutboxBuilder};
+use tempfile::TempDir;
+
+pub const START: &str = "2026-01-15T09:00:00Z";
+
+/// An outbox in a fresh directory with a manual clock (sleeping advances it).
+pub struct Harness {
+    pub dir: TempDir,
+    pub clock: ManualClock,
+    pub outbox: Outbox,
+}
+
+impl Harness {
+    pub fn new() -> Self {
+        Self::with(|b| b)
+    }
+
+    /// Like `new`, with extra builder settings.
+    pub fn with(configure: impl Fn(OutboxBuilder) -> OutboxBuilder) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let clock = ManualClock::at(START).expect("start time");
+        let outbox = configure(builder(dir.path(), &clock))
+            .open()
+            .expect("open outbox");
+        Self { dir, clock, outbox }
+    }
+
+    /// Opens a second, independent handle on the same directory (another "process").
+    pub fn reopen(&self) -> Outbox {
+        builder(self.dir.path(), &self.clock)
+            .open()
+            .expect("reopen outbox")
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn state_bytes(&self) -> Vec<u8> {
+        std::fs::read(self.path("outbox.json")).unwrap_or_default()
+    }
+
+    pub fn audit_bytes(&self) -> Vec<u8> {
+        std::fs::read(self.path("audit.jsonl")).unwrap_or_default()
+    }
+
+    /// Runs `f` and asserts that neither `outbox.json` nor `audit.jsonl` changed.
+    pub fn assert_files_unchanged<T>(&self, f: impl FnOnce() -> T) -> T {
+        let (state, audit) = (self.state_bytes(), self.audit_bytes());
+        let value = f();
+        assert!(self.state_bytes() == state, "outbox.json changed");
+        assert!(self.audit_bytes() == audit, "audit.jsonl changed");
+        value
+    }
+
+    pub fn enqueue(&self, key: &str, destination: &str) {
+        self.outbox.enqueue(msg(key, destination)).expect("enqueue");
+    }
+
+    /// The outcome names of the audit records, in order.
+    pub fn audit_outcomes(&self) -> Vec<String> {
+        durable_outbox::AuditLog::read(self.path("audit.jsonl"))
+            .expect("read audit")
+            .iter()
+            .map(|r| format!("{}:{}", r.outcome.as_str(), r.idempotency_key))
+            .collect()
+    }
+}
+
+/// A builder with the manual clock as both clock and sleeper.
+pub fn builder(dir: &Path, clock: &ManualClock) -> OutboxBuilder {
+    Outbox::builder(dir)
+        .clock(clock.clone())
+        .sleeper(clock.clone())
+}
+
+/// A valid message.
+pub fn msg(key: &str, destination: &str) -> NewMessage {
+    NewMessage {
+        idempotency_key: key.into(),
+        connector: "telegram".into(),
+        grant_id: "grant-1".into(),
+        destination: destination.into(),
+        content: format!("body of {key}"),
+        ..Default::default()
+    }
+}
+
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}

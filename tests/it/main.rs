@@ -1,0 +1,25 @@
+//! Integration tests, one module per guarantee the outbox makes.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail loudly by panicking"
+)]
+
+mod harness;
+
+mod at_most_once;
+mod audit_log;
+mod bad_input;
+mod delivery;
+mod durable_writes;
+mod rate_caps;
+mod retries;
+mod seed_compat;
+
+#[cfg(feature = "test-failpoints")]
+mod crash_repair;
+#[cfg(feature = "test-failpoints")]
+mod injected_faults;
+#[cfg(all(unix, feature = "test-failpoints"))]
+mod processes;

@@ -1,0 +1,265 @@
+//! Real processes: concurrent writers, SIGKILL inside send, races on one key, a kill loop.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outbox, Outcome};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+
+fn worker(args: &[&str]) -> Command {
+    let mut cmd = Command::new(WORKER);
+    cmd.args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    cmd
+}
+
+fn spawn(args: &[&str]) -> Child {
+    worker(args).spawn().expect("spawn worker")
+}
+
+/// Reads the child's stdout until a line starts with `prefix`.
+fn wait_for_line(child: &mut Child, prefix: &str) -> String {
+    let out = child.stdout.as_mut().expect("piped stdout");
+    let mut reader = BufReader::new(out);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).expect("read") > 0,
+            "worker exited before printing {prefix:?}"
+        );
+        if line.starts_with(prefix) {
+            return line.trim_end().to_owned();
+        }
+    }
+}
+
+fn kill9(child: &mut Child) {
+    child.kill().expect("SIGKILL"); // std's kill is SIGKILL on Unix
+    child.wait().expect("reap");
+}
+
+fn transport_log(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn concurrent_processes_enqueueing_lose_no_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let children: Vec<Child> = (0..4)
+        .map(|p| spawn(&["enqueue", d, &format!("p{p}"), "40"]))
+        .collect();
+    let mut acked = HashSet::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success());
+        for line in String::from_utf8(out.stdout).unwrap().lines() {
+            acked.insert(line.strip_prefix("queued ").unwrap().to_owned());
+        }
+    }
+    assert_eq!(acked.len(), 160);
+    let outbox = Outbox::open(dir.path()).unwrap();
+    let keys: HashSet<String> = outbox
+        .list_items()
+        .unwrap()
+        .iter()
+        .map(|i| i.idempotency_key().to_owned())
+        .collect();
+    assert_eq!(keys, acked);
+    assert_eq!(outbox.verify_audit().unwrap().records, 160);
+}
+
+#[test]
+fn a_worker_killed_inside_send_leaves_an_ambiguous_item_that_is_never_resent() {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = Outbox::open(dir.path()).unwrap();
+    outbox.enqueue(crate::harness::msg("k", "chat-1")).unwrap();
+    let mut child = spawn(&["process", dir.path().to_str().unwrap(), "k", "hang"]);
+    wait_for_line(&mut child, "sending k");
+
+    // While the worker is alive and inside send, we are told it is in flight.
+    let live = outbox
+        .process("k", |_| panic!("sent while another process sends"))
+        .unwrap();
+    assert_eq!(live.outcome, Outcome::InFlight);
+
+    kill9(&mut child);
+    let after = outbox
+        .process("k", |_| panic!("resent after a crash"))
+        .unwrap();
+    assert_eq!(after.outcome, Outcome::Failed);
+    assert_eq!(after.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    assert_eq!(after.attempts, 1);
+    outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn processes_racing_on_one_key_deliver_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    {
+        let outbox = Outbox::open(dir.path()).unwrap();
+        outbox.enqueue(crate::harness::msg("k", "chat-1")).unwrap();
+    }
+    let d = dir.path().to_str().unwrap();
+    let l = log.to_str().unwrap();
+    let children: Vec<Child> = (0..6)
+        .map(|_| spawn(&["process", d, "k", "deliver", l]))
+        .collect();
+    let mut outcomes = HashMap::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success());
+        *outcomes
+            .entry(String::from_utf8(out.stdout).unwrap().trim().to_owned())
+            .or_insert(0) += 1;
+    }
+    assert_eq!(
+        transport_log(&log),
+        ["k"],
+        "delivered exactly once; outcomes {outcomes:?}"
+    );
+    assert!(
+        outcomes
+            .keys()
+            .all(|o| o == "outcome sent" || o == "outcome in_flight"),
+        "{outcomes:?}"
+    );
+}
+
+#[test]
+fn a_kill_between_the_state_write_and_the_audit_append_is_repaired() {
+    let dir = tempfile::tempdir().unwrap();
+    let status = worker(&["enqueue", dir.path().to_str().unwrap(), "p", "1"])
+        .env("DURABLE_OUTBOX_FAILPOINTS", "commit.before_audit=kill")
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the worker was killed");
+    let outbox = Outbox::open(dir.path()).unwrap();
+    assert_eq!(
+        outbox.get("p-0").unwrap().unwrap().state(),
+        ItemState::Queued
+    );
+    let history = outbox.history("p-0").unwrap();
+    assert_eq!(history.len(), 1);
+    assert!(history[0].reconciled);
+    outbox.verify_audit().unwrap();
+}
+
+/// Kill -9 torture: workers enqueue and deliver in a loop; the driver kills them at
+/// random moments and checks every invariant after each kill. Longer runs:
+/// `OUTBOX_TORTURE_SECS=600 cargo test --all-features --test it kill_loop`.
+#[test]
+fn kill_loop_never_loses_or_duplicates_a_message() {
+    let budget = std::env::var("OUTBOX_TORTURE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8u64);
+    let seed = std::env::var("OUTBOX_TORTURE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    let d = dir.path().to_str().unwrap();
+    let mut rng = seed | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let deadline = Instant::now() + Duration::from_secs(budget);
+    let mut kills = 0;
+    let mut acked: HashSet<String> = HashSet::new();
+    while Instant::now() < deadline {
+        let workers: Vec<Child> = (0..2)
+            .map(|_| {
+                let mut cmd = worker(&[
+                    "torture",
+                    d,
+                    log.to_str().unwrap(),
+                    &next().to_string(),
+                    "100000",
+                ]);
+                cmd.stdout(Stdio::piped());
+                cmd.spawn().unwrap()
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(5 + next() % 60));
+        for mut child in workers {
+            kill9(&mut child);
+            kills += 1;
+            let mut out = String::new();
+            std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
+            acked.extend(
+                out.lines()
+                    .filter_map(|l| l.strip_prefix("queued "))
+                    .map(str::to_owned),
+            );
+        }
+        check_invariants(dir.path(), &log, &acked, seed, kills);
+    }
+    eprintln!(
+        "kill loop: {kills} kills survived, seed {seed}, {} keys acknowledged",
+        acked.len()
+    );
+    assert!(kills >= 4, "the loop ran");
+}
+
+fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, kills: u32) {
+    let ctx = format!("after {kills} kills (replay with OUTBOX_TORTURE_SEED={seed})");
+    let outbox = Outbox::open(dir).unwrap_or_else(|e| panic!("{ctx}: open failed: {e}"));
+    outbox
+        .verify_audit()
+        .unwrap_or_else(|e| panic!("{ctx}: audit chain broken: {e}"));
+    let items: HashMap<String, durable_outbox::OutboxItem> = outbox
+        .list_items()
+        .unwrap()
+        .into_iter()
+        .map(|i| (i.idempotency_key().to_owned(), i))
+        .collect();
+    for key in acked {
+        assert!(
+            items.contains_key(key),
+            "{ctx}: acknowledged {key} was lost"
+        );
+    }
+    let delivered = transport_log(log);
+    let mut delivered_once = HashSet::new();
+    for key in &delivered {
+        assert!(
+            delivered_once.insert(key),
+            "{ctx}: {key} was delivered twice"
+        );
+    }
+    for (key, item) in &items {
+        if item.state() == ItemState::Sent {
+            assert!(
+                delivered_once.contains(key),
+                "{ctx}: {key} is marked sent but never left"
+            );
+        }
+        if item.state() == ItemState::Queued && !item.dispatch_claimed() {
+            assert!(
+                !delivered_once.contains(key),
+                "{ctx}: {key} left but is queued to go again"
+            );
+        }
+    }
+}

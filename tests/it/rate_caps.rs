@@ -1,0 +1,100 @@
+//! Per-destination sliding-window caps, counted from persisted send times.
+
+use durable_outbox::{Clock, Outcome, RATE_CAPPED};
+
+use crate::harness::{Harness, builder, secs};
+
+#[test]
+fn a_capped_item_is_deferred_to_the_exact_moment_a_slot_frees() {
+    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
+    for key in ["a", "b", "c"] {
+        h.enqueue(key, "chat-1");
+    }
+    let t0 = h.clock.now();
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    h.clock.advance(secs(10));
+    h.outbox.process("b", |_| Ok(None)).unwrap();
+    h.clock.advance(secs(5));
+
+    let receipt = h.outbox.process("c", |_| panic!("over the cap")).unwrap();
+    assert_eq!(receipt.outcome, Outcome::Deferred);
+    assert_eq!(receipt.error_code.as_deref(), Some(RATE_CAPPED));
+    assert_eq!(
+        receipt.next_attempt_at,
+        Some(t0 + chrono::Duration::seconds(60))
+    );
+    assert_eq!(receipt.attempts, 0, "a deferral is not an attempt");
+
+    // One microsecond early: still not attempted, and nothing is written.
+    h.clock
+        .set(t0 + chrono::Duration::seconds(60) - chrono::Duration::microseconds(1));
+    let early = h.assert_files_unchanged(|| h.outbox.process("c", |_| panic!("early")).unwrap());
+    assert_eq!(early.outcome, Outcome::Deferred);
+    h.clock.set(t0 + chrono::Duration::seconds(60));
+    assert_eq!(
+        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn caps_are_per_destination() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-2");
+    h.enqueue("c", "chat-1");
+    assert_eq!(
+        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(
+        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(
+        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+        Outcome::Deferred
+    );
+}
+
+#[test]
+fn caps_hold_across_a_restart() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    let dir = h.dir.path().to_path_buf();
+    let clock = h.clock.clone();
+    drop(h.outbox);
+    let reopened = builder(&dir, &clock)
+        .rate_limit(1, secs(60))
+        .open()
+        .unwrap();
+    assert_eq!(
+        reopened
+            .process("b", |_| panic!("cap forgotten"))
+            .unwrap()
+            .outcome,
+        Outcome::Deferred
+    );
+}
+
+#[test]
+fn a_send_in_progress_counts_against_the_cap() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let other = builder(h.dir.path(), &h.clock)
+        .rate_limit(1, secs(60))
+        .open()
+        .unwrap();
+    h.outbox
+        .process("a", |_| {
+            let r = other
+                .process("b", |_| panic!("cap exceeded by a concurrent send"))
+                .unwrap();
+            assert_eq!(r.outcome, Outcome::Deferred);
+            Ok(None)
+        })
+        .unwrap();
+}

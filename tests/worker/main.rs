@@ -1,0 +1,156 @@
+//! A child process for the crash and concurrency tests: it drives an outbox the
+//! way a bot would, so the test can SIGKILL it at the worst moments.
+//!
+//! Every line it prints is flushed at once, so the parent knows exactly what was
+//! acknowledged before a kill. Failpoints come from `DURABLE_OUTBOX_FAILPOINTS`.
+//!
+//! Commands:
+//! - `enqueue DIR PREFIX N`: enqueue `PREFIX-0..N` (destination `chat-{i%7}`),
+//!   printing `queued KEY` after each call returns.
+//! - `process DIR KEY hang`: process KEY with a send that prints `sending KEY` and
+//!   then blocks forever (the parent kills it there).
+//! - `process DIR KEY deliver LOG`: process KEY with a send that appends KEY to the
+//!   transport LOG (fsynced) before returning; prints the outcome.
+//! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
+//! - `torture DIR LOG SEED ROUNDS`: enqueue and process random keys in a loop.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use durable_outbox::{NewMessage, Outbox, OutboxItem, SendError};
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// The fake transport: a message "left" once its key is fsynced in the log.
+fn deliver(log: &Path, item: &OutboxItem) -> Result<Option<String>, SendError> {
+    let mut file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| SendError::retryable(format!("log: {e}")))?;
+    file.write_all(format!("{}\n", item.idempotency_key()).as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| SendError::ambiguous(format!("log: {e}")))?;
+    Ok(Some(format!("tr-{}", item.idempotency_key())))
+}
+
+fn message(key: &str, i: u64) -> NewMessage {
+    NewMessage {
+        idempotency_key: key.to_owned(),
+        connector: "telegram".into(),
+        grant_id: "grant-1".into(),
+        destination: format!("chat-{}", i % 7),
+        content: format!("message {key}"),
+        ..Default::default()
+    }
+}
+
+fn open(dir: &str) -> Outbox {
+    Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_secs(60))
+        .max_inline_wait(Duration::ZERO)
+        .open()
+        .unwrap_or_else(|e| fail(&format!("open: {e}")))
+}
+
+fn fail(why: &str) -> ! {
+    eprintln!("worker: {why}");
+    std::process::exit(3)
+}
+
+/// A small deterministic generator (xorshift), so a failing seed can be replayed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| {
+        args.get(i)
+            .map_or_else(|| fail("missing argument"), String::as_str)
+    };
+    match arg(0) {
+        "enqueue" => {
+            let outbox = open(arg(1));
+            let n: u64 = arg(3).parse().unwrap_or_else(|_| fail("N"));
+            for i in 0..n {
+                let key = format!("{}-{i}", arg(2));
+                outbox
+                    .enqueue(message(&key, i))
+                    .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+                say(&format!("queued {key}"));
+            }
+        }
+        "process" => {
+            let outbox = open(arg(1));
+            let key = arg(2);
+            let receipt = match arg(3) {
+                "hang" => outbox.process(key, |item| {
+                    say(&format!("sending {}", item.idempotency_key()));
+                    loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    }
+                }),
+                "deliver" => {
+                    let log = Path::new(arg(4));
+                    outbox.process(key, |item| deliver(log, item))
+                }
+                other => fail(&format!("unknown mode {other}")),
+            }
+            .unwrap_or_else(|e| fail(&format!("process: {e}")));
+            say(&format!("outcome {}", receipt.outcome.as_str()));
+        }
+        "drain" => {
+            let outbox = open(arg(1));
+            let log = Path::new(arg(2));
+            let report = outbox
+                .process_due(|item| deliver(log, item))
+                .unwrap_or_else(|e| fail(&format!("drain: {e}")));
+            say(&format!(
+                "drained sent={} failed={} in_flight={}",
+                report.sent, report.failed, report.in_flight
+            ));
+        }
+        "torture" => {
+            let outbox = open(arg(1));
+            let log = Path::new(arg(2));
+            let mut rng = Rng(arg(3).parse::<u64>().unwrap_or_else(|_| fail("SEED")) | 1);
+            let rounds: u64 = arg(4).parse().unwrap_or_else(|_| fail("ROUNDS"));
+            for _ in 0..rounds {
+                let i = rng.next() % 64;
+                let key = format!("t-{i}");
+                match rng.next() % 3 {
+                    0 => {
+                        outbox
+                            .enqueue(message(&key, i))
+                            .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+                        say(&format!("queued {key}"));
+                    }
+                    1 => match outbox.process(&key, |item| deliver(log, item)) {
+                        Ok(_) | Err(durable_outbox::Error::NotFound { .. }) => {}
+                        Err(e) => fail(&format!("process: {e}")),
+                    },
+                    _ => {
+                        outbox
+                            .process_due(|item| deliver(log, item))
+                            .unwrap_or_else(|e| fail(&format!("drain: {e}")));
+                    }
+                }
+            }
+            say("done");
+        }
+        other => fail(&format!("unknown command {other}")),
+    }
+}
