@@ -65,7 +65,9 @@ mod retry;
 mod send;
 mod store;
 
-pub use crate::audit::{AuditLog, AuditOutcome, AuditRecord, AuditReport, GENESIS_HASH, Head};
+pub use crate::audit::{
+    AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport, GENESIS_HASH, Head,
+};
 pub use crate::builder::OutboxBuilder;
 pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
 pub use crate::error::{AuditFault, Error, Result};

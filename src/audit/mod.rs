@@ -142,15 +142,77 @@ impl AuditLog {
     /// [`Error::AuditBroken`] with [`AuditFault::Malformed`] for a line that is not
     /// a record (a torn last line is skipped); [`Error::Io`] when unreadable.
     pub fn read(path: impl AsRef<Path>) -> Result<Vec<AuditRecord>> {
-        let path = path.as_ref();
-        let mut records = Vec::new();
-        for_each_line(path, |line_no, line| {
-            let record: AuditRecord = serde_json::from_slice(line)
-                .map_err(|e| broken(path, line_no, AuditFault::Malformed(e.to_string())))?;
-            records.push(record);
-            Ok(())
-        })?;
-        Ok(records)
+        Self::records(path)?.collect()
+    }
+
+    /// Streams the records one at a time, for logs too large to hold in memory.
+    /// A torn last line (no newline) ends the stream quietly. A missing file is empty.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the file cannot be opened; each item may be
+    /// [`Error::AuditBroken`] (malformed line) or [`Error::Io`].
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// # let outbox = durable_outbox::Outbox::open(dir.path())?;
+    /// use durable_outbox::AuditLog;
+    /// for record in AuditLog::records(dir.path().join("audit.jsonl"))? {
+    ///     let record = record?;
+    ///     println!("{} {} {}", record.seq, record.outcome.as_str(), record.idempotency_key);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn records(path: impl AsRef<Path>) -> Result<AuditRecords> {
+        let path = path.as_ref().to_path_buf();
+        let reader = match File::open(&path) {
+            Ok(file) => Some(BufReader::with_capacity(1 << 16, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io(&path, "open", e)),
+        };
+        Ok(AuditRecords {
+            path,
+            reader,
+            line: 0,
+            buffer: Vec::with_capacity(512),
+        })
+    }
+}
+
+/// An iterator over an audit file's records; see [`AuditLog::records`].
+#[derive(Debug)]
+pub struct AuditRecords {
+    path: PathBuf,
+    reader: Option<BufReader<File>>,
+    line: u64,
+    buffer: Vec<u8>,
+}
+
+impl Iterator for AuditRecords {
+    type Item = Result<AuditRecord>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let reader = self.reader.as_mut()?;
+        self.buffer.clear();
+        match reader.read_until(b'\n', &mut self.buffer) {
+            Err(e) => {
+                self.reader = None;
+                Some(Err(Error::io(&self.path, "read", e)))
+            }
+            Ok(0) => None,
+            Ok(_) if self.buffer.last() != Some(&b'\n') || is_zero_fill(&self.buffer) => {
+                // A torn tail: whatever follows is a crash remnant, not a record.
+                self.reader = None;
+                None
+            }
+            Ok(_) => {
+                self.line += 1;
+                let body = &self.buffer[..self.buffer.len() - 1];
+                Some(serde_json::from_slice(body).map_err(|e| {
+                    broken(&self.path, self.line, AuditFault::Malformed(e.to_string()))
+                }))
+            }
+        }
     }
 }
 
@@ -219,33 +281,32 @@ struct Chain<'h> {
 
 impl Chain<'_> {
     /// Checks one line and advances the head.
+    ///
+    /// The line is parsed (every field typed, unknown fields refused), linked to the
+    /// previous head, and its hash recomputed over its own bytes minus the `hash`
+    /// member. For a canonical line those bytes are the canonical form without
+    /// `hash`; a line that is not canonical cannot match the hash its writer made.
     fn check(&mut self, line: &[u8]) -> std::result::Result<(), AuditFault> {
-        let value: serde_json::Map<String, serde_json::Value> =
+        let view: record::LineView<'_> =
             serde_json::from_slice(line).map_err(|e| AuditFault::Malformed(e.to_string()))?;
-        let text = |key: &str| value.get(key).and_then(serde_json::Value::as_str);
-        let seq = value
-            .get("seq")
-            .and_then(serde_json::Value::as_u64)
-            .ok_or_else(|| AuditFault::Malformed("missing or invalid seq".into()))?;
-        let hash = text("hash")
-            .ok_or_else(|| AuditFault::Malformed("missing hash".into()))?
-            .to_owned();
-        let prev =
-            text("prev_hash").ok_or_else(|| AuditFault::Malformed("missing prev_hash".into()))?;
         let expected = self.head.seq + 1;
-        if prev != self.head.hash {
+        if view.prev_hash != self.head.hash {
             return Err(AuditFault::BrokenLink);
         }
-        if seq != expected {
+        if view.seq != expected {
             return Err(AuditFault::SeqGap {
                 expected,
-                found: seq,
+                found: view.seq,
             });
         }
-        if self.hasher.hash(&record::canonical_without_hash(value)) != hash {
-            return Err(AuditFault::HashMismatch);
+        match record::hash_of_line(line, self.hasher) {
+            Some(hash) if hash == view.hash => {}
+            _ => return Err(AuditFault::HashMismatch),
         }
-        self.head = Head { seq, hash };
+        self.head = Head {
+            seq: view.seq,
+            hash: view.hash.into_owned(),
+        };
         Ok(())
     }
 }

@@ -1,5 +1,7 @@
 //! One audit record, its canonical bytes and its hash.
 
+use std::borrow::Cow;
+
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -76,6 +78,7 @@ pub(crate) struct AuditEvent {
 /// Fields are declared in byte-wise alphabetical order: serde writes them in that
 /// order, which is the canonical key order (see the module docs of `audit`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct AuditRecord {
     /// Attempts made when the outcome was recorded.
@@ -162,12 +165,25 @@ impl std::fmt::Debug for Hasher {
 
 impl Hasher {
     pub(crate) fn hash(&self, canonical: &[u8]) -> String {
+        self.hash_parts(&[canonical])
+    }
+
+    /// Hashes the concatenation of `parts` without building it.
+    pub(crate) fn hash_parts(&self, parts: &[&[u8]]) -> String {
         match self {
-            Self::Plain => hex::encode(Sha256::digest(canonical)),
+            Self::Plain => {
+                let mut digest = Sha256::new();
+                for part in parts {
+                    digest.update(part);
+                }
+                hex::encode(digest.finalize())
+            }
             Self::Keyed(key) => {
                 #[expect(clippy::expect_used, reason = "HMAC accepts keys of every length")]
                 let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC key of any length");
-                mac.update(canonical);
+                for part in parts {
+                    mac.update(part);
+                }
                 hex::encode(mac.finalize().into_bytes())
             }
         }
@@ -243,11 +259,64 @@ fn canonical_bytes<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).expect("audit records always serialise")
 }
 
-/// Recomputes a parsed line's hash the generic way: drop `hash`, re-serialise with
-/// sorted keys and compact separators. This is the path a third-party verifier takes.
-pub(crate) fn canonical_without_hash(
-    mut value: serde_json::Map<String, serde_json::Value>,
-) -> Vec<u8> {
-    value.remove("hash");
-    canonical_bytes(&value)
+/// The fields verification needs from a line, borrowed from it where possible.
+///
+/// Every field of [`AuditRecord`] is present and typed, so a structurally invalid
+/// record is reported as malformed; only `seq`, `prev_hash` and `hash` are used.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code, reason = "fields are parsed to validate the record's shape")]
+pub(crate) struct LineView<'a> {
+    attempts: u32,
+    #[serde(borrow)]
+    audit_id: Cow<'a, str>,
+    #[serde(borrow)]
+    connector: Cow<'a, str>,
+    #[serde(borrow)]
+    content_hash: Cow<'a, str>,
+    #[serde(borrow)]
+    destination: Cow<'a, str>,
+    #[serde(borrow)]
+    direction: Cow<'a, str>,
+    #[serde(borrow)]
+    error_code: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    grant_id: Cow<'a, str>,
+    #[serde(borrow)]
+    pub(crate) hash: Cow<'a, str>,
+    #[serde(borrow)]
+    idempotency_key: Cow<'a, str>,
+    #[serde(borrow)]
+    lane: Cow<'a, str>,
+    #[serde(borrow)]
+    note: Option<Cow<'a, str>>,
+    outcome: AuditOutcome,
+    #[serde(borrow)]
+    pub(crate) prev_hash: Cow<'a, str>,
+    reconciled: bool,
+    #[serde(borrow)]
+    recorded_at_utc: Cow<'a, str>,
+    #[serde(borrow)]
+    risk_class: Option<Cow<'a, str>>,
+    pub(crate) seq: u64,
+    #[serde(borrow)]
+    transport_ref: Option<Cow<'a, str>>,
+}
+
+/// The key that introduces the hash in a canonical line. Inside JSON strings every
+/// `"` is escaped, so this byte sequence can only be the `hash` key itself.
+const HASH_MEMBER: &[u8] = b",\"hash\":\"";
+
+/// Recomputes the hash of a stored canonical line: the line's own bytes with the
+/// `,"hash":"<64 hex>"` member cut out, which is exactly the canonical form of the
+/// record without `hash`. `None` when the line has no such member.
+pub(crate) fn hash_of_line(line: &[u8], hasher: &Hasher) -> Option<String> {
+    let start = line
+        .windows(HASH_MEMBER.len())
+        .position(|w| w == HASH_MEMBER)?;
+    let end = start + HASH_MEMBER.len() + 64 + 1;
+    if line.get(end - 1) != Some(&b'"') {
+        return None;
+    }
+    Some(hasher.hash_parts(&[&line[..start], &line[end..]]))
 }

@@ -1,1 +1,102 @@
+//! Pure chain logic: the canonical encoding is pinned by golden vectors.
 
+use super::record::{AuditEvent, AuditOutcome, AuditRecord, Hasher, hash_of_line};
+use super::{AuditTail, GENESIS_HASH};
+use crate::failpoint::Failpoints;
+
+fn event() -> AuditEvent {
+    AuditEvent {
+        attempts: 1,
+        audit_id: "00112233445566778899aabbccddeeff".into(),
+        connector: "telegram".into(),
+        content_hash: "19add855".into(),
+        destination: "chat-1".into(),
+        direction: "outbound".into(),
+        error_code: None,
+        grant_id: "grant-1".into(),
+        idempotency_key: "key-\"quoted\"\n".into(),
+        lane: "outbound-telegram".into(),
+        outcome: AuditOutcome::Sent,
+        note: None,
+        reconciled: false,
+        recorded_at_utc: "2026-01-15T09:00:00.000000Z".into(),
+        risk_class: None,
+        transport_ref: Some("tr-1".into()),
+    }
+}
+
+/// Golden vector: changing field order, escaping or hashing breaks every existing log.
+#[test]
+fn the_canonical_line_and_hash_are_stable() {
+    let record = AuditRecord::seal(&event(), 1, GENESIS_HASH, false, &Hasher::Plain);
+    let line = String::from_utf8(record.to_line()).unwrap();
+    let expected_line = concat!(
+        r#"{"attempts":1,"audit_id":"00112233445566778899aabbccddeeff","connector":"telegram","#,
+        r#""content_hash":"19add855","destination":"chat-1","direction":"outbound","error_code":null,"#,
+        r#""grant_id":"grant-1","hash":"HASH","idempotency_key":"key-\"quoted\"\n","#,
+        r#""lane":"outbound-telegram","note":null,"outcome":"sent","prev_hash":"0000000000000000000000000000000000000000000000000000000000000000","#,
+        r#""reconciled":false,"recorded_at_utc":"2026-01-15T09:00:00.000000Z","risk_class":null,"seq":1,"#,
+        r#""transport_ref":"tr-1"}"#,
+        "\n"
+    );
+    assert_eq!(line, expected_line.replace("HASH", &record.hash));
+    // Computed independently with Python:
+    // json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert_eq!(
+        record.hash,
+        "488212257cf64e167177ba4de84929fff7c2d9d2eda7ba1f69370016663d8e66",
+    );
+}
+
+#[test]
+fn hashing_the_stored_line_equals_hashing_the_record() {
+    for hasher in [Hasher::Plain, Hasher::Keyed(b"k".to_vec())] {
+        let record = AuditRecord::seal(&event(), 5, GENESIS_HASH, true, &hasher);
+        let line = record.to_line();
+        assert_eq!(
+            hash_of_line(&line[..line.len() - 1], &hasher),
+            Some(record.hash.clone())
+        );
+    }
+}
+
+#[test]
+fn keyed_and_plain_hashes_differ() {
+    let plain = AuditRecord::seal(&event(), 1, GENESIS_HASH, false, &Hasher::Plain);
+    let keyed = AuditRecord::seal(
+        &event(),
+        1,
+        GENESIS_HASH,
+        false,
+        &Hasher::Keyed(b"secret".to_vec()),
+    );
+    assert_ne!(plain.hash, keyed.hash);
+}
+
+#[test]
+fn the_tail_appends_without_rereading_and_catches_up_on_other_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Failpoints::default();
+    let mut ours = AuditTail::new(dir.path(), Hasher::Plain);
+    let mut theirs = AuditTail::new(dir.path(), Hasher::Plain);
+    ours.append(&[event(), event()], false, &faults).unwrap();
+    assert_eq!(ours.head().seq, 2);
+    theirs.catch_up().unwrap();
+    assert_eq!(theirs.head(), ours.head());
+    theirs.append(&[event()], false, &faults).unwrap();
+    ours.catch_up().unwrap();
+    assert_eq!(ours.head().seq, 3);
+    assert_eq!(ours.hash_at(2), theirs.hash_at(2));
+    assert!(ours.hash_at(2).is_some());
+    assert_eq!(super::AuditLog::verify(ours.path()).unwrap().records, 3);
+}
+
+#[test]
+fn a_shrunken_log_is_reported_not_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tail = AuditTail::new(dir.path(), Hasher::Plain);
+    tail.append(&[event(), event()], false, &Failpoints::default())
+        .unwrap();
+    std::fs::write(tail.path(), b"").unwrap();
+    assert!(tail.catch_up().is_err());
+}

@@ -1,1 +1,66 @@
+//! The on-disk format: round trips, the seed's format, and refusals.
 
+use std::path::Path;
+
+use super::{State, decode, encode};
+
+const SEED: &str = include_str!("../../fixtures/seed-v1/outbox.json");
+
+fn path() -> &'static Path {
+    Path::new("outbox.json")
+}
+
+#[test]
+fn the_seed_file_decodes_and_round_trips_through_version_2() {
+    let state = decode(path(), SEED.as_bytes()).unwrap();
+    assert_eq!(state.items.len(), 7);
+    let again = decode(path(), &encode(&state)).unwrap();
+    assert_eq!(again.items, state.items);
+    assert!(again.audit_head.is_none() && again.pending_audit.is_empty());
+}
+
+#[test]
+fn encoding_is_sorted_pretty_and_newline_terminated() {
+    let state = decode(path(), SEED.as_bytes()).unwrap();
+    let text = String::from_utf8(encode(&state)).unwrap();
+    assert!(text.ends_with("}\n"));
+    assert!(text.starts_with("{\n  \"version\": 2,"));
+    let keys: Vec<_> = text
+        .match_indices("\"idempotency_key\": ")
+        .map(|(i, _)| &text[i + 19..i + 32])
+        .collect();
+    let mut sorted = keys.clone();
+    sorted.sort_unstable();
+    assert_eq!(keys, sorted);
+}
+
+#[test]
+fn an_empty_state_encodes_without_optional_fields() {
+    let text = String::from_utf8(encode(&State::default())).unwrap();
+    assert!(!text.contains("audit_head") && !text.contains("pending_audit"));
+    assert!(decode(path(), text.as_bytes()).unwrap().items.is_empty());
+}
+
+#[test]
+fn duplicate_keys_are_refused() {
+    let value: serde_json::Value = serde_json::from_str(SEED).unwrap();
+    let mut items = value["items"].as_array().unwrap().clone();
+    items.push(items[0].clone());
+    let doubled = serde_json::json!({"version": 1, "items": items});
+    let err = decode(path(), doubled.to_string().as_bytes()).unwrap_err();
+    assert!(
+        err.to_string().contains("duplicate idempotency_key"),
+        "{err}"
+    );
+}
+
+#[test]
+fn version_zero_and_future_versions_are_refused() {
+    for version in [0, 3, 99] {
+        let text = format!(r#"{{"version": {version}, "items": []}}"#);
+        assert!(matches!(
+            decode(path(), text.as_bytes()),
+            Err(crate::Error::UnsupportedVersion { version: v, .. }) if v == version
+        ));
+    }
+}
