@@ -1,0 +1,178 @@
+//! Workload W1 (see `../shared/anchors/README.md`), printed as one JSON line with the
+//! same keys as the anchors, so the three can be compared side by side:
+//!
+//! ```text
+//! cargo run --release --example bench -- --n 1000 --destinations 50 --dir /tmp/w1-1000
+//! cargo run --release --example bench -- --workload broadcast --n 50000 --dir /tmp/bc
+//! ```
+//!
+//! W1: enqueue N messages (destination `chat-{i % D}`, 200-character content with i,
+//! key `key-{i:08}`), process each key in order with a send returning `tr-{i}` and a
+//! cap high enough that nothing defers (the cap check still runs), look every
+//! `tr-{i}` up, then verify (untimed) that all are sent once and the chain is intact.
+//!
+//! broadcast: enqueue N messages to N destinations with `enqueue_many` (batches of
+//! 1,000), then drain them with `process_due`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use durable_outbox::{ItemState, NewMessage, Outbox};
+
+struct Args {
+    workload: String,
+    n: usize,
+    destinations: usize,
+    dir: PathBuf,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        workload: "w1".into(),
+        n: 1000,
+        destinations: 50,
+        dir: PathBuf::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--workload" => args.workload = value,
+            "--n" => args.n = value.parse().map_err(|e| format!("--n: {e}"))?,
+            "--destinations" => {
+                args.destinations = value.parse().map_err(|e| format!("--destinations: {e}"))?
+            }
+            "--dir" => args.dir = PathBuf::from(value),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if args.dir.as_os_str().is_empty() || args.n == 0 || args.destinations == 0 {
+        return Err(
+            "usage: bench [--workload w1|broadcast] --n N --destinations D --dir DIR".into(),
+        );
+    }
+    if args.dir.exists()
+        && std::fs::read_dir(&args.dir)
+            .map_err(|e| e.to_string())?
+            .next()
+            .is_some()
+    {
+        return Err(format!(
+            "--dir {} must be missing or empty",
+            args.dir.display()
+        ));
+    }
+    Ok(args)
+}
+
+fn content(i: usize) -> String {
+    let text = format!(
+        "msg-{i:08}: {}",
+        "lorem ipsum dolor sit amet consectetur adipiscing elit ".repeat(4)
+    );
+    text[..200].to_owned()
+}
+
+fn message(i: usize, destination: String) -> NewMessage {
+    NewMessage {
+        idempotency_key: format!("key-{i:08}"),
+        connector: "telegram".into(),
+        grant_id: "grant-1".into(),
+        destination,
+        content: content(i),
+        ..Default::default()
+    }
+}
+
+fn open(args: &Args) -> Result<Outbox, Box<dyn std::error::Error>> {
+    Ok(Outbox::builder(&args.dir)
+        .rate_limit(u32::MAX, Duration::from_secs(60))
+        .open()?)
+}
+
+fn w1(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let n = args.n;
+    let outbox = open(args)?;
+    let start = Instant::now();
+    for i in 0..n {
+        outbox.enqueue(message(i, format!("chat-{}", i % args.destinations)))?;
+    }
+    let enqueue_s = start.elapsed().as_secs_f64();
+
+    let start = Instant::now();
+    for i in 0..n {
+        let receipt = outbox.process(&format!("key-{i:08}"), |_| Ok(Some(format!("tr-{i}"))))?;
+        if receipt.outcome != durable_outbox::Outcome::Sent {
+            return Err(format!("key-{i:08}: {:?}", receipt.outcome).into());
+        }
+    }
+    let process_s = start.elapsed().as_secs_f64();
+
+    let start = Instant::now();
+    for i in 0..n {
+        let found = outbox.find_by_transport_ref(&format!("tr-{i}"))?;
+        if found
+            .as_ref()
+            .map(durable_outbox::OutboxItem::idempotency_key)
+            != Some(format!("key-{i:08}").as_str())
+        {
+            return Err(format!("tr-{i} resolved to {found:?}").into());
+        }
+    }
+    let lookup_s = start.elapsed().as_secs_f64();
+
+    let items = outbox.list_items()?;
+    assert_eq!(items.len(), n);
+    assert!(
+        items
+            .iter()
+            .all(|i| i.state() == ItemState::Sent && i.attempts() == 1 && !i.dispatch_claimed())
+    );
+    let audit = outbox.verify_audit()?;
+    assert_eq!(audit.records, 2 * n as u64);
+    Ok(serde_json::json!({
+        "impl": "durable-outbox", "workload": "w1", "n": n, "destinations": args.destinations,
+        "enqueue_s": enqueue_s, "process_s": process_s, "lookup_s": lookup_s,
+        "enqueue_per_s": (n as f64 / enqueue_s).round(), "process_per_s": (n as f64 / process_s).round(),
+        "lookup_per_s": (n as f64 / lookup_s).round(),
+        "state_bytes": dir_bytes(&args.dir, |name| name != "audit.jsonl"),
+        "audit_records": audit.records,
+        "audit_bytes": dir_bytes(&args.dir, |name| name == "audit.jsonl"),
+    }))
+}
+
+/// Total size of the files in `dir` whose names pass `keep`.
+fn dir_bytes(dir: &std::path::Path, keep: impl Fn(&str) -> bool) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| keep(&e.file_name().to_string_lossy()))
+                .filter_map(|e| e.metadata().ok())
+                .filter(std::fs::Metadata::is_file)
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = match args.workload.as_str() {
+        "w1" => w1(&args),
+        other => Err(format!("unknown workload {other}").into()),
+    };
+    match result {
+        Ok(line) => println!("{line}"),
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(1);
+        }
+    }
+}
