@@ -40,7 +40,7 @@ fn parse_args() -> Result<Args, String> {
             "--workload" => args.workload = value,
             "--n" => args.n = value.parse().map_err(|e| format!("--n: {e}"))?,
             "--destinations" => {
-                args.destinations = value.parse().map_err(|e| format!("--destinations: {e}"))?
+                args.destinations = value.parse().map_err(|e| format!("--destinations: {e}"))?;
             }
             "--dir" => args.dir = PathBuf::from(value),
             other => return Err(format!("unknown flag {other}")),
@@ -143,17 +143,46 @@ fn w1(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
 
 /// Total size of the files in `dir` whose names pass `keep`.
 fn dir_bytes(dir: &std::path::Path, keep: impl Fn(&str) -> bool) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .filter(|e| keep(&e.file_name().to_string_lossy()))
-                .filter_map(|e| e.metadata().ok())
-                .filter(std::fs::Metadata::is_file)
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|e| keep(&e.file_name().to_string_lossy()))
+            .filter_map(|e| e.metadata().ok())
+            .filter(std::fs::Metadata::is_file)
+            .map(|m| m.len())
+            .sum()
+    })
+}
+
+/// 50,000 messages to 50,000 destinations: batched enqueue, then one drain.
+fn broadcast(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let n = args.n;
+    let outbox = open(args)?;
+    let start = Instant::now();
+    let mut i = 0;
+    while i < n {
+        let batch: Vec<NewMessage> = (i..n.min(i + 1000))
+            .map(|j| message(j, format!("user-{j}")))
+            .collect();
+        i += batch.len();
+        outbox.enqueue_many(batch)?;
+    }
+    let enqueue_s = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let report = outbox.process_due(|item| Ok(Some(format!("tr-{}", item.idempotency_key()))))?;
+    let process_s = start.elapsed().as_secs_f64();
+    if report.sent != n {
+        return Err(format!("drained {} of {n}: {report:?}", report.sent).into());
+    }
+    let audit = outbox.verify_audit()?;
+    assert_eq!(audit.records, 2 * n as u64);
+    Ok(serde_json::json!({
+        "impl": "durable-outbox", "workload": "broadcast", "n": n, "destinations": n,
+        "enqueue_s": enqueue_s, "process_s": process_s,
+        "enqueue_per_s": (n as f64 / enqueue_s).round(), "process_per_s": (n as f64 / process_s).round(),
+        "state_bytes": dir_bytes(&args.dir, |name| name != "audit.jsonl"),
+        "audit_records": audit.records,
+    }))
 }
 
 fn main() {
@@ -166,6 +195,7 @@ fn main() {
     };
     let result = match args.workload.as_str() {
         "w1" => w1(&args),
+        "broadcast" => broadcast(&args),
         other => Err(format!("unknown workload {other}").into()),
     };
     match result {

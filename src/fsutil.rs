@@ -77,12 +77,17 @@ pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
 ///
 /// On failure before the rename the temp file is removed and the old file is
 /// untouched.
+///
+/// `failpoint` names this replace's fault points (`<failpoint>.write`, `.fsync`,
+/// `.rename`, `.dir_fsync`) for the crash tests.
 pub(crate) fn replace_atomically(
     dir: &Path,
     name: &str,
     bytes: &[u8],
     faults: &Failpoints,
+    failpoint: &str,
 ) -> std::result::Result<(), (ReplaceFailure, Error)> {
+    let point = |step: &str| format!("{failpoint}.{step}");
     let target = dir.join(name);
     let before = |op: &'static str, path: &Path, e: io::Error| {
         (ReplaceFailure::BeforeRename, Error::io(path, op, e))
@@ -99,20 +104,20 @@ pub(crate) fn replace_atomically(
         .map_err(|e| before("create temp file", dir, e))?;
     let temp_path = temp.path().to_path_buf();
     faults
-        .check("state.write")
+        .check(&point("write"))
         .and_then(|()| temp.write_all(bytes))
         .map_err(|e| before("write", &temp_path, e))?;
     faults
-        .check("state.fsync")
+        .check(&point("fsync"))
         .and_then(|()| temp.as_file().sync_all())
         .map_err(|e| before("fsync", &temp_path, e))?;
     faults
-        .check("state.rename")
+        .check(&point("rename"))
         .map_err(|e| before("rename", &target, e))?;
     temp.persist(&target)
         .map_err(|e| before("rename", &target, e.error))?;
     faults
-        .check("state.dir_fsync")
+        .check(&point("dir_fsync"))
         .and_then(|()| sync_dir(dir))
         .map_err(|e| {
             (
@@ -121,23 +126,6 @@ pub(crate) fn replace_atomically(
             )
         })?;
     Ok(())
-}
-
-/// Appends `bytes` to an open append-mode file and fsyncs it.
-pub(crate) fn append_synced(
-    file: &mut File,
-    path: &Path,
-    bytes: &[u8],
-    faults: &Failpoints,
-) -> Result<()> {
-    faults
-        .check("audit.write")
-        .and_then(|()| file.write_all(bytes))
-        .map_err(|e| Error::io(path, "append", e))?;
-    faults
-        .check("audit.fsync")
-        .and_then(|()| file.sync_data())
-        .map_err(|e| Error::io(path, "fsync", e))
 }
 
 /// Removes temp files left behind by writers that crashed mid-replace.

@@ -1,9 +1,9 @@
 //! The `Outbox` handle: enqueue, process, correlate, audit.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use crate::builder::OutboxBuilder;
 use crate::clock::{Clock, Sleeper, chrono_duration, format_timestamp};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
-use crate::fsutil::{self, ReplaceFailure};
+use crate::fsutil;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
@@ -23,7 +23,7 @@ use crate::rate::RateLimit;
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::retry::Backoff;
 use crate::send::{FailureClass, SendError};
-use crate::store::{State, Store};
+use crate::store::{CommitFailure, Loaded, Store};
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -98,31 +98,81 @@ struct Inner {
     poisoned: AtomicBool,
     config: Config,
     faults: Failpoints,
-    audit_ids: AtomicU64,
 }
 
 /// What this process knows that is only touched under the directory lock.
 struct Locked {
     audit: AuditTail,
+    /// The state, loaded on first use and kept current (see `store`).
+    loaded: Option<Loaded>,
 }
 
-/// One read-modify-write of the state, with the outcomes it produces.
-struct Txn {
-    state: State,
-    events: Vec<AuditEvent>,
-    dirty: bool,
+/// One read-modify-write: reads see the committed state plus this transaction's
+/// own changes; nothing is visible to anyone else until it commits.
+struct Txn<'a> {
+    base: &'a Loaded,
+    /// Items changed by this transaction (whole new versions).
+    overlay: BTreeMap<String, OutboxItem>,
+    /// Audit records this transaction produces, sealed in order after `head`.
+    records: Vec<AuditRecord>,
+    head: Head,
+    hasher: &'a Hasher,
     now: DateTime<Utc>,
 }
 
-impl Txn {
+impl Txn<'_> {
+    fn item(&self, key: &str) -> Option<&OutboxItem> {
+        self.overlay
+            .get(key)
+            .or_else(|| self.base.state.items.get(key))
+    }
+
     fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
-        self.dirty = true;
-        self.state
-            .items
-            .get_mut(key)
-            .ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
+        if !self.overlay.contains_key(key) {
+            let item = self
+                .base
+                .state
+                .items
+                .get(key)
+                .ok_or_else(|| Error::NotFound {
+                    key: key.to_owned(),
+                })?;
+            self.overlay.insert(key.to_owned(), item.clone());
+        }
+        match self.overlay.get_mut(key) {
+            Some(item) => Ok(item),
+            None => unreachable!("inserted above"),
+        }
+    }
+
+    fn insert(&mut self, item: OutboxItem) {
+        self.overlay.insert(item.idempotency_key.clone(), item);
+    }
+
+    fn changed(&self) -> bool {
+        !self.overlay.is_empty() || !self.records.is_empty()
+    }
+
+    /// Send and claim times of `destination` (claims count: they may be sending now).
+    fn destination_times(&self, destination: &str) -> Vec<DateTime<Utc>> {
+        let committed = self.base.index.keys_for_destination(destination);
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| {
+                i.destination == destination
+                    && !self.base.state.items.contains_key(&i.idempotency_key)
             })
+            .map(|i| i.idempotency_key.as_str());
+        committed
+            .chain(pending)
+            .filter_map(|key| self.item(key))
+            .filter_map(|i| match (i.state, &i.claim) {
+                (ItemState::Sent, _) => i.sent_at,
+                (ItemState::Queued, Some(claim)) => claim.at.or(Some(i.updated_at)),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -167,6 +217,7 @@ impl Outbox {
             &dir,
             Locked {
                 audit: AuditTail::new(&dir, hasher),
+                loaded: None,
             },
         )?;
         #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
@@ -184,9 +235,14 @@ impl Outbox {
             }
             lock::sweep_dead_owners(&dir, &guard);
             let owner = OwnerLease::acquire(&dir, &guard)?;
-            guard.audit.catch_up()?;
-            let state = store.load()?;
-            reconcile_audit(&mut guard.audit, &state, store.path(), &faults)?;
+            let Locked { audit, loaded } = &mut *guard;
+            audit.catch_up()?;
+            let loaded = store.refresh(loaded)?;
+            reconcile_audit(audit, loaded, &faults)?;
+            if loaded.has_journal_entries() {
+                // Start from a fresh snapshot: outbox.json is current after every open.
+                compact_locked(&store, audit, loaded, &faults).map_err(|(_, e)| e)?;
+            }
             owner
         };
         Ok(Self {
@@ -206,7 +262,6 @@ impl Outbox {
                     sleeper: builder.sleeper,
                 },
                 faults,
-                audit_ids: AtomicU64::new(0),
             }),
         })
     }
@@ -236,38 +291,69 @@ impl Outbox {
     pub fn enqueue(&self, message: NewMessage) -> Result<OutboxItem> {
         message.validate()?;
         let hash = content_hash(&message.content);
+        self.transact(move |txn| Self::insert_message(txn, message, hash))
+    }
+
+    /// Records several messages in one durable step (one journal entry, one fsync).
+    ///
+    /// All or nothing: every message is validated and checked for idempotency
+    /// conflicts (against the outbox and against each other) before anything is
+    /// written. Messages already present with the same content are returned as
+    /// they are. The result is in the order of `messages`.
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue`](Self::enqueue), for the first offending message.
+    ///
+    /// # Durability
+    ///
+    /// As [`enqueue`](Self::enqueue), for all of them at once.
+    pub fn enqueue_many(&self, messages: Vec<NewMessage>) -> Result<Vec<OutboxItem>> {
+        let mut prepared = Vec::with_capacity(messages.len());
+        for message in messages {
+            message.validate()?;
+            let hash = content_hash(&message.content);
+            prepared.push((message, hash));
+        }
         self.transact(move |txn| {
-            if let Some(existing) = txn.state.items.get(&message.idempotency_key) {
-                return same_message(existing, &message, &hash).map(|()| existing.clone());
-            }
-            let key = message.idempotency_key;
-            let item = OutboxItem {
-                idempotency_key: key.clone(),
-                connector: message.connector,
-                grant_id: message.grant_id,
-                destination: message.destination,
-                content: message.content,
-                content_hash: hash,
-                state: ItemState::Queued,
-                attempts: 0,
-                claim: None,
-                created_at: txn.now,
-                updated_at: txn.now,
-                next_attempt_at: None,
-                sent_at: None,
-                error_code: None,
-                lane: message.lane.unwrap_or_else(|| DEFAULT_LANE.to_owned()),
-                direction: message
-                    .direction
-                    .unwrap_or_else(|| DEFAULT_DIRECTION.to_owned()),
-                risk_class: message.risk_class,
-                transport_ref: None,
-                last_audit_id: None,
-            };
-            txn.state.items.insert(key.clone(), item);
-            self.record(txn, &key, AuditOutcome::Queued, None)?;
-            Ok(txn.state.items[&key].clone())
+            prepared
+                .into_iter()
+                .map(|(message, hash)| Self::insert_message(txn, message, hash))
+                .collect()
         })
+    }
+
+    /// Adds one validated message to a transaction, or returns its existing twin.
+    fn insert_message(txn: &mut Txn<'_>, message: NewMessage, hash: String) -> Result<OutboxItem> {
+        if let Some(existing) = txn.item(&message.idempotency_key) {
+            return same_message(existing, &message, &hash).map(|()| existing.clone());
+        }
+        let key = message.idempotency_key;
+        txn.insert(OutboxItem {
+            idempotency_key: key.clone(),
+            connector: message.connector,
+            grant_id: message.grant_id,
+            destination: message.destination,
+            content: message.content,
+            content_hash: hash,
+            state: ItemState::Queued,
+            attempts: 0,
+            claim: None,
+            created_at: txn.now,
+            updated_at: txn.now,
+            next_attempt_at: None,
+            sent_at: None,
+            error_code: None,
+            lane: message.lane.unwrap_or_else(|| DEFAULT_LANE.to_owned()),
+            direction: message
+                .direction
+                .unwrap_or_else(|| DEFAULT_DIRECTION.to_owned()),
+            risk_class: message.risk_class,
+            transport_ref: None,
+            last_audit_id: None,
+        });
+        record(txn, &key, AuditOutcome::Queued, None)?;
+        txn.item(&key).cloned().ok_or(Error::NotFound { key })
     }
 
     /// The item with this key, if any.
@@ -277,7 +363,7 @@ impl Outbox {
     /// The load errors: [`Error::Corrupt`], [`Error::InvalidRecord`],
     /// [`Error::UnsupportedVersion`], [`Error::Io`].
     pub fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
-        Ok(self.inner.store.load()?.items.remove(key))
+        self.read(|loaded| loaded.state.items.get(key).cloned())
     }
 
     /// Every item, sorted by key.
@@ -286,7 +372,7 @@ impl Outbox {
     ///
     /// As [`get`](Self::get).
     pub fn list_items(&self) -> Result<Vec<OutboxItem>> {
-        Ok(self.inner.store.load()?.items.into_values().collect())
+        self.read(|loaded| loaded.state.items.values().cloned().collect())
     }
 
     /// The item whose delivery returned this transport reference (the platform's
@@ -301,13 +387,13 @@ impl Outbox {
         if transport_ref.trim().is_empty() {
             return Ok(None);
         }
-        Ok(self
-            .inner
-            .store
-            .load()?
-            .items
-            .into_values()
-            .find(|item| item.transport_ref.as_deref() == Some(transport_ref)))
+        self.read(|loaded| {
+            loaded
+                .index
+                .key_for_transport_ref(transport_ref)
+                .and_then(|key| loaded.state.items.get(key))
+                .cloned()
+        })
     }
 
     /// Delivers one item at most once through `send`, the caller's transport call.
@@ -367,16 +453,16 @@ impl Outbox {
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     {
         let now = self.inner.config.clock.now();
-        let mut due: Vec<(DateTime<Utc>, String)> = self
-            .inner
-            .store
-            .load()?
-            .items
-            .into_values()
-            .filter(|item| item.state == ItemState::Queued)
-            .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
-            .map(|item| (item.created_at, item.idempotency_key))
-            .collect();
+        let mut due: Vec<(DateTime<Utc>, String)> = self.read(|loaded| {
+            loaded
+                .state
+                .items
+                .values()
+                .filter(|item| item.state == ItemState::Queued)
+                .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
+                .map(|item| (item.created_at, item.idempotency_key.clone()))
+                .collect()
+        })?;
         due.sort();
         let mut report = DrainReport::default();
         for (_, key) in due {
@@ -394,10 +480,46 @@ impl Outbox {
     /// [`Error::AuditBroken`] naming the first bad line and the fault, including
     /// [`AuditFault::Truncated`]; the load errors of `outbox.json`.
     pub fn verify_audit(&self) -> Result<AuditReport> {
+        self.transact(|_| Ok(()))?;
         let mut guard = self.inner.lock.lock()?;
-        guard.audit.catch_up()?;
-        let state = self.inner.store.load()?;
-        guard.audit.verify_whole(state.audit_head.as_ref())
+        let Locked { audit, loaded } = &mut *guard;
+        audit.catch_up()?;
+        let loaded = self.inner.store.refresh(loaded)?;
+        let expected = loaded
+            .journal_audit
+            .last()
+            .map(|r| Head {
+                seq: r.seq,
+                hash: r.hash.clone(),
+            })
+            .or_else(|| loaded.state.audit_head.clone());
+        audit.verify_whole(expected.as_ref())
+    }
+
+    /// Writes a fresh `outbox.json` snapshot now and starts an empty journal.
+    ///
+    /// The outbox compacts by itself when the journal outgrows the snapshot and on
+    /// open; call this to checkpoint at a moment of your choosing (e.g. before
+    /// copying `outbox.json` for a backup).
+    ///
+    /// # Errors
+    ///
+    /// The load and write errors of every operation.
+    ///
+    /// # Durability
+    ///
+    /// Returns after the audit log, the new snapshot and the new journal are fsynced.
+    pub fn compact(&self) -> Result<()> {
+        let inner = &*self.inner;
+        if inner.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        let mut guard = inner.lock.lock()?;
+        let Locked { audit, loaded } = &mut *guard;
+        audit.catch_up()?;
+        let loaded = inner.store.refresh(loaded)?;
+        self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
+        self.settle(compact_locked(&inner.store, audit, loaded, &inner.faults))
     }
 
     /// Appends any audit records a crash left pending and re-checks the log's tail.
@@ -435,55 +557,75 @@ impl Outbox {
 
     // ----- internals -----------------------------------------------------
 
-    /// Runs one locked read-modify-write: catch up on the audit log, load, repair
-    /// pending audit records, apply `f`, then (if anything changed) write the state
-    /// and append the new records.
-    fn transact<T>(&self, f: impl FnOnce(&mut Txn) -> Result<T>) -> Result<T> {
+    /// Runs `f` on the current state under the lock (no audit repair, no write).
+    fn read<T>(&self, f: impl FnOnce(&Loaded) -> T) -> Result<T> {
         let inner = &*self.inner;
         if inner.poisoned.load(Ordering::Acquire) {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        guard.audit.catch_up()?;
-        let state = inner.store.load()?;
-        self.guard_poison(reconcile_audit(
-            &mut guard.audit,
-            &state,
-            inner.store.path(),
-            &inner.faults,
-        ))?;
+        let loaded = inner.store.refresh(&mut guard.loaded)?;
+        Ok(f(loaded))
+    }
+
+    /// Runs one locked read-modify-write: catch up on the audit log and the state,
+    /// repair audit records a crash left behind, apply `f`, then (if anything
+    /// changed) journal the change durably and append its audit records.
+    fn transact<T>(&self, f: impl FnOnce(&mut Txn<'_>) -> Result<T>) -> Result<T> {
+        let inner = &*self.inner;
+        if inner.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        let mut guard = inner.lock.lock()?;
+        let Locked { audit, loaded } = &mut *guard;
+        audit.catch_up()?;
+        let loaded = inner.store.refresh(loaded)?;
+        self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
         let mut txn = Txn {
-            state,
-            events: Vec::new(),
-            dirty: false,
+            base: loaded,
+            overlay: BTreeMap::new(),
+            records: Vec::new(),
+            head: audit.head().clone(),
+            hasher: audit.hasher(),
             now: inner.config.clock.now(),
         };
         let value = f(&mut txn)?;
-        if !txn.dirty {
+        if !txn.changed() {
             return Ok(value);
         }
-        txn.state.audit_head = Some(guard.audit.head().clone());
-        txn.state.pending_audit = std::mem::take(&mut txn.events);
-        match inner.store.save(&txn.state, &inner.faults) {
-            Ok(()) => {}
-            Err((ReplaceFailure::BeforeRename, e)) => return Err(e),
-            Err((ReplaceFailure::AfterRename, e)) => {
-                inner.poisoned.store(true, Ordering::Release);
-                return Err(e);
-            }
-        }
+        let Txn {
+            overlay, records, ..
+        } = txn;
+        self.settle(inner.store.commit(
+            loaded,
+            overlay.into_values().collect(),
+            &records,
+            &inner.faults,
+        ))?;
         self.guard_poison(
             inner
                 .faults
                 .check("commit.before_audit")
-                .map_err(|e| Error::io(guard.audit.path(), "append", e)),
+                .map_err(|e| Error::io(audit.path(), "append", e)),
         )?;
-        self.guard_poison(
-            guard
-                .audit
-                .append(&txn.state.pending_audit, false, &inner.faults),
-        )?;
+        self.guard_poison(audit.append_records(&records, &inner.faults))?;
+        if loaded.wants_compaction() {
+            self.settle(compact_locked(&inner.store, audit, loaded, &inner.faults))?;
+        }
         Ok(value)
+    }
+
+    /// Turns a commit failure into an error, poisoning the handle when the
+    /// on-disk outcome is uncertain.
+    fn settle(&self, result: std::result::Result<(), (CommitFailure, Error)>) -> Result<()> {
+        match result {
+            Ok(()) => Ok(()),
+            Err((CommitFailure::Clean, e)) => Err(e),
+            Err((CommitFailure::Uncertain, e)) => {
+                self.inner.poisoned.store(true, Ordering::Release);
+                Err(e)
+            }
+        }
     }
 
     /// Poisons the handle when a durability step failed after data may have reached the disk.
@@ -492,54 +634,6 @@ impl Outbox {
             self.inner.poisoned.store(true, Ordering::Release);
         }
         result
-    }
-
-    /// Queues an audit event for the item's current state and stamps its id on the item.
-    fn record(
-        &self,
-        txn: &mut Txn,
-        key: &str,
-        outcome: AuditOutcome,
-        reconciled_note: Option<&str>,
-    ) -> Result<String> {
-        let audit_id = self.next_audit_id();
-        let now = txn.now;
-        let item = txn.item_mut(key)?;
-        item.last_audit_id = Some(audit_id.clone());
-        item.updated_at = item.updated_at.max(now);
-        let event = AuditEvent {
-            attempts: item.attempts,
-            audit_id: audit_id.clone(),
-            connector: item.connector.clone(),
-            content_hash: item.content_hash.clone(),
-            destination: item.destination.clone(),
-            direction: item.direction.clone(),
-            error_code: item.error_code.clone(),
-            grant_id: item.grant_id.clone(),
-            idempotency_key: item.idempotency_key.clone(),
-            lane: item.lane.clone(),
-            outcome,
-            note: reconciled_note.map(str::to_owned),
-            reconciled: reconciled_note.is_some(),
-            recorded_at_utc: format_timestamp(now),
-            risk_class: item.risk_class.clone(),
-            transport_ref: item.transport_ref.clone(),
-        };
-        txn.events.push(event);
-        Ok(audit_id)
-    }
-
-    fn next_audit_id(&self) -> String {
-        let n = self.inner.audit_ids.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let digest = Sha256::new()
-            .chain_update(self.inner.owner.id().as_bytes())
-            .chain_update(n.to_le_bytes())
-            .chain_update(nanos.to_le_bytes())
-            .finalize();
-        hex::encode(&digest[..16])
     }
 
     fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
@@ -598,30 +692,27 @@ impl Outbox {
     }
 
     /// Under the lock: decide what to do with the item, claiming it if it is to be sent.
-    fn decide(&self, txn: &mut Txn, key: &str) -> Result<Decision> {
+    fn decide(&self, txn: &mut Txn<'_>, key: &str) -> Result<Decision> {
         let now = txn.now;
-        let Some(item) = txn.state.items.get(key) else {
+        let Some(item) = txn.item(key) else {
             return Err(Error::NotFound {
                 key: key.to_owned(),
             });
         };
         if item.state.is_terminal() {
             let outcome = terminal_outcome(item.state);
-            let audit_id = match &item.last_audit_id {
-                Some(id) => id.clone(),
-                None => self.record(
+            let audit_id = if let Some(id) = item.last_audit_id.clone() {
+                id
+            } else {
+                let outcome = audit_outcome_of(item.state);
+                record(
                     txn,
                     key,
-                    audit_outcome_of(item.state),
+                    outcome,
                     Some("terminal outcome had no audit record"),
-                )?,
+                )?
             };
-            let item = &txn.state.items[key];
-            return Ok(Decision::Done(DeliveryReceipt::for_item(
-                item,
-                outcome,
-                Some(audit_id),
-            )));
+            return Ok(Decision::Done(receipt(txn, key, outcome, Some(audit_id))?));
         }
         if let Some(claim) = &item.claim {
             if self.claim_is_live(key, claim) {
@@ -635,10 +726,10 @@ impl Outbox {
                 key,
                 "found a claim whose worker is gone; failing it as ambiguous"
             );
-            return self.fail(txn, key, AMBIGUOUS_AFTER_RESTART);
+            return fail(txn, key, AMBIGUOUS_AFTER_RESTART);
         }
         if item.attempts >= self.inner.config.max_attempts {
-            return self.fail(txn, key, ATTEMPTS_EXHAUSTED);
+            return fail(txn, key, ATTEMPTS_EXHAUSTED);
         }
         if let Some(at) = item.next_attempt_at
             && at > now
@@ -649,17 +740,18 @@ impl Outbox {
                 None,
             )));
         }
-        if let Some(free_at) = self.next_free_slot(&txn.state, &item.destination, now) {
+        let times = txn.destination_times(&item.destination);
+        if let Some(free_at) = self.inner.config.rate_limit.next_free_slot(now, times) {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
             item.error_code = Some(RATE_CAPPED.to_owned());
-            let audit_id = self.record(txn, key, AuditOutcome::Deferred, None)?;
-            let item = &txn.state.items[key];
-            return Ok(Decision::Done(DeliveryReceipt::for_item(
-                item,
+            let audit_id = record(txn, key, AuditOutcome::Deferred, None)?;
+            return Ok(Decision::Done(receipt(
+                txn,
+                key,
                 Outcome::Deferred,
                 Some(audit_id),
-            )));
+            )?));
         }
         let owner = self.inner.owner.id().to_owned();
         let item = txn.item_mut(key)?;
@@ -688,68 +780,30 @@ impl Outbox {
         }
     }
 
-    /// Send and claim times of `destination` (claims count: they may be sending now).
-    fn next_free_slot(
-        &self,
-        state: &State,
-        destination: &str,
-        now: DateTime<Utc>,
-    ) -> Option<DateTime<Utc>> {
-        let times = state
-            .items
-            .values()
-            .filter(|i| i.destination == destination)
-            .filter_map(|i| match (i.state, &i.claim) {
-                (ItemState::Sent, _) => i.sent_at,
-                (ItemState::Queued, Some(claim)) => claim.at.or(Some(i.updated_at)),
-                _ => None,
-            });
-        self.inner.config.rate_limit.next_free_slot(now, times)
-    }
-
-    /// Fails an item terminally with `code`.
-    fn fail(&self, txn: &mut Txn, key: &str, code: &str) -> Result<Decision> {
-        let item = txn.item_mut(key)?;
-        item.state = ItemState::Failed;
-        item.claim = None;
-        item.next_attempt_at = None;
-        item.error_code = Some(code.to_owned());
-        let audit_id = self.record(txn, key, AuditOutcome::Failed, None)?;
-        Ok(Decision::Done(DeliveryReceipt::for_item(
-            &txn.state.items[key],
-            Outcome::Failed,
-            Some(audit_id),
-        )))
-    }
-
     /// Under the lock: record what `send` did. Returns the receipt and, for a
     /// retryable failure with attempts left, how long to wait.
     fn finish(
         &self,
-        txn: &mut Txn,
+        txn: &mut Txn<'_>,
         key: &str,
         result: &SendResult,
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
         let now = txn.now;
-        let ours = txn
-            .state
-            .items
-            .get(key)
-            .is_some_and(|i| i.claim_owner() == Some(self.inner.owner.id()));
-        if !ours {
-            // Only possible if outbox.json was replaced behind our back.
+        let item = txn.item(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })?;
+        if item.claim_owner() != Some(self.inner.owner.id()) {
+            // Only possible if the state files were replaced behind our back.
             tracing::error!(
                 key,
                 "our claim vanished while sending; leaving the item as it is"
             );
-            let item = txn.state.items.get(key).ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
-            })?;
             return Ok((
                 DeliveryReceipt::for_item(item, Outcome::InFlight, None),
                 None,
             ));
         }
+        let attempts = item.attempts;
         match result {
             Ok(Ok(transport_ref)) => {
                 let item = txn.item_mut(key)?;
@@ -761,16 +815,11 @@ impl Outbox {
                     .as_deref()
                     .filter(|r| !r.trim().is_empty())
                     .map(|r| sanitize(r, limits::TRANSPORT_REF));
-                let audit_id = self.record(txn, key, AuditOutcome::Sent, None)?;
-                let item = &txn.state.items[key];
-                Ok((
-                    DeliveryReceipt::for_item(item, Outcome::Sent, Some(audit_id)),
-                    None,
-                ))
+                let audit_id = record(txn, key, AuditOutcome::Sent, None)?;
+                Ok((receipt(txn, key, Outcome::Sent, Some(audit_id))?, None))
             }
             Ok(Err(error)) => {
                 let code = sanitize(error.code(), limits::TRANSPORT_REF);
-                let attempts = txn.state.items[key].attempts;
                 if error.class() == FailureClass::Retryable
                     && attempts < self.inner.config.max_attempts
                 {
@@ -782,25 +831,117 @@ impl Outbox {
                     item.claim = None;
                     item.error_code = Some(code);
                     item.next_attempt_at = Some(now + chrono_duration(wait));
-                    let audit_id = self.record(txn, key, AuditOutcome::Retrying, None)?;
-                    let item = &txn.state.items[key];
+                    let audit_id = record(txn, key, AuditOutcome::Retrying, None)?;
                     Ok((
-                        DeliveryReceipt::for_item(item, Outcome::Deferred, Some(audit_id)),
+                        receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
                         Some(wait),
                     ))
                 } else {
-                    match self.fail(txn, key, &code)? {
-                        Decision::Done(receipt) => Ok((receipt, None)),
-                        Decision::Send(_) => unreachable!("fail always decides"),
-                    }
+                    Ok((done(fail(txn, key, &code)?), None))
                 }
             }
-            Err(_panic) => match self.fail(txn, key, SEND_PANICKED)? {
-                Decision::Done(receipt) => Ok((receipt, None)),
-                Decision::Send(_) => unreachable!("fail always decides"),
-            },
+            Err(_panic) => Ok((done(fail(txn, key, SEND_PANICKED)?), None)),
         }
     }
+}
+
+/// The receipt of a decision that is not a send.
+fn done(decision: Decision) -> DeliveryReceipt {
+    match decision {
+        Decision::Done(receipt) => receipt,
+        Decision::Send(_) => unreachable!("only `decide` claims"),
+    }
+}
+
+/// The receipt for an item as the transaction now sees it.
+fn receipt(
+    txn: &Txn<'_>,
+    key: &str,
+    outcome: Outcome,
+    audit_id: Option<String>,
+) -> Result<DeliveryReceipt> {
+    let item = txn.item(key).ok_or_else(|| Error::NotFound {
+        key: key.to_owned(),
+    })?;
+    Ok(DeliveryReceipt::for_item(item, outcome, audit_id))
+}
+
+/// Fails an item terminally with `code`.
+fn fail(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
+    let item = txn.item_mut(key)?;
+    item.state = ItemState::Failed;
+    item.claim = None;
+    item.next_attempt_at = None;
+    item.error_code = Some(code.to_owned());
+    let audit_id = record(txn, key, AuditOutcome::Failed, None)?;
+    Ok(Decision::Done(receipt(
+        txn,
+        key,
+        Outcome::Failed,
+        Some(audit_id),
+    )?))
+}
+
+/// Seals an audit record for the item's current state into the transaction and
+/// stamps its id on the item. Returns the id.
+fn record(
+    txn: &mut Txn<'_>,
+    key: &str,
+    outcome: AuditOutcome,
+    reconciled_note: Option<&str>,
+) -> Result<String> {
+    let now = txn.now;
+    let (seq, prev_hash) = (txn.head.seq + 1, txn.head.hash.clone());
+    // Unique within the chain (seq) and across chains (prev_hash, key, time).
+    let audit_id = hex::encode(
+        &Sha256::new()
+            .chain_update(prev_hash.as_bytes())
+            .chain_update(seq.to_le_bytes())
+            .chain_update(key.as_bytes())
+            .chain_update(format_timestamp(now).as_bytes())
+            .finalize()[..16],
+    );
+    let item = txn.item_mut(key)?;
+    item.last_audit_id = Some(audit_id.clone());
+    item.updated_at = item.updated_at.max(now);
+    let event = AuditEvent {
+        attempts: item.attempts,
+        audit_id: audit_id.clone(),
+        connector: item.connector.clone(),
+        content_hash: item.content_hash.clone(),
+        destination: item.destination.clone(),
+        direction: item.direction.clone(),
+        error_code: item.error_code.clone(),
+        grant_id: item.grant_id.clone(),
+        idempotency_key: item.idempotency_key.clone(),
+        lane: item.lane.clone(),
+        outcome,
+        note: reconciled_note.map(str::to_owned),
+        reconciled: reconciled_note.is_some(),
+        recorded_at_utc: format_timestamp(now),
+        risk_class: item.risk_class.clone(),
+        transport_ref: item.transport_ref.clone(),
+    };
+    let sealed = AuditRecord::seal(&event, seq, &prev_hash, false, txn.hasher);
+    txn.head = Head {
+        seq: sealed.seq,
+        hash: sealed.hash.clone(),
+    };
+    txn.records.push(sealed);
+    Ok(audit_id)
+}
+
+/// Folds the journal into a fresh snapshot once every audit record is durable in the log.
+fn compact_locked(
+    store: &Store,
+    audit: &mut AuditTail,
+    loaded: &mut Loaded,
+    faults: &Failpoints,
+) -> std::result::Result<(), (CommitFailure, Error)> {
+    audit
+        .sync(faults)
+        .map_err(|e| (CommitFailure::Uncertain, e))?;
+    store.compact(loaded, audit.head().clone(), faults)
 }
 
 /// Checks that an existing item is the same message as `message`.
@@ -860,68 +1001,74 @@ fn sanitize(text: &str, max: usize) -> String {
     clean
 }
 
-/// Cross-checks the log against the head `outbox.json` recorded and appends the
-/// records of outcomes that were committed but not yet logged.
-fn reconcile_audit(
-    audit: &mut AuditTail,
-    state: &State,
-    state_path: &Path,
-    faults: &Failpoints,
-) -> Result<()> {
+/// Cross-checks the audit log against the state and appends the records the
+/// journal committed but the log does not have yet (after a crash, or when another
+/// process died between its journal fsync and its audit append). The records are
+/// re-appended byte for byte, so the log ends up exactly as if nothing had happened.
+fn reconcile_audit(audit: &mut AuditTail, loaded: &Loaded, faults: &Failpoints) -> Result<()> {
     let head = audit.head().clone();
-    let Some(base) = &state.audit_head else {
-        if head.seq > 0 {
-            return Err(Error::InvalidRecord {
-                path: state_path.to_path_buf(),
-                location: "audit_head".into(),
-                reason: format!(
-                    "missing, but the audit log already has {} records: outbox.json was replaced or rolled back",
-                    head.seq
-                ),
-            });
-        }
-        return Ok(());
+    let snapshot = loaded
+        .state
+        .audit_head
+        .clone()
+        .unwrap_or_else(Head::genesis);
+    let broken = |line: u64, fault: AuditFault| Error::AuditBroken {
+        path: audit.path().to_path_buf(),
+        line,
+        fault,
     };
-    if head.seq < base.seq {
-        return Err(Error::AuditBroken {
-            path: audit.path().to_path_buf(),
-            line: head.seq,
-            fault: AuditFault::Truncated {
-                expected_seq: base.seq,
+    if head.seq < snapshot.seq {
+        return Err(broken(
+            head.seq + 1,
+            AuditFault::Truncated {
+                expected_seq: snapshot.seq,
                 found_seq: head.seq,
             },
-        });
+        ));
     }
     if audit
-        .hash_at(base.seq)
-        .is_some_and(|hash| hash != base.hash)
+        .hash_at(snapshot.seq)
+        .is_some_and(|hash| hash != snapshot.hash)
     {
-        return Err(Error::AuditBroken {
-            path: audit.path().to_path_buf(),
-            line: base.seq,
-            fault: AuditFault::HeadMismatch { seq: base.seq },
-        });
+        return Err(broken(
+            snapshot.seq,
+            AuditFault::HeadMismatch { seq: snapshot.seq },
+        ));
     }
-    let logged = (head.seq - base.seq) as usize;
-    if logged > state.pending_audit.len() {
+    let expected_last = loaded.journal_audit.last().map_or(snapshot.seq, |r| r.seq);
+    if head.seq > expected_last {
         return Err(Error::InvalidRecord {
-            path: state_path.to_path_buf(),
+            path: loaded_path(audit),
             location: "audit_head".into(),
             reason: format!(
-                "records seq {} (+{} pending) but the audit log is at seq {}: outbox.json was replaced or rolled back",
-                base.seq,
-                state.pending_audit.len(),
+                "the state knows audit records up to seq {expected_last} but the log is at seq {}: \
+                 outbox.json or outbox.journal was replaced or rolled back",
                 head.seq
             ),
         });
     }
-    let missing = &state.pending_audit[logged..];
+    if let Some(known) = loaded.journal_audit.iter().find(|r| r.seq == head.seq)
+        && known.hash != head.hash
+    {
+        return Err(broken(head.seq, AuditFault::HeadMismatch { seq: head.seq }));
+    }
+    let missing: Vec<AuditRecord> = loaded
+        .journal_audit
+        .iter()
+        .filter(|r| r.seq > head.seq)
+        .cloned()
+        .collect();
     if !missing.is_empty() {
         tracing::warn!(
             records = missing.len(),
-            "appending audit records a crash left pending"
+            "re-appending audit records a crash left out of the log"
         );
-        audit.append(missing, true, faults)?;
+        audit.append_records(&missing, faults)?;
     }
     Ok(())
+}
+
+/// The state file's path, for errors about the state as a whole.
+fn loaded_path(audit: &AuditTail) -> PathBuf {
+    audit.path().with_file_name(crate::store::STATE_FILE)
 }

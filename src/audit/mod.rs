@@ -533,33 +533,70 @@ impl AuditTail {
         Ok(report)
     }
 
-    /// Appends `events` as records after the current head, fsyncing before returning.
+    /// The hash function of this log.
+    pub(crate) fn hasher(&self) -> &Hasher {
+        &self.hasher
+    }
+
+    /// Appends sealed records, which must continue the chain from the current head.
+    /// Does **not** fsync: the records are already durable in the journal entry
+    /// that committed them, and are re-appended from there after a crash.
     ///
     /// On error the handle must be poisoned by the caller: the bytes may be partly
-    /// on disk, and only a fresh [`catch_up`](Self::catch_up) (after reopening) can
-    /// tell what survived.
-    pub(crate) fn append(
+    /// in the file, and only a fresh [`catch_up`](Self::catch_up) can tell.
+    pub(crate) fn append_records(
         &mut self,
-        events: &[AuditEvent],
-        reconciled: bool,
+        records: &[AuditRecord],
         faults: &Failpoints,
     ) -> Result<()> {
-        if events.is_empty() {
+        if records.is_empty() {
             return Ok(());
         }
-        let mut buffer = Vec::with_capacity(events.len() * 512);
-        let mut heads = Vec::with_capacity(events.len());
+        let mut buffer = Vec::with_capacity(records.len() * 640);
         let mut head = self.head().clone();
-        for event in events {
-            let record =
-                AuditRecord::seal(event, head.seq + 1, &head.hash, reconciled, &self.hasher);
+        for record in records {
+            if record.seq != head.seq + 1 || record.prev_hash != head.hash {
+                return Err(broken(
+                    &self.path,
+                    self.lines + 1,
+                    AuditFault::HeadMismatch { seq: head.seq },
+                ));
+            }
             buffer.extend_from_slice(&record.to_line());
             head = Head {
                 seq: record.seq,
-                hash: record.hash,
+                hash: record.hash.clone(),
             };
-            heads.push(head.clone());
         }
+        let file = self.append_handle()?;
+        faults
+            .check("audit.write")
+            .and_then(|()| std::io::Write::write_all(file, &buffer))
+            .map_err(|e| Error::io(&self.path, "append", e))?;
+        self.verified_len += buffer.len() as u64;
+        self.lines += records.len() as u64;
+        for record in records {
+            self.remember(Head {
+                seq: record.seq,
+                hash: record.hash.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// fsyncs the log, making every appended record durable in the log itself
+    /// (done before a compaction drops the journal entries that also hold them).
+    pub(crate) fn sync(&mut self, faults: &Failpoints) -> Result<()> {
+        let path = self.path.clone();
+        let file = self.append_handle()?;
+        faults
+            .check("audit.fsync")
+            .and_then(|()| file.sync_data())
+            .map_err(|e| Error::io(&path, "fsync", e))
+    }
+
+    /// The append-mode descriptor, opened (and the file created durably) on first use.
+    fn append_handle(&mut self) -> Result<&mut File> {
         if self.file.is_none() {
             let created = !self.path.exists();
             let file = fsutil::open_private(&self.path, true)
@@ -570,16 +607,10 @@ impl AuditTail {
             }
             self.file = Some(file);
         }
-        let Some(file) = self.file.as_mut() else {
-            unreachable!("opened above")
-        };
-        fsutil::append_synced(file, &self.path, &buffer, faults)?;
-        self.verified_len += buffer.len() as u64;
-        self.lines += heads.len() as u64;
-        for head in heads {
-            self.remember(head);
+        match self.file.as_mut() {
+            Some(file) => Ok(file),
+            None => unreachable!("opened above"),
         }
-        Ok(())
     }
 }
 

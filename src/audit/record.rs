@@ -46,10 +46,7 @@ impl AuditOutcome {
 }
 
 /// The facts of one outcome, before it is given a place in the chain.
-///
-/// Stored in `outbox.json`'s `pending_audit` between the state write and the audit
-/// append, so a crash in between can be repaired exactly.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct AuditEvent {
     pub(crate) attempts: u32,
     pub(crate) audit_id: String,
@@ -63,10 +60,8 @@ pub(crate) struct AuditEvent {
     pub(crate) lane: String,
     pub(crate) outcome: AuditOutcome,
     /// Free text for operator actions (`operator: reason`); `None` otherwise.
-    #[serde(default)]
     pub(crate) note: Option<String>,
     /// Set when the event itself is a late repair (e.g. a terminal item that never got a record).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) reconciled: bool,
     pub(crate) recorded_at_utc: String,
     pub(crate) risk_class: Option<String>,

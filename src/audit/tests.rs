@@ -73,17 +73,47 @@ fn keyed_and_plain_hashes_differ() {
     assert_ne!(plain.hash, keyed.hash);
 }
 
+/// `n` records continuing `tail`'s chain.
+fn next_records(tail: &AuditTail, n: u64) -> Vec<AuditRecord> {
+    let mut head = tail.head().clone();
+    (0..n)
+        .map(|_| {
+            let r = AuditRecord::seal(&event(), head.seq + 1, &head.hash, false, &Hasher::Plain);
+            head = super::Head {
+                seq: r.seq,
+                hash: r.hash.clone(),
+            };
+            r
+        })
+        .collect()
+}
+
+#[test]
+fn records_that_do_not_continue_the_chain_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tail = AuditTail::new(dir.path(), Hasher::Plain);
+    let records = next_records(&tail, 2);
+    assert!(
+        tail.append_records(&records[1..], &Failpoints::default())
+            .is_err()
+    );
+    assert!(!tail.path().exists(), "nothing was written");
+}
+
 #[test]
 fn the_tail_appends_without_rereading_and_catches_up_on_other_writers() {
     let dir = tempfile::tempdir().unwrap();
     let faults = Failpoints::default();
     let mut ours = AuditTail::new(dir.path(), Hasher::Plain);
     let mut theirs = AuditTail::new(dir.path(), Hasher::Plain);
-    ours.append(&[event(), event()], false, &faults).unwrap();
+    ours.append_records(&next_records(&ours, 2), &faults)
+        .unwrap();
     assert_eq!(ours.head().seq, 2);
     theirs.catch_up().unwrap();
     assert_eq!(theirs.head(), ours.head());
-    theirs.append(&[event()], false, &faults).unwrap();
+    theirs
+        .append_records(&next_records(&theirs, 1), &faults)
+        .unwrap();
     ours.catch_up().unwrap();
     assert_eq!(ours.head().seq, 3);
     assert_eq!(ours.hash_at(2), theirs.hash_at(2));
@@ -95,7 +125,7 @@ fn the_tail_appends_without_rereading_and_catches_up_on_other_writers() {
 fn a_shrunken_log_is_reported_not_followed() {
     let dir = tempfile::tempdir().unwrap();
     let mut tail = AuditTail::new(dir.path(), Hasher::Plain);
-    tail.append(&[event(), event()], false, &Failpoints::default())
+    tail.append_records(&next_records(&tail, 2), &Failpoints::default())
         .unwrap();
     std::fs::write(tail.path(), b"").unwrap();
     assert!(tail.catch_up().is_err());

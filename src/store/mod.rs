@@ -1,18 +1,32 @@
-//! `outbox.json`: the only module that reads or writes it.
+//! The outbox's state on disk: the snapshot `outbox.json` and the journal
+//! `outbox.journal`, and this handle's in-memory copy of them.
 //!
-//! The file is always replaced whole and atomically (see `fsutil`). A file that
-//! cannot be read, parsed or validated is reported with its path and position and
-//! is never overwritten: every write path loads first and stops at the error.
+//! The state is the snapshot plus every journal entry of the same generation,
+//! applied in order. A transaction appends one checksummed entry and fsyncs it:
+//! one durable step per change, whatever the backlog. Compaction writes a new
+//! snapshot (atomically: temp → fsync → rename → fsync directory) with the next
+//! generation, then starts an empty journal for it; a crash in between leaves a
+//! journal of the old generation, which is recognised as already folded in.
+//!
+//! Each handle keeps the state in memory with indexes (by transport ref, by
+//! destination). Before every use, under the directory lock, it checks the two
+//! files' identity and size: a grown journal is read from where it stopped, a
+//! replaced file is reloaded. Nothing is re-parsed that has not changed.
+//!
+//! A file that cannot be read, parsed or validated is reported with its path and
+//! position and is never overwritten.
 
+mod journal;
 mod v1;
 
-use std::collections::BTreeMap;
-use std::io;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
 
-use crate::audit::{AuditEvent, Head};
+use crate::audit::{AuditRecord, Head};
 use crate::clock::{format_timestamp, parse_timestamp};
 use crate::error::{Error, Result};
 use crate::failpoint::Failpoints;
@@ -20,28 +34,190 @@ use crate::fsutil::{self, ReplaceFailure};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::content_hash;
 
+pub(crate) use journal::JOURNAL_FILE;
+use journal::{EntryV1, HeaderV1, JOURNAL_VERSION, Line};
 pub(crate) use v1::CURRENT_VERSION;
 use v1::{FileV1, HeadV1, ItemV1, VersionProbe};
 
-/// Name of the state file inside an outbox directory.
+/// Name of the snapshot inside an outbox directory.
 pub(crate) const STATE_FILE: &str = "outbox.json";
 
-/// The outbox's whole state, as held in memory between load and save.
+/// Compact once the journal is larger than this many bytes…
+const COMPACT_MIN_BYTES: u64 = 256 * 1024;
+/// …and larger than this multiple of the snapshot (so compaction stays amortised O(1)).
+const COMPACT_SNAPSHOT_FACTOR: u64 = 2;
+
+/// A snapshot's contents.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct State {
     /// Items by idempotency key (sorted, as in the file).
     pub(crate) items: BTreeMap<String, OutboxItem>,
-    /// The audit head when this state was written, before `pending_audit`.
+    /// The audit head when the snapshot was written; the log holds at least this.
     pub(crate) audit_head: Option<Head>,
-    /// Outcomes committed with this state whose audit records may not be in the log yet.
-    pub(crate) pending_audit: Vec<AuditEvent>,
+    /// The journal generation that continues this snapshot.
+    pub(crate) generation: u64,
 }
 
-/// Reads and writes `outbox.json` in one directory.
+/// Secondary indexes over the items, kept in step with every change.
+#[derive(Debug, Default)]
+pub(crate) struct Index {
+    by_transport_ref: HashMap<String, BTreeSet<String>>,
+    by_destination: HashMap<String, BTreeSet<String>>,
+}
+
+impl Index {
+    fn build(items: &BTreeMap<String, OutboxItem>) -> Self {
+        let mut index = Self::default();
+        for item in items.values() {
+            index.insert(item);
+        }
+        index
+    }
+
+    fn insert(&mut self, item: &OutboxItem) {
+        let key = &item.idempotency_key;
+        if let Some(r) = &item.transport_ref {
+            self.by_transport_ref
+                .entry(r.clone())
+                .or_default()
+                .insert(key.clone());
+        }
+        self.by_destination
+            .entry(item.destination.clone())
+            .or_default()
+            .insert(key.clone());
+    }
+
+    fn remove(&mut self, item: &OutboxItem) {
+        let key = &item.idempotency_key;
+        if let Some(r) = &item.transport_ref
+            && let Some(keys) = self.by_transport_ref.get_mut(r)
+        {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_transport_ref.remove(r);
+            }
+        }
+        if let Some(keys) = self.by_destination.get_mut(&item.destination) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_destination.remove(&item.destination);
+            }
+        }
+    }
+
+    /// The first key (in key order) whose item carries this transport ref.
+    pub(crate) fn key_for_transport_ref(&self, transport_ref: &str) -> Option<&str> {
+        self.by_transport_ref
+            .get(transport_ref)
+            .and_then(BTreeSet::first)
+            .map(String::as_str)
+    }
+
+    /// The keys of the items going to `destination`.
+    pub(crate) fn keys_for_destination(&self, destination: &str) -> impl Iterator<Item = &str> {
+        self.by_destination
+            .get(destination)
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+    }
+}
+
+/// Identity and size of a file, to notice changes without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+fn stamp(path: &Path) -> Result<Option<Stamp>> {
+    match fs::metadata(path) {
+        Ok(meta) => {
+            #[cfg(unix)]
+            let (dev, ino) = {
+                use std::os::unix::fs::MetadataExt;
+                (meta.dev(), meta.ino())
+            };
+            #[cfg(not(unix))]
+            let (dev, ino) = (0, 0);
+            Ok(Some(Stamp {
+                dev,
+                ino,
+                len: meta.len(),
+                modified: meta.modified().ok(),
+            }))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, "stat", e)),
+    }
+}
+
+/// Where this handle stands in the current journal.
+#[derive(Debug)]
+struct Cursor {
+    file: File,
+    /// Identity of the journal file the cursor reads.
+    dev: u64,
+    ino: u64,
+    /// Bytes read and applied so far.
+    offset: u64,
+    /// The next entry's sequence number.
+    next_seq: u64,
+}
+
+/// The state as this handle knows it, with what is needed to keep it current.
+#[derive(Debug)]
+pub(crate) struct Loaded {
+    pub(crate) state: State,
+    pub(crate) index: Index,
+    /// Audit records committed in the journal since the snapshot, oldest first.
+    pub(crate) journal_audit: Vec<AuditRecord>,
+    snapshot: Option<Stamp>,
+    /// `None` when there is no journal of the snapshot's generation yet.
+    cursor: Option<Cursor>,
+}
+
+impl Loaded {
+    /// Whether the journal has grown enough that a compaction pays for itself.
+    pub(crate) fn wants_compaction(&self) -> bool {
+        let journal = self.cursor.as_ref().map_or(0, |c| c.offset);
+        let snapshot = self.snapshot.map_or(0, |s| s.len);
+        journal > COMPACT_MIN_BYTES && journal > snapshot * COMPACT_SNAPSHOT_FACTOR
+    }
+
+    /// Whether anything has been journalled since the snapshot.
+    pub(crate) fn has_journal_entries(&self) -> bool {
+        self.cursor.as_ref().is_some_and(|c| c.next_seq > 1)
+    }
+
+    fn apply(&mut self, item: OutboxItem) {
+        if let Some(old) = self.state.items.get(&item.idempotency_key) {
+            self.index.remove(old);
+        }
+        self.index.insert(&item);
+        self.state.items.insert(item.idempotency_key.clone(), item);
+    }
+}
+
+/// How far a failed commit got.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum CommitFailure {
+    /// Nothing reached the journal: the state is as before and the handle is usable.
+    Clean,
+    /// Bytes may have reached the journal, or a new file may not be durable:
+    /// the handle must be poisoned.
+    Uncertain,
+}
+
+/// Reads and writes the snapshot and journal in one directory.
 #[derive(Debug)]
 pub(crate) struct Store {
     dir: PathBuf,
     path: PathBuf,
+    journal_path: PathBuf,
 }
 
 impl Store {
@@ -49,6 +225,7 @@ impl Store {
         Self {
             dir: dir.to_path_buf(),
             path: dir.join(STATE_FILE),
+            journal_path: dir.join(JOURNAL_FILE),
         }
     }
 
@@ -56,24 +233,376 @@ impl Store {
         &self.path
     }
 
-    /// Loads the current state; a missing file is an empty outbox.
-    pub(crate) fn load(&self) -> Result<State> {
-        let bytes = match std::fs::read(&self.path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(State::default()),
-            Err(e) => return Err(Error::io(&self.path, "read", e)),
+    /// Brings `loaded` up to date with the files, loading them the first time.
+    /// Call with the directory lock held.
+    pub(crate) fn refresh<'a>(&self, loaded: &'a mut Option<Loaded>) -> Result<&'a mut Loaded> {
+        let snapshot = stamp(&self.path)?;
+        let journal = stamp(&self.journal_path)?;
+        let reload = match loaded.as_ref() {
+            None => true,
+            Some(current) => {
+                current.snapshot != snapshot
+                    || match (&current.cursor, journal) {
+                        (None, None) => false,
+                        (Some(c), Some(j)) => (c.dev, c.ino) != (j.dev, j.ino),
+                        _ => true,
+                    }
+            }
         };
-        decode(&self.path, &bytes)
+        if reload {
+            *loaded = None;
+            let fresh = self.load(snapshot)?;
+            return Ok(loaded.insert(fresh));
+        }
+        let Some(current) = loaded.as_mut() else {
+            unreachable!("reload handles None")
+        };
+        if let (Some(cursor), Some(j)) = (&current.cursor, journal) {
+            if j.len < cursor.offset {
+                return Err(invalid(
+                    &self.journal_path,
+                    format!("byte {}", j.len),
+                    format!(
+                        "the journal shrank below the {} bytes already applied: it was truncated",
+                        cursor.offset
+                    ),
+                ));
+            }
+            if j.len > cursor.offset {
+                self.read_journal(current)?;
+            }
+        }
+        Ok(current)
     }
 
-    /// Replaces the file with `state`, durably.
-    pub(crate) fn save(
+    /// Loads the snapshot and replays the journal of its generation.
+    fn load(&self, snapshot: Option<Stamp>) -> Result<Loaded> {
+        let state = if snapshot.is_some() {
+            let bytes = fs::read(&self.path).map_err(|e| Error::io(&self.path, "read", e))?;
+            decode(&self.path, &bytes)?
+        } else {
+            State::default()
+        };
+        let mut loaded = Loaded {
+            index: Index::build(&state.items),
+            state,
+            journal_audit: Vec::new(),
+            snapshot,
+            cursor: None,
+        };
+        let file = match fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&self.journal_path)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(loaded),
+            Err(e) => return Err(Error::io(&self.journal_path, "open", e)),
+        };
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io(&self.journal_path, "stat", e))?;
+        #[cfg(unix)]
+        let (dev, ino) = {
+            use std::os::unix::fs::MetadataExt;
+            (meta.dev(), meta.ino())
+        };
+        #[cfg(not(unix))]
+        let (dev, ino) = (0, 0);
+        let mut header = Vec::new();
+        (&file)
+            .take(4096)
+            .read_to_end(&mut header)
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+        if header.is_empty() {
+            // An empty journal holds nothing acknowledged; the next commit starts it again.
+            return Ok(loaded);
+        }
+        let generation = match journal::next_line(&header) {
+            // Created atomically, so a bad header was never acknowledged either.
+            Line::Invalid { .. } => return Ok(loaded),
+            Line::Valid(json, len) => {
+                let head: HeaderV1 = serde_json::from_slice(json).map_err(|e| {
+                    invalid(
+                        &self.journal_path,
+                        "line 1".into(),
+                        format!("invalid header: {e}"),
+                    )
+                })?;
+                if head.journal != JOURNAL_VERSION {
+                    return Err(invalid(
+                        &self.journal_path,
+                        "line 1".into(),
+                        format!("unsupported journal version {}", head.journal),
+                    ));
+                }
+                (head.generation, len)
+            }
+        };
+        let (generation, header_len) = generation;
+        if generation < loaded.state.generation {
+            // Left by a compaction that crashed after writing the snapshot: every
+            // entry is already in the snapshot.
+            return Ok(loaded);
+        }
+        if generation > loaded.state.generation {
+            return Err(invalid(
+                &self.path,
+                "generation".into(),
+                format!(
+                    "snapshot generation {} is older than the journal's {generation}: outbox.json was replaced or rolled back",
+                    loaded.state.generation
+                ),
+            ));
+        }
+        loaded.cursor = Some(Cursor {
+            file,
+            dev,
+            ino,
+            offset: header_len as u64,
+            next_seq: 1,
+        });
+        self.read_journal(&mut loaded)?;
+        Ok(loaded)
+    }
+
+    /// Applies journal entries past the cursor; quarantines a torn tail.
+    fn read_journal(&self, loaded: &mut Loaded) -> Result<()> {
+        let Some(cursor) = loaded.cursor.as_mut() else {
+            return Ok(());
+        };
+        let mut fresh = Vec::new();
+        cursor
+            .file
+            .seek(SeekFrom::Start(cursor.offset))
+            .and_then(|_| cursor.file.read_to_end(&mut fresh))
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+        let start = cursor.offset;
+        let mut pos = 0;
+        let mut entries = Vec::new();
+        let mut next_seq = cursor.next_seq;
+        while pos < fresh.len() {
+            match journal::next_line(&fresh[pos..]) {
+                Line::Valid(json, len) => {
+                    let at = format!("byte {}", start + pos as u64);
+                    let entry: EntryV1 = serde_json::from_slice(json).map_err(|e| {
+                        invalid(
+                            &self.journal_path,
+                            at.clone(),
+                            format!("invalid entry: {e}"),
+                        )
+                    })?;
+                    if entry.seq != next_seq {
+                        return Err(invalid(
+                            &self.journal_path,
+                            at,
+                            format!("entry seq {} where {next_seq} was expected", entry.seq),
+                        ));
+                    }
+                    next_seq += 1;
+                    let mut items = Vec::with_capacity(entry.items.len());
+                    for (i, raw) in entry.items.into_iter().enumerate() {
+                        items.push(item_from_disk(
+                            &self.journal_path,
+                            &format!("{at} item {i}"),
+                            raw,
+                        )?);
+                    }
+                    entries.push((items, entry.audit, len));
+                    pos += len;
+                }
+                Line::Invalid { len, terminated } => {
+                    let rest = &fresh[pos + len..];
+                    if journal::is_remnant(terminated, rest, &fresh[pos..pos + len]) {
+                        break;
+                    }
+                    return Err(invalid(
+                        &self.journal_path,
+                        format!("byte {}", start + pos as u64),
+                        "checksum mismatch or malformed line (the journal is damaged)",
+                    ));
+                }
+            }
+        }
+        let torn = fresh.len() - pos;
+        for (items, audit, len) in entries {
+            for item in items {
+                loaded.apply(item);
+            }
+            loaded.journal_audit.extend(audit);
+            let Some(cursor) = loaded.cursor.as_mut() else {
+                unreachable!("checked above")
+            };
+            cursor.offset += len as u64;
+            cursor.next_seq += 1;
+        }
+        if torn > 0 {
+            self.quarantine_journal_tail(loaded, &fresh[pos..])?;
+        }
+        Ok(())
+    }
+
+    /// Moves an unacknowledged, torn journal tail aside and cuts it off.
+    fn quarantine_journal_tail(&self, loaded: &mut Loaded, tail: &[u8]) -> Result<()> {
+        let Some(cursor) = loaded.cursor.as_mut() else {
+            return Ok(());
+        };
+        let mut n = 0u32;
+        let quarantine = loop {
+            let path = self.dir.join(format!("{JOURNAL_FILE}.torn-{n}"));
+            if !path.exists() {
+                break path;
+            }
+            n += 1;
+        };
+        fs::write(&quarantine, tail)
+            .and_then(|()| File::open(&quarantine)?.sync_all())
+            .map_err(|e| Error::io(&quarantine, "write quarantine file", e))?;
+        cursor
+            .file
+            .set_len(cursor.offset)
+            .and_then(|()| cursor.file.sync_all())
+            .map_err(|e| Error::io(&self.journal_path, "truncate torn tail", e))?;
+        tracing::warn!(
+            journal = %self.journal_path.display(),
+            quarantine = %quarantine.display(),
+            bytes = tail.len(),
+            "moved an unacknowledged, torn journal tail aside"
+        );
+        Ok(())
+    }
+
+    /// Journals one transaction durably and applies it to `loaded`.
+    pub(crate) fn commit(
         &self,
-        state: &State,
+        loaded: &mut Loaded,
+        items: Vec<OutboxItem>,
+        audit: &[AuditRecord],
         faults: &Failpoints,
-    ) -> std::result::Result<(), (ReplaceFailure, Error)> {
-        let bytes = encode(state);
-        fsutil::replace_atomically(&self.dir, STATE_FILE, &bytes, faults)
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
+        if loaded.cursor.is_none() {
+            self.start_journal(loaded, loaded.state.generation, faults)?;
+        }
+        let Some(cursor) = loaded.cursor.as_mut() else {
+            unreachable!("started above")
+        };
+        let entry = EntryV1 {
+            seq: cursor.next_seq,
+            items: items.iter().map(item_to_disk).collect(),
+            audit: audit.to_vec(),
+        };
+        let line = journal::encode_line(&entry);
+        let uncertain = |op: &'static str, e: io::Error| {
+            (
+                CommitFailure::Uncertain,
+                Error::io(&self.journal_path, op, e),
+            )
+        };
+        faults.check("journal.write").map_err(|e| {
+            (
+                CommitFailure::Clean,
+                Error::io(&self.journal_path, "append", e),
+            )
+        })?;
+        cursor
+            .file
+            .write_all(&line)
+            .map_err(|e| uncertain("append", e))?;
+        faults
+            .check("journal.fsync")
+            .and_then(|()| cursor.file.sync_data())
+            .map_err(|e| uncertain("fsync", e))?;
+        cursor.offset += line.len() as u64;
+        cursor.next_seq += 1;
+        for item in items {
+            loaded.apply(item);
+        }
+        loaded.journal_audit.extend(entry.audit);
+        Ok(())
+    }
+
+    /// Creates an empty journal (just its header) for `generation`, atomically.
+    fn start_journal(
+        &self,
+        loaded: &mut Loaded,
+        generation: u64,
+        faults: &Failpoints,
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
+        let header = journal::encode_line(&HeaderV1 {
+            journal: JOURNAL_VERSION,
+            generation,
+        });
+        fsutil::replace_atomically(&self.dir, JOURNAL_FILE, &header, faults, "journal_create")
+            .map_err(|(how, e)| {
+                let failure = match how {
+                    ReplaceFailure::BeforeRename => CommitFailure::Clean,
+                    ReplaceFailure::AfterRename => CommitFailure::Uncertain,
+                };
+                (failure, e)
+            })?;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&self.journal_path)
+            .map_err(|e| {
+                (
+                    CommitFailure::Uncertain,
+                    Error::io(&self.journal_path, "open", e),
+                )
+            })?;
+        let (dev, ino) = match stamp(&self.journal_path) {
+            Ok(Some(s)) => (s.dev, s.ino),
+            Ok(None) => {
+                return Err((
+                    CommitFailure::Uncertain,
+                    Error::io(&self.journal_path, "stat", io::ErrorKind::NotFound.into()),
+                ));
+            }
+            Err(e) => return Err((CommitFailure::Uncertain, e)),
+        };
+        loaded.cursor = Some(Cursor {
+            file,
+            dev,
+            ino,
+            offset: header.len() as u64,
+            next_seq: 1,
+        });
+        Ok(())
+    }
+
+    /// Folds the journal into a new snapshot of the next generation, then starts
+    /// an empty journal for it. The caller must have made every audit record up
+    /// to `audit_head` durable first.
+    pub(crate) fn compact(
+        &self,
+        loaded: &mut Loaded,
+        audit_head: Head,
+        faults: &Failpoints,
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
+        let next = State {
+            items: std::mem::take(&mut loaded.state.items),
+            audit_head: Some(audit_head),
+            generation: loaded.state.generation + 1,
+        };
+        let saved =
+            fsutil::replace_atomically(&self.dir, STATE_FILE, &encode(&next), faults, "state");
+        let failed = saved.err();
+        let committed = !matches!(failed, Some((ReplaceFailure::BeforeRename, _)));
+        if committed {
+            loaded.state.audit_head.clone_from(&next.audit_head);
+            loaded.state.generation = next.generation;
+        }
+        loaded.state.items = next.items;
+        if let Some((how, e)) = failed {
+            return Err(match how {
+                ReplaceFailure::BeforeRename => (CommitFailure::Clean, e),
+                ReplaceFailure::AfterRename => (CommitFailure::Uncertain, e),
+            });
+        }
+        loaded.journal_audit.clear();
+        loaded.snapshot = stamp(&self.path).map_err(|e| (CommitFailure::Uncertain, e))?;
+        loaded.cursor = None;
+        self.start_journal(loaded, next.generation, faults)
     }
 }
 
@@ -82,8 +611,8 @@ pub(crate) fn encode(state: &State) -> Vec<u8> {
     let file = FileV1 {
         version: CURRENT_VERSION,
         audit_head: state.audit_head.as_ref().map(HeadV1::from),
+        generation: state.generation,
         items: state.items.values().map(item_to_disk).collect(),
-        pending_audit: state.pending_audit.clone(),
     };
     #[expect(clippy::expect_used, reason = "plain data always serialises")]
     let mut bytes = serde_json::to_vec_pretty(&file).expect("outbox state serialises");
@@ -91,7 +620,7 @@ pub(crate) fn encode(state: &State) -> Vec<u8> {
     bytes
 }
 
-/// Parses and validates a file's bytes.
+/// Parses and validates a snapshot's bytes.
 pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
     let file: FileV1 = match serde_json::from_slice(bytes) {
         Ok(file) => file,
@@ -118,7 +647,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
     }
     let mut items = BTreeMap::new();
     for (index, raw) in file.items.into_iter().enumerate() {
-        let item = item_from_disk(path, index, raw)?;
+        let item = item_from_disk(path, &format!("items[{index}]"), raw)?;
         let key = item.idempotency_key.clone();
         if items.insert(key.clone(), item).is_some() {
             return Err(invalid(
@@ -134,7 +663,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
             seq: h.seq,
             hash: h.hash,
         }),
-        pending_audit: file.pending_audit,
+        generation: file.generation,
     })
 }
 
@@ -173,13 +702,8 @@ fn item_to_disk(item: &OutboxItem) -> ItemV1 {
     }
 }
 
-fn item_from_disk(path: &Path, index: usize, raw: ItemV1) -> Result<OutboxItem> {
-    let at = |field: &str| {
-        format!(
-            "items[{index}] (key {:?}) field {field}",
-            raw.idempotency_key
-        )
-    };
+fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
+    let at = |field: &str| format!("{place} (key {:?}) field {field}", raw.idempotency_key);
     let required_time = |field: &'static str, value: &str| {
         parse_timestamp(value).ok_or_else(|| {
             invalid(

@@ -1,13 +1,13 @@
 //! The on-disk format of `outbox.json`, kept apart from the API types.
 //!
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
-//! optional fields: `audit_head` and `pending_audit` at the top level, and
-//! `claim_owner`, `claimed_at_utc`, `last_audit_id` on items. This crate reads
+//! optional fields: `audit_head` and `generation` at the top
+//! level, and `claim_owner`, `claimed_at_utc`, `last_audit_id` on items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
 
 use serde::{Deserialize, Serialize};
 
-use crate::audit::{AuditEvent, Head};
+use crate::audit::Head;
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE};
 
 /// The version this release writes.
@@ -20,9 +20,11 @@ pub(crate) struct FileV1 {
     pub(crate) version: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) audit_head: Option<HeadV1>,
+    /// Which journal continues this snapshot (`outbox.journal` with the same
+    /// generation); bumped by every compaction.
+    #[serde(default)]
+    pub(crate) generation: u64,
     pub(crate) items: Vec<ItemV1>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) pending_audit: Vec<AuditEvent>,
 }
 
 /// Only the version, for a helpful error when the rest does not parse.

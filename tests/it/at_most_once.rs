@@ -63,7 +63,9 @@ fn a_claim_whose_owner_is_gone_fails_as_ambiguous_without_sending() {
     let h = Harness::new();
     h.enqueue("k", "chat-1");
     // The handle that claims it disappears without recording an outcome, as a
-    // process would after kill -9: forge that by naming an owner that no longer exists.
+    // process would after kill -9: forge that by naming an owner that no longer
+    // exists in a fresh snapshot (compact first so the snapshot holds everything).
+    h.outbox.compact().unwrap();
     let path = h.path("outbox.json");
     let text = std::fs::read_to_string(&path).unwrap();
     let text = text.replace(

@@ -10,7 +10,14 @@ fn every_file_the_outbox_creates_is_private() {
     use std::os::unix::fs::PermissionsExt;
     let h = Harness::new();
     h.enqueue("k", "chat-1");
-    for name in ["outbox.json", "audit.jsonl", "outbox.lock"] {
+    h.outbox.compact().unwrap();
+    h.enqueue("k2", "chat-1");
+    for name in [
+        "outbox.json",
+        "outbox.journal",
+        "audit.jsonl",
+        "outbox.lock",
+    ] {
         let mode = std::fs::metadata(h.path(name))
             .unwrap()
             .permissions()
@@ -26,18 +33,117 @@ fn every_file_the_outbox_creates_is_private() {
     assert_eq!(owners, 0o700);
 }
 
+/// The journal's framing: `<16 hex> <json>\n`, the hex being the first 64 bits of
+/// the JSON's SHA-256 (see `src/store/journal.rs`). Checked here independently.
+fn journal_entries(h: &Harness) -> Vec<serde_json::Value> {
+    use sha2::{Digest, Sha256};
+    let text = std::fs::read_to_string(h.path("outbox.journal")).unwrap();
+    text.lines()
+        .map(|line| {
+            let (sum, json) = line.split_once(' ').unwrap();
+            assert_eq!(
+                sum,
+                &hex::encode(Sha256::digest(json.as_bytes()))[..16],
+                "checksum of {json}"
+            );
+            serde_json::from_str(json).unwrap()
+        })
+        .collect()
+}
+
 #[test]
-fn the_state_file_is_complete_json_with_the_audit_head_after_every_call() {
+fn each_change_is_one_checksummed_journal_entry_with_its_audit_records() {
     let h = Harness::new();
     for i in 0..5 {
         h.enqueue(&format!("k{i}"), "chat-1");
-        let value: serde_json::Value = serde_json::from_slice(&h.state_bytes()).unwrap();
-        assert_eq!(value["version"], 2);
-        assert_eq!(value["items"].as_array().unwrap().len(), i + 1);
-        // The head recorded is the log's head before this call's own record.
-        assert_eq!(value["audit_head"]["seq"], i as u64);
-        assert_eq!(value["pending_audit"].as_array().unwrap().len(), 1);
+        let entries = journal_entries(&h);
+        assert_eq!(
+            entries[0]["generation"], 0,
+            "the header names the snapshot generation"
+        );
+        assert_eq!(entries.len(), i + 2, "header plus one entry per enqueue");
+        let last = &entries[i + 1];
+        assert_eq!(last["seq"], i as u64 + 1);
+        assert_eq!(last["items"][0]["idempotency_key"], format!("k{i}"));
+        assert_eq!(
+            last["audit"][0]["seq"],
+            i as u64 + 1,
+            "the sealed audit record rides along"
+        );
     }
+}
+
+#[test]
+fn compaction_writes_a_complete_snapshot_and_starts_the_next_generation() {
+    let h = Harness::new();
+    for i in 0..3 {
+        h.enqueue(&format!("k{i}"), "chat-1");
+    }
+    h.outbox.compact().unwrap();
+    let snapshot: serde_json::Value = serde_json::from_slice(&h.state_bytes()).unwrap();
+    assert_eq!(snapshot["version"], 2);
+    assert_eq!(snapshot["generation"], 1);
+    assert_eq!(snapshot["items"].as_array().unwrap().len(), 3);
+    assert_eq!(snapshot["audit_head"]["seq"], 3);
+    let entries = journal_entries(&h);
+    assert_eq!(entries.len(), 1, "only the header of generation 1");
+    assert_eq!(entries[0]["generation"], 1);
+    assert_eq!(h.reopen().list_items().unwrap().len(), 3);
+}
+
+#[test]
+fn a_journal_left_by_a_compaction_that_crashed_is_recognised_as_folded_in() {
+    let h = Harness::new();
+    h.enqueue("a", "chat-1");
+    let old_journal = std::fs::read(h.path("outbox.journal")).unwrap();
+    h.outbox.compact().unwrap();
+    // The crash hit after the new snapshot, before the new journal replaced the old.
+    std::fs::write(h.path("outbox.journal"), old_journal).unwrap();
+    let reopened = h.reopen();
+    assert_eq!(
+        reopened.list_items().unwrap().len(),
+        1,
+        "the entry is not applied twice"
+    );
+    reopened.enqueue(msg("b", "chat-1")).unwrap();
+    assert_eq!(h.reopen().list_items().unwrap().len(), 2);
+    reopened.verify_audit().unwrap();
+}
+
+#[test]
+fn a_torn_journal_tail_is_set_aside_and_the_acknowledged_entries_survive() {
+    let h = Harness::new();
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let mut bytes = std::fs::read(h.path("outbox.journal")).unwrap();
+    let torn = b"0123456789abcdef {\"seq\":3,\"items\":[{\"attempts\"";
+    bytes.extend_from_slice(torn);
+    std::fs::write(h.path("outbox.journal"), &bytes).unwrap();
+    let reopened = h.reopen();
+    assert_eq!(reopened.list_items().unwrap().len(), 2);
+    assert_eq!(
+        std::fs::read(h.path("outbox.journal.torn-0")).unwrap(),
+        torn
+    );
+    reopened.verify_audit().unwrap();
+}
+
+#[test]
+fn damage_inside_the_journal_is_reported_and_the_journal_left_alone() {
+    let h = Harness::new();
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let mut bytes = std::fs::read(h.path("outbox.journal")).unwrap();
+    let first_entry = bytes.iter().position(|b| *b == b'\n').unwrap() + 40;
+    bytes[first_entry] ^= 0x20;
+    std::fs::write(h.path("outbox.journal"), &bytes).unwrap();
+    let err = Outbox::open(h.dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, durable_outbox::Error::InvalidRecord { path, location, .. }
+            if path.ends_with("outbox.journal") && location.starts_with("byte ")),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(h.path("outbox.journal")).unwrap(), bytes);
 }
 
 #[test]

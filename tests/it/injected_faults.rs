@@ -1,4 +1,5 @@
-//! Injected I/O faults at every durable step: a typed error, old-or-new state, never a resend.
+//! Injected I/O faults at every durable step: a typed error, the old or the new
+//! state (never a mix), no fsync retried as if nothing happened, never a resend.
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, FailAction, ItemState, Outcome};
 
@@ -17,26 +18,90 @@ fn temp_files(h: &Harness) -> usize {
         .count()
 }
 
+fn journal(h: &Harness) -> Vec<u8> {
+    std::fs::read(h.path("outbox.journal")).unwrap()
+}
+
 #[test]
-fn a_fault_before_the_rename_keeps_the_old_state_and_the_handle_usable() {
+fn a_journal_write_that_fails_before_any_byte_keeps_the_state_and_the_handle_usable() {
+    let h = Harness::with(|b| b.failpoint("journal.write", FailAction::ErrorOnHit(2)));
+    h.enqueue("first", "chat-1");
+    let before = journal(&h);
+    let err = h.assert_files_unchanged(|| h.outbox.enqueue(msg("second", "chat-1")).unwrap_err());
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert_eq!(journal(&h), before);
+    assert!(
+        h.outbox.get("second").unwrap().is_none(),
+        "the failed change is not visible"
+    );
+    h.enqueue("second", "chat-1");
+    assert_eq!(h.outbox.list_items().unwrap().len(), 2);
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn a_failed_journal_fsync_poisons_the_handle_and_is_never_retried() {
+    let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::ErrorOnHit(2)));
+    h.enqueue("first", "chat-1");
+    let err = h.outbox.enqueue(msg("second", "chat-1")).unwrap_err();
+    assert!(matches!(err, Error::Io { op: "fsync", .. }), "{err}");
+    assert!(matches!(
+        h.outbox.enqueue(msg("third", "chat-1")),
+        Err(Error::Poisoned)
+    ));
+    assert!(
+        matches!(h.outbox.list_items(), Err(Error::Poisoned)),
+        "reads too: the state is uncertain"
+    );
+    // What reached the disk decides; here the bytes were written, so a reopen sees
+    // the entry, complete and with its audit record.
+    let reopened = h.reopen();
+    let items = reopened.list_items().unwrap();
+    assert!((1..=2).contains(&items.len()));
+    assert_eq!(reopened.verify_audit().unwrap().records, items.len() as u64);
+}
+
+#[test]
+fn audit_append_faults_poison_and_the_record_is_never_lost_or_doubled() {
+    let h = Harness::with(|b| b.failpoint("audit.write", FailAction::ErrorOnHit(2)));
+    h.enqueue("first", "chat-1");
+    assert!(h.outbox.enqueue(msg("second", "chat-1")).is_err());
+    assert!(matches!(
+        h.outbox.enqueue(msg("third", "chat-1")),
+        Err(Error::Poisoned)
+    ));
+    let reopened = h.reopen();
+    let outcomes: Vec<_> = reopened
+        .history("second")
+        .unwrap()
+        .iter()
+        .map(|r| r.outcome.as_str())
+        .collect();
+    assert_eq!(outcomes, ["queued"], "exactly one record");
+    reopened.verify_audit().unwrap();
+}
+
+#[test]
+fn a_compaction_failing_before_the_rename_keeps_snapshot_and_journal() {
     for point in ["state.write", "state.fsync", "state.rename"] {
-        let h = Harness::with(|b| b.failpoint(point, FailAction::ErrorOnHit(2)));
-        h.enqueue("first", "chat-1");
-        let err =
-            h.assert_files_unchanged(|| h.outbox.enqueue(msg("second", "chat-1")).unwrap_err());
+        let h = Harness::with(|b| b.failpoint(point, FailAction::ErrorOnHit(1)));
+        h.enqueue("a", "chat-1");
+        let journal_before = journal(&h);
+        let err = h.assert_files_unchanged(|| h.outbox.compact().unwrap_err());
         assert!(matches!(err, Error::Io { .. }), "{point}: {err}");
+        assert_eq!(journal(&h), journal_before, "{point}");
         assert_eq!(temp_files(&h), 0, "{point}: the temp file is removed");
-        h.enqueue("second", "chat-1"); // not poisoned: the old state is known to be intact
-        assert_eq!(h.outbox.list_items().unwrap().len(), 2, "{point}");
-        h.outbox.verify_audit().unwrap();
+        h.enqueue("b", "chat-1"); // not poisoned: nothing changed on disk
+        h.outbox.compact().unwrap();
+        assert_eq!(h.reopen().list_items().unwrap().len(), 2, "{point}");
     }
 }
 
 #[test]
-fn a_failed_directory_fsync_poisons_the_handle_and_a_reopen_sees_a_consistent_outbox() {
-    let h = Harness::with(|b| b.failpoint("state.dir_fsync", FailAction::ErrorOnHit(2)));
-    h.enqueue("first", "chat-1");
-    let err = h.outbox.enqueue(msg("second", "chat-1")).unwrap_err();
+fn a_compaction_whose_directory_fsync_fails_poisons_and_reopens_consistent() {
+    let h = Harness::with(|b| b.failpoint("state.dir_fsync", FailAction::ErrorOnHit(1)));
+    h.enqueue("a", "chat-1");
+    let err = h.outbox.compact().unwrap_err();
     assert!(
         matches!(
             err,
@@ -48,90 +113,77 @@ fn a_failed_directory_fsync_poisons_the_handle_and_a_reopen_sees_a_consistent_ou
         "{err}"
     );
     assert!(matches!(
-        h.outbox.enqueue(msg("third", "chat-1")),
+        h.outbox.enqueue(msg("b", "chat-1")),
         Err(Error::Poisoned)
     ));
     let reopened = h.reopen();
-    // The rename happened, so the new state is visible; its audit record is repaired.
-    assert!(reopened.get("second").unwrap().is_some());
-    assert_eq!(reopened.verify_audit().unwrap().records, 2);
-}
-
-#[test]
-fn audit_append_faults_poison_and_the_record_is_never_lost_or_doubled() {
-    for point in ["audit.write", "audit.fsync"] {
-        let h = Harness::with(|b| b.failpoint(point, FailAction::ErrorOnHit(2)));
-        h.enqueue("first", "chat-1");
-        assert!(
-            h.outbox.enqueue(msg("second", "chat-1")).is_err(),
-            "{point}"
-        );
-        assert!(matches!(h.outbox.list_items(), Ok(ref items) if items.len() == 2));
-        assert!(
-            matches!(
-                h.outbox.enqueue(msg("third", "chat-1")),
-                Err(Error::Poisoned)
-            ),
-            "{point}"
-        );
-        let reopened = h.reopen();
-        let outcomes: Vec<_> = reopened
-            .history("second")
-            .unwrap()
-            .iter()
-            .map(|r| r.outcome.as_str())
-            .collect();
-        assert_eq!(outcomes, ["queued"], "{point}: exactly one record");
-        reopened.verify_audit().unwrap();
-    }
+    assert_eq!(reopened.list_items().unwrap().len(), 1);
+    reopened.verify_audit().unwrap();
 }
 
 #[test]
 fn a_fault_while_claiming_means_no_send() {
-    for point in ["state.write", "state.fsync", "state.rename"] {
+    for point in ["journal.write", "journal.fsync"] {
         let h = Harness::with(|b| b.failpoint(point, FailAction::ErrorOnHit(2)));
         h.enqueue("k", "chat-1");
         let err = h
             .outbox
-            .process("k", |_| panic!("sent without a durable claim"))
+            .process("k", |_| panic!("{point}: sent without a durable claim"))
             .unwrap_err();
         assert!(matches!(err, Error::Io { .. }), "{point}: {err}");
-        let item = h.outbox.get("k").unwrap().unwrap();
-        assert!(!item.dispatch_claimed() && item.attempts() == 0, "{point}");
-        assert_eq!(
-            h.outbox.process("k", |_| Ok(None)).unwrap().outcome,
-            Outcome::Sent,
-            "{point}"
-        );
     }
+    // A clean failure leaves the item unclaimed and the handle usable.
+    let h = Harness::with(|b| b.failpoint("journal.write", FailAction::ErrorOnHit(2)));
+    h.enqueue("k", "chat-1");
+    h.outbox
+        .process("k", |_| panic!("sent without a durable claim"))
+        .unwrap_err();
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert!(!item.dispatch_claimed() && item.attempts() == 0);
+    assert_eq!(
+        h.outbox.process("k", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
 }
 
 #[test]
 fn a_fault_recording_the_result_after_send_never_leads_to_a_resend() {
-    // Hit 1: enqueue; hit 2: the claim; hit 3: recording "sent".
-    for point in ["state.write", "state.fsync", "state.rename"] {
-        let h = Harness::with(|b| b.failpoint(point, FailAction::ErrorOnHit(3)));
-        h.enqueue("k", "chat-1");
-        let mut sends = 0;
-        let err = h
-            .outbox
-            .process("k", |_| {
-                sends += 1;
-                Ok(Some("tg-1".into()))
-            })
-            .unwrap_err();
-        assert!(matches!(err, Error::Io { .. }), "{point}: {err}");
-        // The record does not know whether the message left: it must fail as ambiguous.
-        let receipt = h
-            .outbox
-            .process("k", |_| panic!("{point}: resent"))
-            .unwrap();
-        assert_eq!(sends, 1);
-        assert_eq!(receipt.outcome, Outcome::Failed, "{point}");
-        assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
-        assert_eq!(
-            h.outbox.get("k").unwrap().unwrap().state(),
-            ItemState::Failed
-        );
-    }
+    // Commit 1: enqueue; 2: the claim; 3: recording "sent".
+    let h = Harness::with(|b| b.failpoint("journal.write", FailAction::ErrorOnHit(3)));
+    h.enqueue("k", "chat-1");
+    let mut sends = 0;
+    let err = h
+        .outbox
+        .process("k", |_| {
+            sends += 1;
+            Ok(Some("tg-1".into()))
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    // The record does not know whether the message left: it must fail as ambiguous.
+    let receipt = h.outbox.process("k", |_| panic!("resent")).unwrap();
+    assert_eq!(sends, 1);
+    assert_eq!(receipt.outcome, Outcome::Failed);
+    assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    assert_eq!(
+        h.outbox.get("k").unwrap().unwrap().state(),
+        ItemState::Failed
+    );
+}
+
+#[test]
+fn an_uncertain_result_record_is_resolved_by_what_reached_the_disk() {
+    let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::ErrorOnHit(3)));
+    h.enqueue("k", "chat-1");
+    h.outbox
+        .process("k", |_| Ok(Some("tg-1".into())))
+        .unwrap_err();
+    let dir = h.dir.path().to_path_buf();
+    let clock = h.clock.clone();
+    drop(h.outbox); // the poisoned handle goes away, and its claim with it
+    let reopened = crate::harness::builder(&dir, &clock).open().unwrap();
+    let receipt = reopened.process("k", |_| panic!("resent")).unwrap();
+    // The entry's bytes were written before the failed fsync, so the outcome is known.
+    assert_eq!(receipt.outcome, Outcome::Sent);
+    assert_eq!(receipt.transport_ref.as_deref(), Some("tg-1"));
 }

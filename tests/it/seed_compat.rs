@@ -122,10 +122,17 @@ fn queued_seed_items_are_delivered_and_the_file_is_upgraded() {
             .outcome,
         Outcome::Sent
     );
+    assert!(
+        String::from_utf8(h.state_bytes())
+            .unwrap()
+            .contains("\"version\": 1"),
+        "only the journal is written…"
+    );
+    h.outbox.compact().unwrap();
     let text = String::from_utf8(h.state_bytes()).unwrap();
     assert!(
         text.contains("\"version\": 2"),
-        "rewritten in the current format"
+        "…until a compaction writes the current format"
     );
     h.outbox.verify_audit().unwrap();
 }
