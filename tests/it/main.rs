@@ -7,12 +7,14 @@
 )]
 
 mod harness;
+mod seeded;
 
 mod at_most_once;
 mod audit_log;
 mod bad_input;
 mod delivery;
 mod durable_writes;
+mod model_check;
 mod rate_caps;
 mod retries;
 mod seed_compat;
