@@ -14,6 +14,7 @@ mod audit_log;
 mod bad_input;
 mod delivery;
 mod durable_writes;
+mod hostile_input;
 mod model_check;
 mod rate_caps;
 mod retries;
