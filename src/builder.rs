@@ -35,6 +35,7 @@ pub struct OutboxBuilder {
     pub(crate) backoff: Backoff,
     pub(crate) rate_limit: RateLimit,
     pub(crate) max_inline_wait: Duration,
+    pub(crate) drain_batch: usize,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
@@ -50,6 +51,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("backoff", &self.backoff)
             .field("rate_limit", &self.rate_limit)
             .field("max_inline_wait", &self.max_inline_wait)
+            .field("drain_batch", &self.drain_batch)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .finish_non_exhaustive()
@@ -64,6 +66,7 @@ impl OutboxBuilder {
             backoff: Backoff::default(),
             rate_limit: RateLimit::default(),
             max_inline_wait: Duration::from_secs(5),
+            drain_batch: 16,
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
@@ -98,6 +101,15 @@ impl OutboxBuilder {
     /// [`Outbox::process_due`] picks the item up when it is due. Default 5 s.
     pub fn max_inline_wait(mut self, wait: Duration) -> Self {
         self.max_inline_wait = wait;
+        self
+    }
+
+    /// How many items [`Outbox::process_due`] claims per durable step. Default 16;
+    /// must be 1 to 4,096. A crash mid-batch makes every claimed item of the batch
+    /// ambiguous (never resent), so this bounds how many messages one crash can
+    /// leave in doubt; 1 claims and records each item on its own.
+    pub fn drain_batch(mut self, items: usize) -> Self {
+        self.drain_batch = items;
         self
     }
 
@@ -144,6 +156,9 @@ impl OutboxBuilder {
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));
+        }
+        if !(1..=4096).contains(&self.drain_batch) {
+            return Err(Error::invalid_config("drain_batch", "must be 1 to 4096"));
         }
         self.backoff.validate()?;
         self.rate_limit.validate()?;

@@ -77,6 +77,7 @@ impl std::fmt::Debug for Outbox {
 
 struct Config {
     max_attempts: u32,
+    drain_batch: usize,
     backoff: Backoff,
     rate_limit: RateLimit,
     max_inline_wait: Duration,
@@ -182,15 +183,6 @@ enum Decision {
     Send(Box<OutboxItem>),
 }
 
-/// How `process` handles a retryable failure.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum RetryMode {
-    /// Sleep and retry within the call (for waits up to `max_inline_wait`).
-    Inline,
-    /// Reschedule and return (used by `process_due`).
-    Reschedule,
-}
-
 /// What `send` produced, with panics caught.
 type SendResult = std::thread::Result<std::result::Result<Option<String>, SendError>>;
 
@@ -255,6 +247,7 @@ impl Outbox {
                 poisoned: AtomicBool::new(false),
                 config: Config {
                     max_attempts: builder.max_attempts,
+                    drain_batch: builder.drain_batch,
                     backoff: builder.backoff,
                     rate_limit: builder.rate_limit,
                     max_inline_wait: builder.max_inline_wait,
@@ -432,17 +425,24 @@ impl Outbox {
     where
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     {
-        self.process_one(key, &mut send, RetryMode::Inline)
-            .map(|(receipt, _)| receipt)
+        self.process_one(key, &mut send)
     }
 
     /// Processes every queued item that is due now, oldest first, and returns a
     /// tally. Retryable failures are rescheduled (no inline sleeping) and counted
     /// as `retried`; rate-capped items are deferred.
     ///
+    /// Items are claimed in batches of [`drain_batch`](crate::OutboxBuilder::drain_batch)
+    /// (default 16) with one durable step per batch, then sent one by one, then
+    /// their outcomes are recorded with one durable step. If the process dies
+    /// mid-batch, every claimed item of that batch becomes ambiguous (failed, never
+    /// resent), including ones `send` had not reached yet: a smaller batch narrows
+    /// that window, a larger one drains faster.
+    ///
     /// # Panics
     ///
-    /// As [`process`](Self::process): a panic in `send` is recorded, then resumed.
+    /// As [`process`](Self::process): a panic in `send` is recorded, the batch's
+    /// unsent items are released unchanged, then the panic is resumed.
     ///
     /// # Errors
     ///
@@ -464,12 +464,92 @@ impl Outbox {
                 .collect()
         })?;
         due.sort();
+        let keys: Vec<String> = due.into_iter().map(|(_, key)| key).collect();
         let mut report = DrainReport::default();
-        for (_, key) in due {
-            let (receipt, retried) = self.process_one(&key, &mut send, RetryMode::Reschedule)?;
-            report.add(receipt, retried);
+        for batch in keys.chunks(self.inner.config.drain_batch) {
+            self.drain_batch(batch, &mut send, &mut report)?;
         }
         Ok(report)
+    }
+
+    /// Claims a batch in one durable step, sends each, records all outcomes in one.
+    fn drain_batch(
+        &self,
+        keys: &[String],
+        send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
+        report: &mut DrainReport,
+    ) -> Result<()> {
+        let decided = self.transact(|txn| {
+            keys.iter()
+                .map(|key| self.decide(txn, key))
+                .collect::<Result<Vec<_>>>()
+        });
+        let decisions = match decided {
+            Ok(decisions) => decisions,
+            Err(e) => {
+                // Claims that did not commit are not in flight.
+                let mut in_flight = self.in_flight();
+                for key in keys {
+                    in_flight.remove(key);
+                }
+                return Err(e);
+            }
+        };
+        let mut claimed = Vec::new();
+        for decision in decisions {
+            match decision {
+                Decision::Done(receipt) => report.add(receipt, false),
+                Decision::Send(item) => claimed.push(item),
+            }
+        }
+        if claimed.is_empty() {
+            return Ok(());
+        }
+        let mut results: Vec<SendResult> = Vec::with_capacity(claimed.len());
+        for item in &claimed {
+            let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(item)));
+            let panicked = result.is_err();
+            results.push(result);
+            if panicked {
+                break;
+            }
+        }
+        let recorded = self
+            .inner
+            .faults
+            .check("process.after_send")
+            .map_err(|e| Error::io(self.inner.store.path(), "process", e))
+            .and_then(|()| {
+                self.transact(|txn| {
+                    let mut outcomes = Vec::with_capacity(results.len());
+                    for (item, result) in claimed.iter().zip(&results) {
+                        outcomes.push(self.finish(txn, &item.idempotency_key, result)?);
+                    }
+                    // After a panic the rest were never handed to `send`: release them.
+                    for item in &claimed[results.len()..] {
+                        release(txn, &item.idempotency_key)?;
+                    }
+                    Ok(outcomes)
+                })
+            });
+        {
+            let mut in_flight = self.in_flight();
+            for item in &claimed {
+                in_flight.remove(&item.idempotency_key);
+            }
+        }
+        if let Some(Err(_)) = results.last() {
+            if let Err(e) = &recorded {
+                tracing::error!(error = %e, "could not record a batch with a panicked send");
+            }
+            if let Some(Err(panic)) = results.pop() {
+                resume_unwind(panic);
+            }
+        }
+        for (receipt, retry_wait) in recorded? {
+            report.add(receipt, retry_wait.is_some());
+        }
+        Ok(())
     }
 
     /// Verifies the audit chain and cross-checks it against the head `outbox.json`
@@ -644,17 +724,15 @@ impl Outbox {
     }
 
     /// One item through decide → send → record, looping for inline retries.
-    /// Returns the receipt and whether the last attempt was a retryable failure.
     fn process_one(
         &self,
         key: &str,
         send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
-        mode: RetryMode,
-    ) -> Result<(DeliveryReceipt, bool)> {
+    ) -> Result<DeliveryReceipt> {
         loop {
             let decision = self.transact(|txn| self.decide(txn, key));
             let item = match decision {
-                Ok(Decision::Done(receipt)) => return Ok((receipt, false)),
+                Ok(Decision::Done(receipt)) => return Ok(receipt),
                 Ok(Decision::Send(item)) => item,
                 Err(e) => {
                     // A claim that did not commit is not in flight.
@@ -680,13 +758,10 @@ impl Outbox {
                 (recorded, Ok(_)) => recorded?,
             };
             match retry_wait {
-                Some(wait)
-                    if mode == RetryMode::Inline && wait <= self.inner.config.max_inline_wait =>
-                {
+                Some(wait) if wait <= self.inner.config.max_inline_wait => {
                     self.inner.config.sleeper.sleep(wait);
                 }
-                Some(_) => return Ok((receipt, true)),
-                None => return Ok((receipt, false)),
+                _ => return Ok(receipt),
             }
         }
     }
@@ -864,6 +939,14 @@ fn receipt(
         key: key.to_owned(),
     })?;
     Ok(DeliveryReceipt::for_item(item, outcome, audit_id))
+}
+
+/// Gives back a claim whose item was never handed to `send`.
+fn release(txn: &mut Txn<'_>, key: &str) -> Result<()> {
+    let item = txn.item_mut(key)?;
+    item.claim = None;
+    item.attempts = item.attempts.saturating_sub(1);
+    Ok(())
 }
 
 /// Fails an item terminally with `code`.
@@ -1047,23 +1130,18 @@ fn reconcile_audit(audit: &mut AuditTail, loaded: &Loaded, faults: &Failpoints) 
             ),
         });
     }
-    if let Some(known) = loaded.journal_audit.iter().find(|r| r.seq == head.seq)
+    if let Some(known) = loaded.journal_audit_at(head.seq)
         && known.hash != head.hash
     {
         return Err(broken(head.seq, AuditFault::HeadMismatch { seq: head.seq }));
     }
-    let missing: Vec<AuditRecord> = loaded
-        .journal_audit
-        .iter()
-        .filter(|r| r.seq > head.seq)
-        .cloned()
-        .collect();
+    let missing = loaded.journal_audit_after(head.seq);
     if !missing.is_empty() {
         tracing::warn!(
             records = missing.len(),
             "re-appending audit records a crash left out of the log"
         );
-        audit.append_records(&missing, faults)?;
+        audit.append_records(missing, faults)?;
     }
     Ok(())
 }

@@ -397,20 +397,18 @@ impl AuditTail {
     /// Reads and verifies whatever other writers appended since the last call, and
     /// quarantines a torn tail left by a crash. O(new bytes).
     pub(crate) fn catch_up(&mut self) -> Result<()> {
-        let mut file = match File::open(&self.path) {
-            Ok(file) => file,
+        // One stat in the common case where nobody appended since we last looked.
+        let len = match fs::metadata(&self.path) {
+            Ok(meta) => meta.len(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.verified_len == 0 => {
                 return Ok(());
             }
-            Err(e) => return Err(Error::io(&self.path, "open", e)),
+            Err(e) => return Err(Error::io(&self.path, "stat", e)),
         };
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(&self.path, "stat", e))?
-            .len();
         if len == self.verified_len {
             return Ok(());
         }
+        let mut file = File::open(&self.path).map_err(|e| Error::io(&self.path, "open", e))?;
         if len < self.verified_len {
             return Err(broken(
                 &self.path,

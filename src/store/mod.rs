@@ -42,8 +42,9 @@ use v1::{FileV1, HeadV1, ItemV1, VersionProbe};
 /// Name of the snapshot inside an outbox directory.
 pub(crate) const STATE_FILE: &str = "outbox.json";
 
-/// Compact once the journal is larger than this many bytes…
-const COMPACT_MIN_BYTES: u64 = 256 * 1024;
+/// Compact once the journal is larger than this many bytes… (replaying 8 MiB on
+/// open takes a few milliseconds; compacting a small outbox often would cost more)
+const COMPACT_MIN_BYTES: u64 = 8 * 1024 * 1024;
 /// …and larger than this multiple of the snapshot (so compaction stays amortised O(1)).
 const COMPACT_SNAPSHOT_FACTOR: u64 = 2;
 
@@ -181,6 +182,25 @@ pub(crate) struct Loaded {
 }
 
 impl Loaded {
+    /// The journal's audit records with `seq` above `after`, in order. O(1) to
+    /// find: the records are contiguous in `seq`.
+    pub(crate) fn journal_audit_after(&self, after: u64) -> &[AuditRecord] {
+        let Some(first) = self.journal_audit.first() else {
+            return &[];
+        };
+        let skip = after.saturating_sub(first.seq - 1);
+        self.journal_audit
+            .get(usize::try_from(skip).unwrap_or(usize::MAX)..)
+            .unwrap_or(&[])
+    }
+
+    /// The journal's audit record with this `seq`, if it is in the journal.
+    pub(crate) fn journal_audit_at(&self, seq: u64) -> Option<&AuditRecord> {
+        let first = self.journal_audit.first()?.seq;
+        let index = usize::try_from(seq.checked_sub(first)?).ok()?;
+        self.journal_audit.get(index)
+    }
+
     /// Whether the journal has grown enough that a compaction pays for itself.
     pub(crate) fn wants_compaction(&self) -> bool {
         let journal = self.cursor.as_ref().map_or(0, |c| c.offset);

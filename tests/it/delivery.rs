@@ -211,3 +211,63 @@ impl Harness {
         self.clock.now()
     }
 }
+
+#[test]
+fn a_panic_mid_drain_records_what_was_sent_and_releases_what_was_not() {
+    let h = Harness::with(|b| b.drain_batch(8));
+    for i in 0..5 {
+        h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
+        h.clock.advance(secs(1));
+    }
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        h.outbox.process_due(|item| {
+            if item.idempotency_key() == "k2" {
+                panic!("transport bug");
+            }
+            Ok(None)
+        })
+    }));
+    assert!(caught.is_err(), "the panic reaches the caller");
+    let state = |key: &str| {
+        let item = h.outbox.get(key).unwrap().unwrap();
+        (item.state(), item.attempts(), item.dispatch_claimed())
+    };
+    assert_eq!(state("k0"), (ItemState::Sent, 1, false));
+    assert_eq!(state("k1"), (ItemState::Sent, 1, false));
+    assert_eq!(
+        state("k2"),
+        (ItemState::Failed, 1, false),
+        "the panicked send is ambiguous"
+    );
+    assert_eq!(
+        state("k3"),
+        (ItemState::Queued, 0, false),
+        "never handed to send: untouched"
+    );
+    assert_eq!(state("k4"), (ItemState::Queued, 0, false));
+    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+    assert_eq!(report.sent, 2);
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn process_due_claims_a_batch_in_one_durable_step() {
+    let h = Harness::with(|b| b.drain_batch(4));
+    for i in 0..8 {
+        h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
+    }
+    let entries = || {
+        std::fs::read_to_string(h.path("outbox.journal"))
+            .unwrap()
+            .lines()
+            .count()
+    };
+    let before = entries();
+    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+    assert_eq!(report.sent, 8);
+    assert_eq!(
+        entries() - before,
+        4,
+        "two batches: a claim entry and an outcome entry each"
+    );
+}
