@@ -144,15 +144,18 @@ impl OutboxBuilder {
     /// Validates the settings, creates the directory if needed and opens the outbox.
     ///
     /// Opening sweeps temp files left by crashed writers, verifies the audit chain
-    /// (moving a torn last line aside), validates `outbox.json` and appends audit
-    /// records a crash left pending.
+    /// (moving a torn last line aside), loads `outbox.json` and replays
+    /// `outbox.journal` (moving a torn, unacknowledged last entry aside), re-appends
+    /// audit records a crash kept out of the log, and compacts the journal into a
+    /// fresh snapshot.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for a bad setting; [`Error::Corrupt`],
     /// [`Error::InvalidRecord`] or [`Error::UnsupportedVersion`] for a damaged
-    /// `outbox.json`; [`Error::AuditBroken`] for a damaged audit log (neither file
-    /// is modified); [`Error::Io`] when the directory or files are inaccessible.
+    /// `outbox.json` or `outbox.journal`; [`Error::AuditBroken`] for a damaged audit
+    /// log (no damaged file is modified); [`Error::Io`] when the directory or files
+    /// are inaccessible.
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));

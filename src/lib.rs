@@ -8,8 +8,9 @@
 //!    whose worker died (crash, `kill -9`) makes the item `failed` with
 //!    [`AMBIGUOUS_AFTER_RESTART`]; it is never resent automatically. A claim held
 //!    by a live worker makes other callers back off with [`Outcome::InFlight`].
-//! 2. **Never lose a queued message.** [`Outbox::enqueue`] returns after the item
-//!    is in `outbox.json` and fsynced (temp file → fsync → rename → fsync directory).
+//! 2. **Never lose a queued message.** [`Outbox::enqueue`] returns after the item's
+//!    checksummed journal entry is fsynced; `outbox.json` snapshots are replaced
+//!    atomically (temp file → fsync → rename → fsync directory).
 //! 3. **Never corrupt or silently overwrite state.** Every read-modify-write runs
 //!    under an advisory lock on `outbox.lock`; a damaged file is reported with its
 //!    path and position and left untouched.
@@ -44,7 +45,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Files in an outbox directory: `outbox.json` (state), `audit.jsonl` (audit log),
+//! Files in an outbox directory: `outbox.json` (snapshot), `outbox.journal`
+//! (changes since the snapshot), `audit.jsonl` (audit log),
 //! `outbox.lock` (the lock target, never replaced) and `owners/` (one locked file per
 //! open handle, which is how a live claim is told from a dead one). Keep the
 //! directory on a local filesystem: advisory locks are unreliable over the network.

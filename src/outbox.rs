@@ -39,8 +39,9 @@ pub const ATTEMPTS_EXHAUSTED: &str = "max_attempts_exhausted";
 ///
 /// Cheap to clone (an `Arc` inside) and `Send + Sync`: share one across threads.
 /// Any number of processes may open the same directory; every read-modify-write
-/// of `outbox.json` happens under the exclusive `outbox.lock`, which is never held
-/// while `send` runs.
+/// of the state happens under the exclusive `outbox.lock`, which is never held
+/// while `send` runs. Each handle keeps the state in memory and reads only what
+/// other processes changed since it last looked.
 ///
 /// ```
 /// # let dir = tempfile::tempdir()?;
@@ -279,8 +280,9 @@ impl Outbox {
     ///
     /// # Durability
     ///
-    /// Returns only after the item is in `outbox.json`, the file and its directory
-    /// entry are fsynced, and its `queued` audit record is appended and fsynced.
+    /// Returns only after the journal entry holding the item and its sealed
+    /// `queued` audit record is fsynced (the record is then in `audit.jsonl`, or is
+    /// re-appended from the journal, byte for byte, after a crash).
     pub fn enqueue(&self, message: NewMessage) -> Result<OutboxItem> {
         message.validate()?;
         let hash = content_hash(&message.content);
@@ -419,8 +421,8 @@ impl Outbox {
     ///
     /// # Durability
     ///
-    /// The claim is fsynced before `send` is called; the outcome and its audit
-    /// record are fsynced before this returns.
+    /// The claim's journal entry is fsynced before `send` is called; the entry
+    /// with the outcome and its audit record is fsynced before this returns.
     pub fn process<F>(&self, key: &str, mut send: F) -> Result<DeliveryReceipt>
     where
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
