@@ -6,10 +6,16 @@
 //! new versions of the items one transaction changed, and the exact audit records
 //! it produced. Entries are numbered from 1 without gaps.
 //!
-//! A line without its newline, with a bad checksum, or made of zeros, at the very
-//! end of the file, is what a crash during an append leaves behind: that append was
-//! never acknowledged, so the remnant is moved to `outbox.journal.torn-<n>` and cut
-//! off. A bad line with good lines after it is damage, and is reported.
+//! The file is preallocated with zeros (and extended in large zero-filled steps),
+//! and entries overwrite the zeros in place: an fsync then flushes only data, not
+//! a size change, which on ext4 saves a journal commit per transaction. The first
+//! zero byte where a line would start marks the end of the entries; no entry can
+//! contain a zero byte (JSON escapes it, and NUL is rejected in every field).
+//!
+//! An unfinished line (no newline before the zeros or the end of the file) is what
+//! a crash during a write leaves behind: that write was never acknowledged, so the
+//! remnant is copied to `outbox.journal.torn-<n>` and zeroed. A bad line with good
+//! lines after it, or a bad line that is whole, is damage, and is reported.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -65,14 +71,26 @@ pub(crate) enum Line<'a> {
     Invalid { len: usize, terminated: bool },
 }
 
+/// Zeros a fresh journal is preallocated with, after its header.
+pub(crate) const PREALLOCATE: usize = 1024 * 1024;
+/// How much a full journal grows by, at least.
+pub(crate) const GROW: u64 = 4 * 1024 * 1024;
+
 /// Splits the next line off `buf` (which must not be empty) and checks it.
+/// A line ends at its newline; a zero byte before the newline makes it unfinished.
 pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
-    let Some(end) = buf.iter().position(|b| *b == b'\n') else {
+    let Some(end) = buf.iter().position(|b| *b == b'\n' || *b == 0) else {
         return Line::Invalid {
             len: buf.len(),
             terminated: false,
         };
     };
+    if buf[end] == 0 {
+        return Line::Invalid {
+            len: end,
+            terminated: false,
+        };
+    }
     let line = &buf[..end];
     let invalid = Line::Invalid {
         len: end + 1,
@@ -88,9 +106,22 @@ pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
     Line::Valid(json, end + 1)
 }
 
-/// Whether `bytes` (the rest of a journal after a bad line) is a crash remnant:
-/// nothing but zeros, or no complete line at all.
-pub(crate) fn is_remnant(first_bad_terminated: bool, rest_after_bad: &[u8], bad: &[u8]) -> bool {
-    let zeros = |b: &[u8]| b.iter().all(|x| *x == 0 || *x == b'\n');
-    (!first_bad_terminated && rest_after_bad.is_empty()) || (zeros(bad) && zeros(rest_after_bad))
+/// Whether the region starting at a bad line is a crash remnant rather than
+/// damage: the bad line is unfinished and no whole, valid line follows it.
+pub(crate) fn is_remnant(bad_terminated: bool, rest: &[u8]) -> bool {
+    if bad_terminated {
+        return false;
+    }
+    let mut pos = 0;
+    while pos < rest.len() {
+        if rest[pos] == 0 {
+            pos += 1;
+            continue;
+        }
+        match next_line(&rest[pos..]) {
+            Line::Valid(..) => return false,
+            Line::Invalid { len, .. } => pos += len.max(1),
+        }
+    }
+    true
 }

@@ -21,7 +21,9 @@ mod v1;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read};
+#[cfg(not(unix))]
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
@@ -163,10 +165,12 @@ struct Cursor {
     /// Identity of the journal file the cursor reads.
     dev: u64,
     ino: u64,
-    /// Bytes read and applied so far.
+    /// Bytes read and applied so far: where the next entry goes.
     offset: u64,
     /// The next entry's sequence number.
     next_seq: u64,
+    /// The file's length: zeros from the end of the entries up to here.
+    allocated: u64,
 }
 
 /// The state as this handle knows it, with what is needed to keep it current.
@@ -288,9 +292,9 @@ impl Store {
                     ),
                 ));
             }
-            if j.len > cursor.offset {
-                self.read_journal(current)?;
-            }
+            // The journal is preallocated, so its length says nothing about new
+            // entries: probe the bytes at the cursor (one small read).
+            self.read_journal(current)?;
         }
         Ok(current)
     }
@@ -312,7 +316,7 @@ impl Store {
         };
         let file = match fs::OpenOptions::new()
             .read(true)
-            .append(true)
+            .write(true)
             .open(&self.journal_path)
         {
             Ok(file) => file,
@@ -381,6 +385,7 @@ impl Store {
             ino,
             offset: header_len as u64,
             next_seq: 1,
+            allocated: meta.len(),
         });
         self.read_journal(&mut loaded)?;
         Ok(loaded)
@@ -391,17 +396,13 @@ impl Store {
         let Some(cursor) = loaded.cursor.as_mut() else {
             return Ok(());
         };
-        let mut fresh = Vec::new();
-        cursor
-            .file
-            .seek(SeekFrom::Start(cursor.offset))
-            .and_then(|_| cursor.file.read_to_end(&mut fresh))
-            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
         let start = cursor.offset;
+        let fresh = read_until_zero(&cursor.file, start)
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
         let mut pos = 0;
         let mut entries = Vec::new();
         let mut next_seq = cursor.next_seq;
-        while pos < fresh.len() {
+        while pos < fresh.len() && fresh[pos] != 0 {
             match journal::next_line(&fresh[pos..]) {
                 Line::Valid(json, len) => {
                     let at = format!("byte {}", start + pos as u64);
@@ -432,8 +433,9 @@ impl Store {
                     pos += len;
                 }
                 Line::Invalid { len, terminated } => {
-                    let rest = &fresh[pos + len..];
-                    if journal::is_remnant(terminated, rest, &fresh[pos..pos + len]) {
+                    let tail = read_remnant(&cursor.file, start + pos as u64, &fresh[pos..])
+                        .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+                    if journal::is_remnant(terminated, &tail[len.min(tail.len())..]) {
                         break;
                     }
                     return Err(invalid(
@@ -444,7 +446,7 @@ impl Store {
                 }
             }
         }
-        let torn = fresh.len() - pos;
+        let torn_at = start + pos as u64;
         for (items, audit, len) in entries {
             for item in items {
                 loaded.apply(item);
@@ -456,17 +458,21 @@ impl Store {
             cursor.offset += len as u64;
             cursor.next_seq += 1;
         }
-        if torn > 0 {
-            self.quarantine_journal_tail(loaded, &fresh[pos..])?;
+        if pos < fresh.len() && fresh[pos] != 0 {
+            self.quarantine_journal_tail(loaded, torn_at, &fresh[pos..])?;
         }
         Ok(())
     }
 
-    /// Moves an unacknowledged, torn journal tail aside and cuts it off.
-    fn quarantine_journal_tail(&self, loaded: &mut Loaded, tail: &[u8]) -> Result<()> {
+    /// Copies an unacknowledged, torn journal tail aside, then zeroes it.
+    fn quarantine_journal_tail(&self, loaded: &mut Loaded, at: u64, probe: &[u8]) -> Result<()> {
         let Some(cursor) = loaded.cursor.as_mut() else {
             return Ok(());
         };
+        let mut tail = read_remnant(&cursor.file, at, probe)
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+        let end = tail.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+        tail.truncate(end);
         let mut n = 0u32;
         let quarantine = loop {
             let path = self.dir.join(format!("{JOURNAL_FILE}.torn-{n}"));
@@ -475,14 +481,12 @@ impl Store {
             }
             n += 1;
         };
-        fs::write(&quarantine, tail)
+        fs::write(&quarantine, &tail)
             .and_then(|()| File::open(&quarantine)?.sync_all())
             .map_err(|e| Error::io(&quarantine, "write quarantine file", e))?;
-        cursor
-            .file
-            .set_len(cursor.offset)
-            .and_then(|()| cursor.file.sync_all())
-            .map_err(|e| Error::io(&self.journal_path, "truncate torn tail", e))?;
+        write_all_at(&cursor.file, &vec![0; tail.len()], at)
+            .and_then(|()| cursor.file.sync_data())
+            .map_err(|e| Error::io(&self.journal_path, "zero torn tail", e))?;
         tracing::warn!(
             journal = %self.journal_path.display(),
             quarantine = %quarantine.display(),
@@ -524,10 +528,16 @@ impl Store {
                 Error::io(&self.journal_path, "append", e),
             )
         })?;
-        cursor
-            .file
-            .write_all(&line)
-            .map_err(|e| uncertain("append", e))?;
+        // Keep at least one zero byte after the entry: it marks the end.
+        let needed = cursor.offset + line.len() as u64 + 1;
+        if needed > cursor.allocated {
+            let grown = needed.max(cursor.allocated + journal::GROW);
+            let zeros = vec![0u8; usize::try_from(grown - cursor.allocated).unwrap_or(usize::MAX)];
+            write_all_at(&cursor.file, &zeros, cursor.allocated)
+                .map_err(|e| uncertain("extend", e))?;
+            cursor.allocated = grown;
+        }
+        write_all_at(&cursor.file, &line, cursor.offset).map_err(|e| uncertain("append", e))?;
         faults
             .check("journal.fsync")
             .and_then(|()| cursor.file.sync_data())
@@ -552,7 +562,9 @@ impl Store {
             journal: JOURNAL_VERSION,
             generation,
         });
-        fsutil::replace_atomically(&self.dir, JOURNAL_FILE, &header, faults, "journal_create")
+        let mut contents = header.clone();
+        contents.resize(header.len() + journal::PREALLOCATE, 0);
+        fsutil::replace_atomically(&self.dir, JOURNAL_FILE, &contents, faults, "journal_create")
             .map_err(|(how, e)| {
                 let failure = match how {
                     ReplaceFailure::BeforeRename => CommitFailure::Clean,
@@ -562,7 +574,7 @@ impl Store {
             })?;
         let file = fs::OpenOptions::new()
             .read(true)
-            .append(true)
+            .write(true)
             .open(&self.journal_path)
             .map_err(|e| {
                 (
@@ -586,6 +598,7 @@ impl Store {
             ino,
             offset: header.len() as u64,
             next_seq: 1,
+            allocated: contents.len() as u64,
         });
         Ok(())
     }
@@ -624,6 +637,82 @@ impl Store {
         loaded.cursor = None;
         self.start_journal(loaded, next.generation, faults)
     }
+}
+
+/// Reads from `offset` until the first zero byte (the end of the entries) or the
+/// end of the file. Usually one small read: nothing new since the last look.
+fn read_until_zero(file: &File, offset: u64) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    let mut chunk = 4096;
+    loop {
+        let old = buf.len();
+        buf.resize(old + chunk, 0);
+        let n = read_at(file, &mut buf[old..], offset + old as u64)?;
+        buf.truncate(old + n);
+        if n == 0 || buf[old..].contains(&0) {
+            return Ok(buf);
+        }
+        chunk = (chunk * 4).min(1 << 20);
+    }
+}
+
+/// The bytes from a bad line on, up to a long run of zeros or the end of the
+/// file: enough to see whether whole lines follow (damage) or not (a remnant).
+fn read_remnant(file: &File, offset: u64, probe: &[u8]) -> io::Result<Vec<u8>> {
+    const QUIET: usize = 64 * 1024;
+    let mut buf = probe.to_vec();
+    loop {
+        let zeros_at_end = buf.iter().rev().take_while(|b| **b == 0).count();
+        if zeros_at_end >= QUIET {
+            return Ok(buf);
+        }
+        let old = buf.len();
+        buf.resize(old + QUIET, 0);
+        let n = read_at(file, &mut buf[old..], offset + old as u64)?;
+        buf.truncate(old + n);
+        if n == 0 {
+            return Ok(buf);
+        }
+    }
+}
+
+#[cfg(unix)]
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(unix)]
+fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    std::os::unix::fs::FileExt::write_all_at(file, buf, offset)
+}
+
+#[cfg(not(unix))]
+fn read_at(mut file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    file.seek(SeekFrom::Start(offset))?;
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read(&mut buf[done..])? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(not(unix))]
+fn write_all_at(mut file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    file.seek(SeekFrom::Start(offset))?;
+    file.write_all(buf)
 }
 
 /// Serialises a state as version 2, pretty-printed, newline-terminated.

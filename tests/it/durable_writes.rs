@@ -33,11 +33,23 @@ fn every_file_the_outbox_creates_is_private() {
     assert_eq!(owners, 0o700);
 }
 
+/// The journal's bytes up to the zeros it is preallocated with.
+fn journal_bytes(h: &Harness) -> Vec<u8> {
+    let mut bytes = std::fs::read(h.path("outbox.journal")).unwrap();
+    let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    assert!(
+        bytes[end..].iter().all(|b| *b == 0),
+        "only zeros after the entries"
+    );
+    bytes.truncate(end);
+    bytes
+}
+
 /// The journal's framing: `<16 hex> <json>\n`, the hex being the first 64 bits of
 /// the JSON's SHA-256 (see `src/store/journal.rs`). Checked here independently.
 fn journal_entries(h: &Harness) -> Vec<serde_json::Value> {
     use sha2::{Digest, Sha256};
-    let text = std::fs::read_to_string(h.path("outbox.journal")).unwrap();
+    let text = String::from_utf8(journal_bytes(h)).unwrap();
     text.lines()
         .map(|line| {
             let (sum, json) = line.split_once(' ').unwrap();
@@ -115,15 +127,23 @@ fn a_torn_journal_tail_is_set_aside_and_the_acknowledged_entries_survive() {
     let h = Harness::new();
     h.enqueue("a", "chat-1");
     h.enqueue("b", "chat-1");
+    // A crash mid-write leaves the start of the next entry where the zeros were.
+    let end = journal_bytes(&h).len();
     let mut bytes = std::fs::read(h.path("outbox.journal")).unwrap();
     let torn = b"0123456789abcdef {\"seq\":3,\"items\":[{\"attempts\"";
-    bytes.extend_from_slice(torn);
+    bytes[end..end + torn.len()].copy_from_slice(torn);
     std::fs::write(h.path("outbox.journal"), &bytes).unwrap();
     let reopened = h.reopen();
     assert_eq!(reopened.list_items().unwrap().len(), 2);
     assert_eq!(
         std::fs::read(h.path("outbox.journal.torn-0")).unwrap(),
         torn
+    );
+    reopened.enqueue(msg("c", "chat-1")).unwrap();
+    assert_eq!(
+        h.reopen().list_items().unwrap().len(),
+        3,
+        "the next entry takes the torn one's place"
     );
     reopened.verify_audit().unwrap();
 }
