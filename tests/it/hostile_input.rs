@@ -1,12 +1,15 @@
 //! Hostile input never panics the outbox, never corrupts what is on disk, and is
 //! never stored raw or unbounded (brief §7).
 //!
-//! - Loaders: arbitrary bytes and mutations of a valid `outbox.json` and
-//!   `audit.jsonl` (flipped bytes, truncation, inserted garbage, duplicated or
-//!   reordered entries, values of the wrong type). `Outbox::open`, an enqueue
-//!   through a handle opened before the damage, and `AuditLog::verify`/`read` either
-//!   succeed or return a typed error, and a file that produced an error is left as
-//!   it was. Edits to the audit chain are detected.
+//! - Loaders: arbitrary bytes and mutations of a valid snapshot (`outbox.json`),
+//!   journal (`outbox.journal`) and audit log (`audit.jsonl`): flipped bytes,
+//!   truncation, inserted garbage, duplicated, reordered or deleted entries, values
+//!   of the wrong type (in the journal also with a recomputed checksum).
+//!   `Outbox::open`, an enqueue through a handle opened before the damage, and
+//!   `AuditLog::verify`/`read`/`records` either succeed or return a typed error; a
+//!   file that produced an error is left as it was (the one change allowed is a
+//!   torn tail moved, byte for byte, into a quarantine file); edits to the audit
+//!   chain are detected; an accepted journal lost no acknowledged change.
 //! - Caller text: every `NewMessage` field is checked against its documented limit
 //!   with the first bad field named and nothing written; transport references and
 //!   error codes returned by `send` are stored without control characters and cut
@@ -24,20 +27,22 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use durable_outbox::{
-    AuditLog, AuditRecord, Backoff, DEFAULT_DIRECTION, DEFAULT_LANE, Error, ItemState, ManualClock,
-    NewMessage, Outbox, Outcome, SendError, limits,
+    AuditLog, Backoff, DEFAULT_DIRECTION, DEFAULT_LANE, Error, ItemState, ManualClock, NewMessage,
+    Outbox, OutboxItem, Outcome, SendError, limits,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::TestCaseError;
+use sha2::{Digest, Sha256};
 
 use crate::harness::{START, builder, msg, secs};
 use crate::seeded::{self, ensure};
 
 const CASES: u32 = 128;
 const STATE: &str = "outbox.json";
+const JOURNAL: &str = "outbox.journal";
 const AUDIT: &str = "audit.jsonl";
-const TORN_PREFIX: &str = "audit.jsonl.torn-";
+const FILES: [&str; 3] = [STATE, JOURNAL, AUDIT];
 
 type Check = Result<(), TestCaseError>;
 
@@ -93,43 +98,83 @@ fn names(dir: &Path) -> BTreeSet<String> {
         .collect()
 }
 
-/// The concatenated contents of quarantine files created in `dir` since `before`.
-fn new_torn_bytes(dir: &Path, before: &BTreeSet<String>) -> Vec<u8> {
-    names(dir)
-        .difference(before)
-        .filter(|n| n.starts_with(TORN_PREFIX))
-        .flat_map(|n| read(dir, n).unwrap_or_default())
-        .collect()
+/// The three files of an outbox, each possibly absent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Files([Option<Vec<u8>>; 3]);
+
+impl Files {
+    fn read(dir: &Path) -> Self {
+        Self(FILES.map(|name| read(dir, name)))
+    }
+
+    fn write(&self, dir: &Path) {
+        for (name, bytes) in FILES.iter().zip(&self.0) {
+            if let Some(bytes) = bytes {
+                std::fs::write(dir.join(name), bytes).expect("write outbox file");
+            }
+        }
+    }
+
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        let i = FILES.iter().position(|n| *n == name).expect("known file");
+        self.0[i].as_deref()
+    }
+
+    fn with(&self, name: &str, bytes: Vec<u8>) -> Self {
+        let mut files = self.clone();
+        let i = FILES.iter().position(|n| *n == name).expect("known file");
+        files.0[i] = Some(bytes);
+        files
+    }
+
+    /// A fresh directory holding these files.
+    fn materialize(&self) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        self.write(dir.path());
+        dir
+    }
 }
 
-/// The bytes of the log after an operation that errored are the damaged bytes,
-/// or (the one change allowed: a torn tail set aside) a prefix of them whose
-/// missing tail is, byte for byte, in a new quarantine file. Strict byte-for-byte
-/// equality is demanded by `a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged`.
-fn audit_kept_or_losslessly_quarantined(
+/// After an operation that failed, every file is as `expected`, except that a torn
+/// tail of the journal or the log may have been moved, byte for byte, into a new
+/// `<file>.torn-*` quarantine file. (Strict equality for the log is demanded by
+/// `a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged`.)
+fn untouched_after_error(
     dir: &Path,
     before_names: &BTreeSet<String>,
-    damaged: &[u8],
+    expected: &Files,
+    error: &Error,
 ) -> Check {
-    let now = read(dir, AUDIT).unwrap_or_default();
-    if now == damaged {
-        return Ok(());
+    let now = Files::read(dir);
+    for name in FILES {
+        let (was, is) = (expected.get(name), now.get(name));
+        if was == is {
+            continue;
+        }
+        let torn: Vec<u8> = names(dir)
+            .difference(before_names)
+            .filter(|n| n.starts_with(&format!("{name}.torn-")))
+            .flat_map(|n| read(dir, n).unwrap_or_default())
+            .collect();
+        let (was, is) = (was.unwrap_or_default(), is.unwrap_or_default());
+        ensure(
+            name != STATE
+                && !torn.is_empty()
+                && is.len() + torn.len() == was.len()
+                && was.starts_with(is)
+                && was.ends_with(&torn),
+            || {
+                format!(
+                    "damaged-file-untouched broken: the call failed ({error}) but {name} changed \
+                     from {} to {} bytes (quarantined: {} bytes)",
+                    was.len(),
+                    is.len(),
+                    torn.len()
+                )
+            },
+        )?;
     }
-    let torn = new_torn_bytes(dir, before_names);
-    ensure(
-        now.len() + torn.len() == damaged.len()
-            && damaged.starts_with(&now)
-            && damaged.ends_with(&torn),
-        || {
-            format!(
-                "damaged-file-untouched broken: after an error audit.jsonl changed from {} to {} bytes \
-                 and the quarantine holds {} bytes: bytes were lost or rewritten",
-                damaged.len(),
-                now.len(),
-                torn.len()
-            )
-        },
-    )
+    Ok(())
 }
 
 fn clock() -> ManualClock {
@@ -142,60 +187,74 @@ fn open_in(dir: &Path) -> Result<Outbox, Error> {
 
 // ----- a valid outbox to damage ----------------------------------------------------
 
-struct Template {
-    state: Vec<u8>,
-    audit: Vec<u8>,
+/// Fills `outbox` with an item in every state through the public API.
+fn populate(outbox: &Outbox) {
+    let mut labelled = msg("a-sent", "chat-1");
+    labelled.lane = Some("lane-x".into());
+    labelled.risk_class = Some("low".into());
+    outbox.enqueue(labelled).expect("enqueue");
+    outbox.enqueue(msg("b-capped", "chat-1")).expect("enqueue");
+    let mut unicode = msg("c-failed", "chat-2");
+    unicode.content = "héllo ✓ \"quoted\"\n\ttabbed \u{1F600}".into();
+    outbox.enqueue(unicode).expect("enqueue");
+    outbox
+        .enqueue(msg("d-retrying", "chat-3"))
+        .expect("enqueue");
+    outbox.enqueue(msg("e-queued", "chat-4")).expect("enqueue");
+    outbox
+        .process("a-sent", |_| Ok(Some("tr-a".into())))
+        .expect("send");
+    outbox
+        .process("b-capped", |_| panic!("over the cap"))
+        .expect("defer");
+    outbox
+        .process("c-failed", |_| Err(SendError::permanent("chat_not_found")))
+        .expect("fail");
+    outbox
+        .process("d-retrying", |_| {
+            Err(SendError::retryable("http_429").retry_after(secs(30)))
+        })
+        .expect("retry later");
 }
 
-/// A valid outbox with an item in every state, built once with the public API.
+/// A populated outbox in `dir`, still open; with `compacted`, folded into the snapshot.
+fn build(dir: &Path, compacted: bool) -> Outbox {
+    let outbox = open_in(dir).expect("open");
+    populate(&outbox);
+    if compacted {
+        outbox.compact().expect("compact");
+    }
+    outbox
+}
+
+struct Template {
+    /// Every change folded into `outbox.json`; the journal holds only its header.
+    compacted: Files,
+    /// No snapshot: every change is in `outbox.journal`.
+    journaled: Files,
+    /// The items, as the outbox reports them.
+    items: Vec<OutboxItem>,
+}
+
+/// Both layouts of one populated outbox, built once.
 fn template() -> &'static Template {
     static TEMPLATE: OnceLock<Template> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
         let dir = tempfile::tempdir().expect("temp dir");
-        let outbox = open_in(dir.path()).expect("open");
-        let mut labelled = msg("a-sent", "chat-1");
-        labelled.lane = Some("lane-x".into());
-        labelled.risk_class = Some("low".into());
-        outbox.enqueue(labelled).expect("enqueue");
-        outbox.enqueue(msg("b-capped", "chat-1")).expect("enqueue");
-        let mut unicode = msg("c-failed", "chat-2");
-        unicode.content = "héllo ✓ \"quoted\"\n\ttabbed \u{1F600}".into();
-        outbox.enqueue(unicode).expect("enqueue");
-        outbox
-            .enqueue(msg("d-retrying", "chat-3"))
-            .expect("enqueue");
-        outbox.enqueue(msg("e-queued", "chat-4")).expect("enqueue");
-        outbox
-            .process("a-sent", |_| Ok(Some("tr-a".into())))
-            .expect("send");
-        outbox
-            .process("b-capped", |_| panic!("over the cap"))
-            .expect("defer");
-        outbox
-            .process("c-failed", |_| Err(SendError::permanent("chat_not_found")))
-            .expect("fail");
-        outbox
-            .process("d-retrying", |_| {
-                Err(SendError::retryable("http_429").retry_after(secs(30)))
-            })
-            .expect("retry later");
+        let outbox = build(dir.path(), false);
+        let journaled = Files::read(dir.path());
+        outbox.compact().expect("compact");
+        let compacted = Files::read(dir.path());
+        assert!(
+            journaled.get(STATE).is_none() && compacted.get(STATE).is_some(),
+            "the template needs both layouts"
+        );
         Template {
-            state: read(dir.path(), STATE).expect("outbox.json"),
-            audit: read(dir.path(), AUDIT).expect("audit.jsonl"),
+            compacted,
+            journaled,
+            items: outbox.list_items().expect("items"),
         }
     })
-}
-
-/// A fresh directory holding `state` and `audit` (each only when given).
-fn outbox_dir(state: Option<&[u8]>, audit: Option<&[u8]>) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("temp dir");
-    if let Some(state) = state {
-        std::fs::write(dir.path().join(STATE), state).expect("write state");
-    }
-    if let Some(audit) = audit {
-        std::fs::write(dir.path().join(AUDIT), audit).expect("write audit");
-    }
-    dir
 }
 
 // ----- damage -----------------------------------------------------------------------
@@ -281,7 +340,14 @@ const ITEM_FIELDS: [&str; 22] = [
     "updated_at_utc",
     "unknown_field",
 ];
-const TOP_FIELDS: [&str; 5] = ["version", "audit_head", "pending_audit", "items", "unknown"];
+const TOP_FIELDS: [&str; 6] = [
+    "version",
+    "audit_head",
+    "generation",
+    "pending_audit",
+    "items",
+    "unknown",
+];
 const RECORD_FIELDS: [&str; 8] = [
     "seq",
     "hash",
@@ -293,7 +359,7 @@ const RECORD_FIELDS: [&str; 8] = [
     "unknown",
 ];
 
-/// Byte-level damage, the same for both files.
+/// Byte-level damage, the same for every file.
 #[derive(Debug, Clone)]
 enum Bytes {
     Flip { at: Index, mask: u8 },
@@ -396,13 +462,15 @@ impl StateDamage {
     }
 }
 
-/// Damage to `audit.jsonl`.
+/// Damage to a line-oriented file: the journal or the audit log.
 #[derive(Debug, Clone)]
-enum AuditDamage {
+enum LineDamage {
     Bytes(Bytes),
     DuplicateLine(Index),
     SwapLines(Index, Index),
     DeleteLine(Index),
+    /// Set a field of one line's JSON to a value of another type (for the journal:
+    /// a field of the entry's first item, or of the header or entry itself).
     WrongType {
         line: Index,
         field: &'static str,
@@ -411,21 +479,31 @@ enum AuditDamage {
     Append(Vec<u8>),
 }
 
-fn audit_damage() -> impl Strategy<Value = AuditDamage> {
+fn line_damage(fields: Vec<&'static str>) -> impl Strategy<Value = LineDamage> {
     prop_oneof![
-        4 => bytes_damage().prop_map(AuditDamage::Bytes),
-        1 => any::<Index>().prop_map(AuditDamage::DuplicateLine),
-        1 => (any::<Index>(), any::<Index>()).prop_map(|(a, b)| AuditDamage::SwapLines(a, b)),
-        1 => any::<Index>().prop_map(AuditDamage::DeleteLine),
-        2 => (any::<Index>(), prop::sample::select(RECORD_FIELDS.to_vec()), leaf())
-            .prop_map(|(line, field, value)| AuditDamage::WrongType { line, field, value }),
-        1 => prop::collection::vec(any::<u8>(), 1..64).prop_map(AuditDamage::Append),
+        4 => bytes_damage().prop_map(LineDamage::Bytes),
+        1 => any::<Index>().prop_map(LineDamage::DuplicateLine),
+        1 => (any::<Index>(), any::<Index>()).prop_map(|(a, b)| LineDamage::SwapLines(a, b)),
+        1 => any::<Index>().prop_map(LineDamage::DeleteLine),
+        3 => (any::<Index>(), prop::sample::select(fields), leaf())
+            .prop_map(|(line, field, value)| LineDamage::WrongType { line, field, value }),
+        1 => prop::collection::vec(any::<u8>(), 1..64).prop_map(LineDamage::Append),
     ]
 }
 
-impl AuditDamage {
-    fn apply(&self, original: &[u8]) -> Vec<u8> {
-        let text = std::str::from_utf8(original).expect("utf-8 log");
+/// The journal's line checksum (documented in `store::journal`): the first 64 bits
+/// of the SHA-256 of the JSON, in hex.
+fn seal_journal_line(json: &str) -> String {
+    format!(
+        "{} {json}",
+        hex::encode(&Sha256::digest(json.as_bytes())[..8])
+    )
+}
+
+impl LineDamage {
+    /// Damages `original`; `journal` lines carry a checksum, recomputed after an edit.
+    fn apply(&self, original: &[u8], journal: bool) -> Vec<u8> {
+        let text = std::str::from_utf8(original).expect("utf-8 file");
         let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
         let n = lines.len();
         match self {
@@ -441,10 +519,24 @@ impl AuditDamage {
             }
             Self::WrongType { line, field, value } => {
                 let i = line.index(n);
-                let mut record: serde_json::Value =
-                    serde_json::from_str(&lines[i]).expect("a record");
-                record[*field] = value.value();
-                lines[i] = serde_json::to_string(&record).expect("serialise");
+                let json = if journal {
+                    &lines[i][17..]
+                } else {
+                    &lines[i][..]
+                };
+                let mut record: serde_json::Value = serde_json::from_str(json).expect("JSON");
+                match record.get_mut("items").and_then(|items| items.get_mut(0)) {
+                    Some(item) if journal && ITEM_FIELDS.contains(field) => {
+                        item[*field] = value.value();
+                    }
+                    _ => record[*field] = value.value(),
+                }
+                let json = serde_json::to_string(&record).expect("serialise");
+                lines[i] = if journal {
+                    seal_journal_line(&json)
+                } else {
+                    json
+                };
             }
         }
         lines
@@ -479,24 +571,15 @@ fn json_document() -> impl Strategy<Value = Vec<u8>> {
         })
 }
 
-/// Opens `dir` in a fresh handle; an error must be typed and leave every file as
-/// it was. Returns the error, if the file was refused.
-fn open_damaged_state(dir: &Path, damaged: &[u8]) -> Result<Option<Error>, TestCaseError> {
-    let audit_before = read(dir, AUDIT);
-    let result = no_panic("Outbox::open on a damaged outbox.json", || open_in(dir))?;
+/// Opens a fresh handle on `dir`, which holds `files`: an error must be typed and
+/// leave every file as it was. Returns the error, if the files were refused.
+fn open_damaged(dir: &Path, files: &Files) -> Result<Option<Error>, TestCaseError> {
+    let before = names(dir);
+    let result = no_panic("Outbox::open on damaged files", || open_in(dir))?;
     typed("Outbox::open", &result)?;
     match result {
         Err(e) => {
-            ensure(read(dir, STATE).as_deref() == Some(damaged), || {
-                format!(
-                    "damaged-file-untouched broken: open failed with {e} and changed outbox.json"
-                )
-            })?;
-            ensure(read(dir, AUDIT) == audit_before, || {
-                format!(
-                    "damaged-file-untouched broken: open failed with {e} and changed audit.jsonl"
-                )
-            })?;
+            untouched_after_error(dir, &before, files, &e)?;
             ensure(
                 !names(dir).iter().any(|n| n.starts_with(".outbox-tmp-")),
                 || "no-temp-leftovers broken: a failed open left a temp file".into(),
@@ -504,40 +587,76 @@ fn open_damaged_state(dir: &Path, damaged: &[u8]) -> Result<Option<Error>, TestC
             Ok(Some(e))
         }
         Ok(outbox) => {
-            let listed = no_panic("list_items on an accepted outbox.json", || {
-                outbox.list_items()
-            })?;
+            let listed = no_panic("list_items on accepted files", || outbox.list_items())?;
             typed("list_items", &listed)?;
             Ok(None)
         }
     }
 }
 
+/// Damages `name` under a handle that is already open, then enqueues through it:
+/// no panic, a typed error or success, and after an error every file as it was.
+fn enqueue_through_an_older_handle(
+    compacted: bool,
+    name: &str,
+    damage: impl Fn(&[u8]) -> Vec<u8>,
+) -> Result<Result<(), Error>, TestCaseError> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let old = build(dir.path(), compacted);
+    let intact = read(dir.path(), name).expect("file to damage");
+    let damaged = damage(&intact);
+    std::fs::write(dir.path().join(name), &damaged).expect("damage");
+    let files = Files::read(dir.path());
+    let before = names(dir.path());
+    let result = no_panic("enqueue through a handle opened before the damage", || {
+        old.enqueue(msg("z-new", "chat-9")).map(|_| ())
+    })?;
+    typed("enqueue after damage", &result)?;
+    if let Err(e) = &result {
+        untouched_after_error(dir.path(), &before, &files, e)?;
+    }
+    Ok(result)
+}
+
 #[test]
-fn arbitrary_bytes_as_outbox_json_give_a_typed_error_and_stay_untouched() {
-    let strategy = prop_oneof![prop::collection::vec(any::<u8>(), 0..256), json_document(),];
+fn arbitrary_bytes_as_a_snapshot_or_journal_give_a_typed_error_and_stay_untouched() {
+    let strategy = (
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..256),
+            json_document(),
+            json_document().prop_map(|doc| {
+                let json = String::from_utf8(doc).expect("utf-8");
+                format!("{}\n", seal_journal_line(&json)).into_bytes()
+            }),
+        ],
+        any::<bool>(),
+    );
     seeded::check(
-        "arbitrary_bytes_as_outbox_json",
+        "arbitrary_bytes_as_snapshot_or_journal",
         CASES,
         &strategy,
-        |bytes| {
-            let dir = outbox_dir(Some(&bytes), None);
-            open_damaged_state(dir.path(), &bytes).map(|_| ())
+        |(bytes, as_journal)| {
+            let name = if as_journal { JOURNAL } else { STATE };
+            let files = Files([None, None, None]).with(name, bytes);
+            let dir = files.materialize();
+            open_damaged(dir.path(), &files).map(|_| ())
         },
     );
 }
 
 #[test]
-fn a_damaged_outbox_json_gives_a_typed_error_and_stays_untouched() {
-    seeded::check("damaged_outbox_json", CASES, &state_damage(), |damage| {
+fn a_damaged_snapshot_gives_a_typed_error_and_stays_untouched() {
+    seeded::check("damaged_snapshot", CASES, &state_damage(), |damage| {
         let t = template();
-        let damaged = damage.apply(&t.state);
-        if damaged == t.state {
+        let intact = t.compacted.get(STATE).expect("snapshot");
+        let damaged = damage.apply(intact);
+        if damaged == intact {
             return Ok(());
         }
-        // A fresh open of the damaged directory decides whether the file is acceptable.
-        let fresh = outbox_dir(Some(&damaged), Some(&t.audit));
-        let refused = open_damaged_state(fresh.path(), &damaged)?;
+        // A fresh open decides whether the damaged file is acceptable.
+        let files = t.compacted.with(STATE, damaged);
+        let dir = files.materialize();
+        let refused = open_damaged(dir.path(), &files)?;
         if let StateDamage::DuplicateItem(_) = damage {
             ensure(matches!(refused, Some(Error::InvalidRecord { .. })), || {
                 format!(
@@ -545,164 +664,153 @@ fn a_damaged_outbox_json_gives_a_typed_error_and_stays_untouched() {
                 )
             })?;
         }
-
-        // A handle opened before the damage, then an enqueue through it: it must
-        // refuse what open refuses, and leave both files as they were.
-        let dir = outbox_dir(Some(&t.state), Some(&t.audit));
-        let old = open_in(dir.path()).expect("open the intact outbox");
-        std::fs::write(dir.path().join(STATE), &damaged).expect("damage");
-        let result = no_panic("enqueue through a handle opened before the damage", || {
-            old.enqueue(msg("z-new", "chat-9"))
-        })?;
-        typed("enqueue after damage", &result)?;
+        // An older handle must refuse what open refuses, and leave every file as it was.
+        let result = enqueue_through_an_older_handle(true, STATE, |b| damage.apply(b))?;
         if let Some(refusal) = &refused {
             ensure(result.is_err(), || {
                 format!(
                     "damaged-file-untouched broken: open refuses this outbox.json ({refusal}), \
-                     but an enqueue through an older handle accepted and rewrote it"
+                     but an enqueue through an older handle accepted it"
                 )
             })?;
-        }
-        if let Err(e) = &result {
-            ensure(
-                read(dir.path(), STATE).as_deref() == Some(&damaged[..]),
-                || {
-                    format!(
-                        "damaged-file-untouched broken: enqueue failed with {e} and rewrote outbox.json"
-                    )
-                },
-            )?;
-            ensure(
-                read(dir.path(), AUDIT).as_deref() == Some(&t.audit[..]),
-                || {
-                    format!(
-                        "damaged-file-untouched broken: enqueue failed with {e} and changed audit.jsonl"
-                    )
-                },
-            )?;
         }
         Ok(())
     });
 }
 
 #[test]
-fn a_damaged_audit_log_is_detected_or_repaired_and_never_loses_bytes() {
-    seeded::check("damaged_audit_log", CASES, &audit_damage(), |damage| {
+fn a_damaged_journal_gives_a_typed_error_or_loses_no_acknowledged_change() {
+    let mut fields = ITEM_FIELDS.to_vec();
+    fields.extend(["seq", "journal", "generation", "audit"]);
+    seeded::check("damaged_journal", CASES, &line_damage(fields), |damage| {
         let t = template();
-        let damaged = damage.apply(&t.audit);
-        if damaged == t.audit {
+        let intact = t.journaled.get(JOURNAL).expect("journal");
+        let damaged = damage.apply(intact, true);
+        if damaged == intact {
             return Ok(());
         }
-        let dir = outbox_dir(Some(&t.state), Some(&damaged));
-        let path = dir.path().join(AUDIT);
-
-        // The read-only verifier: typed result, file untouched, edits detected.
-        let verified = no_panic("AuditLog::verify", || AuditLog::verify(&path))?;
-        typed("AuditLog::verify", &verified)?;
-        let read_back = no_panic("AuditLog::read", || AuditLog::read(&path))?;
-        typed("AuditLog::read", &read_back)?;
-        let streamed = no_panic("AuditLog::records", || {
-            AuditLog::records(&path)
-                .map(|records| records.filter_map(Result::err).collect::<Vec<_>>())
-        })?;
-        typed("AuditLog::records", &streamed)?;
-        for e in streamed.iter().flatten() {
-            ensure(is_typed_load_error(e), || {
-                format!("typed-error broken: AuditLog::records yielded {e:?}")
+        let files = t.journaled.with(JOURNAL, damaged);
+        let dir = files.materialize();
+        let refused = open_damaged(dir.path(), &files)?;
+        let resealed = matches!(damage, LineDamage::WrongType { .. });
+        if refused.is_none() && !resealed {
+            // Without a valid checksum nothing new can enter; nothing acknowledged may leave.
+            let outbox = open_in(dir.path()).expect("reopen");
+            let items = outbox.list_items().expect("items");
+            ensure(items == t.items, || {
+                format!(
+                    "nothing-lost broken: the damaged journal was accepted but the items differ:\n  now: {items:#?}\n  were: {:#?}",
+                    t.items
+                )
             })?;
         }
-        ensure(
-            read(dir.path(), AUDIT).as_deref() == Some(&damaged[..]),
-            || "read-only broken: AuditLog::verify or read changed the file".into(),
-        )?;
-        if !t.audit.starts_with(&damaged) {
-            // Not a clean cut of the original: the chain must notice, at worst as a torn tail.
-            ensure(
-                verified.as_ref().map_or(true, |r| r.torn_tail_bytes > 0),
-                || {
-                    format!(
-                        "chain-detects-edits broken: AuditLog::verify accepted {damage:?} as {verified:?}"
-                    )
-                },
-            )?;
-        }
+        enqueue_through_an_older_handle(false, JOURNAL, |b| damage.apply(b, true)).map(|_| ())
+    });
+}
 
-        // Opening the outbox: a typed error, or a repaired log that kept every byte.
-        let before = names(dir.path());
-        let opened = no_panic("Outbox::open on a damaged audit.jsonl", || {
-            open_in(dir.path())
-        })?;
-        typed("Outbox::open", &opened)?;
-        ensure(
-            read(dir.path(), STATE).as_deref() == Some(&t.state[..]),
-            || {
-                "damaged-file-untouched broken: opening with a damaged log changed outbox.json"
-                    .into()
-            },
-        )?;
-        match opened {
-            Err(_) => audit_kept_or_losslessly_quarantined(dir.path(), &before, &damaged)?,
-            Ok(outbox) => {
-                let torn = new_torn_bytes(dir.path(), &before);
-                let kept = damaged.len() - torn.len().min(damaged.len());
+#[test]
+fn a_damaged_audit_log_is_detected_or_repaired_and_never_loses_bytes() {
+    let strategy = (line_damage(RECORD_FIELDS.to_vec()), any::<bool>());
+    seeded::check(
+        "damaged_audit_log",
+        CASES,
+        &strategy,
+        |(damage, compacted)| {
+            let t = template();
+            let layout = if compacted {
+                &t.compacted
+            } else {
+                &t.journaled
+            };
+            let intact = layout.get(AUDIT).expect("audit log");
+            let damaged = damage.apply(intact, false);
+            if damaged == intact {
+                return Ok(());
+            }
+            let files = layout.with(AUDIT, damaged.clone());
+            let dir = files.materialize();
+            let path = dir.path().join(AUDIT);
+
+            // The read-only verifier: typed results, file untouched, edits detected.
+            let verified = no_panic("AuditLog::verify", || AuditLog::verify(&path))?;
+            typed("AuditLog::verify", &verified)?;
+            let read_back = no_panic("AuditLog::read", || AuditLog::read(&path))?;
+            typed("AuditLog::read", &read_back)?;
+            let streamed = no_panic("AuditLog::records", || {
+                AuditLog::records(&path)
+                    .map(|records| records.filter_map(Result::err).collect::<Vec<_>>())
+            })?;
+            typed("AuditLog::records", &streamed)?;
+            for e in streamed.iter().flatten() {
+                ensure(is_typed_load_error(e), || {
+                    format!("typed-error broken: AuditLog::records yielded {e:?}")
+                })?;
+            }
+            ensure(
+                read(dir.path(), AUDIT).as_deref() == Some(&damaged[..]),
+                || "read-only broken: AuditLog::verify, read or records changed the file".into(),
+            )?;
+            if !intact.starts_with(&damaged) {
+                // Not a clean cut of the original: the chain must notice, at worst as a torn tail.
+                ensure(
+                    verified.as_ref().map_or(true, |r| r.torn_tail_bytes > 0),
+                    || {
+                        format!(
+                            "chain-detects-edits broken: AuditLog::verify accepted {damage:?} as {verified:?}"
+                        )
+                    },
+                )?;
+            }
+
+            // Opening the outbox: a typed error with every file as it was, or a log that
+            // kept every byte it had (a torn tail quarantined) and verifies.
+            let before = names(dir.path());
+            if open_damaged(dir.path(), &files)?.is_none() {
                 let now = read(dir.path(), AUDIT).unwrap_or_default();
+                let torn: Vec<u8> = names(dir.path())
+                    .difference(&before)
+                    .filter(|n| n.starts_with("audit.jsonl.torn-"))
+                    .flat_map(|n| read(dir.path(), n).unwrap_or_default())
+                    .collect();
+                let kept = damaged.len().saturating_sub(torn.len());
                 ensure(
                     damaged[kept..] == torn[..] && now.starts_with(&damaged[..kept]),
                     || {
                         "nothing-lost broken: open accepted the log but its bytes are neither kept nor quarantined".into()
                     },
                 )?;
-                for line in now[kept..].split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-                    let record: AuditRecord = serde_json::from_slice(line).map_err(|e| {
-                        TestCaseError::fail(format!("a repaired record is not a record: {e}"))
-                    })?;
-                    ensure(record.reconciled, || {
-                        "a record appended while opening is not marked reconciled".into()
-                    })?;
-                }
-                let report = no_panic("verify_audit after repair", || outbox.verify_audit())?;
+                let outbox = open_in(dir.path()).expect("reopen");
+                let report = no_panic("verify_audit after open", || outbox.verify_audit())?;
                 ensure(report.is_ok(), || {
                     format!("audit-chain broken: the log open accepted does not verify: {report:?}")
                 })?;
+                if !compacted && intact.starts_with(&damaged) {
+                    // A cut log is completed from the journal, byte for byte.
+                    ensure(now == intact, || {
+                        "repair broken: the records a cut removed were not re-appended exactly"
+                            .into()
+                    })?;
+                }
             }
-        }
 
-        // A handle opened on the intact log before the damage, then an enqueue.
-        let dir = outbox_dir(Some(&t.state), Some(&t.audit));
-        let old = open_in(dir.path()).expect("open the intact outbox");
-        std::fs::write(dir.path().join(AUDIT), &damaged).expect("damage");
-        let before = names(dir.path());
-        let result = no_panic("enqueue through a handle opened before the damage", || {
-            old.enqueue(msg("z-new", "chat-9"))
-        })?;
-        typed("enqueue after audit damage", &result)?;
-        if let Err(e) = &result {
-            ensure(
-                read(dir.path(), STATE).as_deref() == Some(&t.state[..]),
-                || {
-                    format!(
-                        "damaged-file-untouched broken: enqueue failed with {e} and rewrote outbox.json"
-                    )
-                },
-            )?;
-            audit_kept_or_losslessly_quarantined(dir.path(), &before, &damaged)?;
-        }
-        Ok(())
-    });
+            enqueue_through_an_older_handle(compacted, AUDIT, |b| damage.apply(b, false))
+                .map(|_| ())
+        },
+    );
 }
 
 #[test]
 fn a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged() {
     // Damage that no crash produces: the last record is gone and the one before it
-    // is cut in the middle. The open must fail (the log is shorter than the head
-    // outbox.json recorded) without first cutting the log and moving its tail.
+    // is cut in the middle, and the journal cannot restore them (it was compacted).
+    // The open must fail (the log is shorter than the head the snapshot recorded)
+    // without first cutting the log and moving its tail aside.
     let t = template();
-    let newlines: Vec<usize> = (0..t.audit.len())
-        .filter(|i| t.audit[*i] == b'\n')
-        .collect();
+    let audit = t.compacted.get(AUDIT).expect("audit");
+    let newlines: Vec<usize> = (0..audit.len()).filter(|i| audit[*i] == b'\n').collect();
     let cut = newlines[newlines.len() - 3] + 20;
-    let damaged = &t.audit[..cut];
-    let dir = outbox_dir(Some(&t.state), Some(damaged));
+    let damaged = &audit[..cut];
+    let dir = t.compacted.with(AUDIT, damaged.to_vec()).materialize();
     let err = open_in(dir.path()).expect_err("a log cut short of the recorded head must not open");
     assert!(matches!(err, Error::AuditBroken { .. }), "{err}");
     assert!(
@@ -713,7 +821,7 @@ fn a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged() {
         read(dir.path(), AUDIT).map_or(0, |a| a.len()),
         names(dir.path())
             .iter()
-            .filter(|n| n.starts_with(TORN_PREFIX))
+            .filter(|n| n.starts_with("audit.jsonl.torn-"))
             .collect::<Vec<_>>()
     );
 }
@@ -722,16 +830,15 @@ fn a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged() {
 fn a_truncated_audit_log_is_reported_at_a_real_line() {
     // `AuditBroken::line` is documented as 1-based: 0 is not a position.
     let t = template();
-    let newlines: Vec<usize> = (0..t.audit.len())
-        .filter(|i| t.audit[*i] == b'\n')
-        .collect();
+    let audit = t.compacted.get(AUDIT).expect("audit");
+    let newlines: Vec<usize> = (0..audit.len()).filter(|i| audit[*i] == b'\n').collect();
     for keep_lines in [0, 1, newlines.len() - 2] {
         let cut = if keep_lines == 0 {
             0
         } else {
             newlines[keep_lines - 1] + 1
         };
-        let dir = outbox_dir(Some(&t.state), Some(&t.audit[..cut]));
+        let dir = t.compacted.with(AUDIT, audit[..cut].to_vec()).materialize();
         match open_in(dir.path()) {
             Err(Error::AuditBroken { line, fault, .. }) => assert!(
                 (1..=keep_lines as u64 + 1).contains(&line),
@@ -1202,7 +1309,7 @@ fn out_of_range_durations_in_settings_are_rejected_at_open_never_a_panic_later()
 
 #[cfg(unix)]
 mod symlinks {
-    use super::{AUDIT, STATE, msg, names, open_in, read, template};
+    use super::{AUDIT, JOURNAL, STATE, msg, names, open_in, read, template};
     use std::os::unix::fs::symlink;
     use std::path::PathBuf;
 
@@ -1213,11 +1320,14 @@ mod symlinks {
     }
 
     impl Planted {
-        fn new(victim_bytes: &[u8]) -> Self {
+        /// `victim_bytes: None` leaves the victim absent (a dangling link).
+        fn new(victim_bytes: Option<&[u8]>) -> Self {
             let root = tempfile::tempdir().expect("temp dir");
             std::fs::create_dir(root.path().join("outbox")).expect("outbox dir");
             let victim = root.path().join("victim");
-            std::fs::write(&victim, victim_bytes).expect("victim");
+            if let Some(bytes) = victim_bytes {
+                std::fs::write(&victim, bytes).expect("victim");
+            }
             Self { root, victim }
         }
 
@@ -1229,13 +1339,13 @@ mod symlinks {
             symlink(&self.victim, self.dir().join(name)).expect("plant symlink");
         }
 
-        fn assert_victim(&self, expected: &[u8], how: &str) {
-            let now = std::fs::read(&self.victim).expect("victim still exists");
+        fn assert_victim(&self, expected: Option<&[u8]>, how: &str) {
+            let now = std::fs::read(&self.victim).ok();
             assert!(
-                now == expected,
+                now.as_deref() == expected,
                 "no-write-through broken: {how}: the symlink's target changed from {:?} to {:?}",
-                String::from_utf8_lossy(expected),
-                String::from_utf8_lossy(&now)
+                expected.map(String::from_utf8_lossy),
+                now.as_deref().map(String::from_utf8_lossy)
             );
         }
     }
@@ -1244,21 +1354,21 @@ mod symlinks {
     fn a_symlink_at_the_audit_path_is_never_written_through() {
         // With and without a final newline: the second looks like a torn last line.
         for victim in [&b"precious\n"[..], b"precious", b""] {
-            let p = Planted::new(victim);
+            let p = Planted::new(Some(victim));
             p.plant(AUDIT);
             let result = open_in(&p.dir()).and_then(|o| o.enqueue(msg("k", "chat-1")));
             p.assert_victim(
-                victim,
+                Some(victim),
                 &format!("audit.jsonl planted as a symlink, open + enqueue gave {result:?}"),
             );
 
             // Planted under a handle that is already open.
-            let p = Planted::new(victim);
+            let p = Planted::new(Some(victim));
             let outbox = open_in(&p.dir()).expect("open");
             p.plant(AUDIT);
             let result = outbox.enqueue(msg("k", "chat-1"));
             p.assert_victim(
-                victim,
+                Some(victim),
                 &format!("audit.jsonl planted under an open handle, enqueue gave {result:?}"),
             );
         }
@@ -1266,55 +1376,89 @@ mod symlinks {
 
     #[test]
     fn planted_temp_file_symlinks_are_never_written_through() {
-        let p = Planted::new(b"precious");
+        let p = Planted::new(Some(b"precious"));
         p.plant(".outbox-tmp-planted.tmp");
         let outbox = open_in(&p.dir()).expect("open");
         // Planted again under the open handle, where no sweep removes it.
-        p.plant(".outbox-tmp-planted2.tmp");
+        std::os::unix::fs::symlink(&p.victim, p.dir().join(".outbox-tmp-planted2.tmp"))
+            .expect("plant");
         for i in 0..20 {
             outbox
                 .enqueue(msg(&format!("k{i}"), "chat-1"))
                 .expect("enqueue");
         }
         outbox.process("k0", |_| Ok(None)).expect("process");
-        p.assert_victim(b"precious", "symlinks planted as .outbox-tmp-* files");
+        outbox.compact().expect("compact");
+        p.assert_victim(Some(b"precious"), "symlinks planted as .outbox-tmp-* files");
     }
 
     #[test]
-    fn a_symlink_at_the_state_path_is_replaced_not_written_through() {
+    fn a_symlink_at_the_snapshot_or_journal_path_is_replaced_not_written_through() {
         let t = template();
-        let p = Planted::new(&t.state);
-        std::fs::write(p.dir().join(AUDIT), &t.audit).expect("audit");
-        p.plant(STATE);
-        if let Ok(outbox) = open_in(&p.dir()) {
-            let _ = outbox.enqueue(msg("z-new", "chat-9"));
+        for (name, layout) in [(STATE, &t.compacted), (JOURNAL, &t.journaled)] {
+            let victim = layout.get(name).expect("file");
+            let p = Planted::new(Some(victim));
+            layout.write(&p.dir());
+            std::fs::remove_file(p.dir().join(name)).expect("remove");
+            p.plant(name);
+            let result = open_in(&p.dir()).and_then(|o| {
+                o.enqueue(msg("z-new", "chat-9"))?;
+                o.compact()
+            });
+            p.assert_victim(
+                Some(victim),
+                &format!("{name} planted as a symlink, open + enqueue + compact gave {result:?}"),
+            );
         }
-        p.assert_victim(&t.state, "outbox.json planted as a symlink");
     }
 
     #[test]
     fn a_symlink_at_a_quarantine_name_is_not_followed() {
         let t = template();
-        let p = Planted::new(b"precious");
-        std::fs::write(p.dir().join(STATE), &t.state).expect("state");
-        // The last record is torn: opening quarantines it under the first free name.
-        let torn = &t.audit[..t.audit.len() - 7];
-        std::fs::write(p.dir().join(AUDIT), torn).expect("audit");
-        let seq = String::from_utf8_lossy(&t.audit).lines().count() - 1;
-        p.plant(&format!("audit.jsonl.torn-{seq}-0"));
-        let opened = open_in(&p.dir());
-        p.assert_victim(b"precious", "a symlink at the quarantine file's name");
-        assert!(opened.is_ok(), "a torn last record is repaired: {opened:?}");
-        assert!(
-            names(&p.dir()).contains(&format!("audit.jsonl.torn-{seq}-1")),
-            "the tail went to the next free name"
-        );
-        let tail_start = torn.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
-        assert!(
-            read(&p.dir(), &format!("audit.jsonl.torn-{seq}-1")).as_deref()
-                == Some(&torn[tail_start..]),
-            "the quarantined tail is kept byte for byte"
-        );
+        let layout = &t.journaled;
+        // A torn last audit record (the journal still holds it) and a torn journal tail.
+        let audit = layout.get(AUDIT).expect("audit");
+        let torn_audit = &audit[..audit.len() - 7];
+        let seq = String::from_utf8_lossy(audit).lines().count() - 1;
+        for (file, name) in [
+            (AUDIT, format!("audit.jsonl.torn-{seq}-0")),
+            (JOURNAL, "outbox.journal.torn-0".to_owned()),
+        ] {
+            for victim in [Some(&b"precious"[..]), None] {
+                let p = Planted::new(victim);
+                layout.write(&p.dir());
+                if file == AUDIT {
+                    std::fs::write(p.dir().join(AUDIT), torn_audit).expect("tear the log");
+                } else {
+                    let journal =
+                        [layout.get(JOURNAL).expect("journal"), b"0123abcd {\"half"].concat();
+                    std::fs::write(p.dir().join(JOURNAL), journal).expect("tear the journal");
+                }
+                p.plant(&name);
+                let opened = open_in(&p.dir());
+                p.assert_victim(
+                    victim,
+                    &format!(
+                        "{name} planted as a symlink ({}), a torn {file} tail was quarantined; \
+                         open gave {:?}",
+                        if victim.is_some() {
+                            "to a file"
+                        } else {
+                            "dangling"
+                        },
+                        opened.as_ref().map(|_| ())
+                    ),
+                );
+                assert!(opened.is_ok(), "a torn {file} tail is repaired: {opened:?}");
+                assert!(
+                    names(&p.dir())
+                        .iter()
+                        .any(|n| n.starts_with(&format!("{file}.torn-")) && *n != name),
+                    "the torn {file} tail went to another, free name"
+                );
+            }
+        }
+        let _ = read;
     }
 
     #[test]

@@ -47,6 +47,7 @@ struct Settings {
     rate_count: u32,
     rate_window_ms: u64,
     max_inline_wait_ms: u64,
+    drain_batch: usize,
 }
 
 /// What the scripted `send` answers.
@@ -161,13 +162,17 @@ fn settings() -> impl Strategy<Value = Settings> {
         1..=2u32,
         prop::sample::select(vec![1_000u64, 10_000, 60_000]),
         prop::sample::select(vec![0u64, 250, 1_000, 5_000]),
+        prop::sample::select(vec![1usize, 2, 16]),
     )
         .prop_map(
-            |(max_attempts, rate_count, rate_window_ms, max_inline_wait_ms)| Settings {
-                max_attempts,
-                rate_count,
-                rate_window_ms,
-                max_inline_wait_ms,
+            |(max_attempts, rate_count, rate_window_ms, max_inline_wait_ms, drain_batch)| {
+                Settings {
+                    max_attempts,
+                    rate_count,
+                    rate_window_ms,
+                    max_inline_wait_ms,
+                    drain_batch,
+                }
             },
         )
 }
@@ -267,7 +272,12 @@ impl DrainTally {
             deferred: report.deferred,
             retried: report.retried,
             in_flight: report.in_flight,
-            receipts: report.receipts.iter().map(Expected::of).collect(),
+            receipts: {
+                let mut receipts: Vec<Expected> =
+                    report.receipts.iter().map(Expected::of).collect();
+                receipts.sort_by(|a, b| a.key.cmp(&b.key));
+                receipts
+            },
             panicked: false,
         }
     }
@@ -403,8 +413,10 @@ impl Model {
         if let Some(done) = done {
             return Some(Decision::Done(done));
         }
+        let now = self.now;
         let item = self.item(key);
         item.attempts += 1;
+        item.claimed_at = Some(now);
         item.next_attempt_at = None;
         item.error_code = None;
         Some(Decision::Send)
@@ -418,6 +430,7 @@ impl Model {
             Reply::Delivered(transport_ref) => {
                 let item = self.item(key);
                 item.state = ItemState::Sent;
+                item.claimed_at = None;
                 item.sent_at = Some(now);
                 item.error_code = None;
                 item.transport_ref = transport_ref
@@ -439,6 +452,7 @@ impl Model {
         // The reference backoff: 250 ms after the first attempt, 500 ms after later ones.
         let backoff = if item.attempts <= 1 { 250 } else { 500 };
         let wait = backoff.max(hint);
+        item.claimed_at = None;
         item.error_code = Some(sanitized(code));
         item.next_attempt_at = Some(now + millis(wait));
         self.record(key, "retrying");
@@ -467,6 +481,10 @@ impl Model {
         }
     }
 
+    /// Due items oldest first, in batches: every item of a batch is decided (and
+    /// claimed) first, then the claimed ones are sent in order, then all outcomes
+    /// are recorded. A panic in `send` records what was sent, releases the rest of
+    /// the batch unchanged and ends the pass.
     fn process_due(&mut self, replies: &[Reply], sends: &mut Vec<String>) -> DrainTally {
         let mut due: Vec<(DateTime<Utc>, String)> = self
             .items
@@ -476,25 +494,49 @@ impl Model {
             .map(|(key, i)| (i.created_at, key.clone()))
             .collect();
         due.sort();
+        let keys: Vec<String> = due.into_iter().map(|(_, key)| key).collect();
         let mut tally = DrainTally::default();
         let mut calls = 0;
-        for (_, key) in due {
-            match self.decide(&key) {
-                None => unreachable!("due keys exist"),
-                Some(Decision::Done(expected)) => tally.add(expected, false),
-                Some(Decision::Send) => {
-                    let reply = &replies[calls % replies.len()];
-                    calls += 1;
-                    sends.push(key.clone());
-                    let (expected, wait) = self.finish(&key, reply);
-                    if matches!(reply, Reply::Panic) {
-                        tally.panicked = true;
-                        return tally;
-                    }
-                    tally.add(expected, wait.is_some());
+        for batch in keys.chunks(self.settings.drain_batch) {
+            let mut claimed = Vec::new();
+            for key in batch {
+                let before = self.items[key].clone();
+                match self.decide(key) {
+                    None => unreachable!("due keys exist"),
+                    Some(Decision::Done(expected)) => tally.add(expected, false),
+                    Some(Decision::Send) => claimed.push((key.clone(), before)),
                 }
             }
+            let mut answered = Vec::new();
+            for (key, _) in &claimed {
+                let reply = replies[calls % replies.len()].clone();
+                calls += 1;
+                sends.push(key.clone());
+                let panicked = matches!(reply, Reply::Panic);
+                answered.push((key.clone(), reply));
+                if panicked {
+                    break;
+                }
+            }
+            let outcomes: Vec<(Expected, Option<u64>)> = answered
+                .iter()
+                .map(|(key, reply)| self.finish(key, reply))
+                .collect();
+            for (key, before) in &claimed[answered.len()..] {
+                self.items.insert(key.clone(), before.clone());
+            }
+            if answered
+                .last()
+                .is_some_and(|(_, r)| matches!(r, Reply::Panic))
+            {
+                tally.panicked = true;
+                return tally;
+            }
+            for (expected, wait) in outcomes {
+                tally.add(expected, wait.is_some());
+            }
         }
+        tally.receipts.sort_by(|a, b| a.key.cmp(&b.key));
         tally
     }
 
@@ -563,6 +605,7 @@ fn open(dir: &std::path::Path, clock: &ManualClock, settings: Settings) -> Outbo
             Duration::from_millis(settings.rate_window_ms),
         )
         .max_inline_wait(Duration::from_millis(settings.max_inline_wait_ms))
+        .drain_batch(settings.drain_batch)
         .open()
         .expect("open the outbox")
 }
@@ -642,9 +685,13 @@ impl Run {
         self.outbox.as_ref().expect("open handle")
     }
 
+    /// The state files (snapshot and journal) and the audit log.
     fn files(&self) -> (Vec<u8>, Vec<u8>) {
         let read = |name: &str| std::fs::read(self.dir.path().join(name)).unwrap_or_default();
-        (read("outbox.json"), read("audit.jsonl"))
+        (
+            [read("outbox.json"), read("outbox.journal")].concat(),
+            read("audit.jsonl"),
+        )
     }
 
     fn restart(&mut self) {
@@ -671,6 +718,10 @@ impl Run {
                 self.settings.max_attempts = *max_attempts;
                 self.model.settings.max_attempts = *max_attempts;
                 self.restart();
+                // Opening may compact the snapshot, but it never records an outcome.
+                ensure(self.files().1 == files_before.1, || {
+                    "a clean restart changed audit.jsonl".into()
+                })?;
             }
             Op::CrashMidSend {
                 key,
@@ -691,16 +742,16 @@ impl Run {
                 if *reopen {
                     self.restart();
                 }
-                let (_, audit_before_bytes) = &files_before;
-                ensure(self.files().1 == *audit_before_bytes, || {
+                ensure(self.files().1 == files_before.1, || {
                     "a crash and restart changed audit.jsonl without any outcome".into()
                 })?;
             }
         }
         let writes_expected = self.model.audit.len() != audit_before;
-        if !writes_expected && !matches!(op, Op::CrashMidSend { .. }) {
+        if !writes_expected && !matches!(op, Op::CrashMidSend { .. } | Op::Restart { .. }) {
             ensure(self.files() == files_before, || {
-                "a step that records no outcome changed outbox.json or audit.jsonl".into()
+                "a step that records no outcome changed outbox.json, outbox.journal or audit.jsonl"
+                    .into()
             })?;
         }
         self.compare()
@@ -855,6 +906,8 @@ impl Run {
 
     /// Writes a claim into outbox.json as a worker that then died would have left it.
     fn forge_dead_claim(&self, key: &str, owner_recorded: bool) {
+        // Fold the journal into the snapshot first, so the snapshot holds every item.
+        self.outbox().compact().expect("compact");
         let path = self.dir.path().join("outbox.json");
         let mut state: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).expect("read outbox.json"))
@@ -1026,5 +1079,52 @@ fn random_runs_match_the_lifecycle_and_rate_cap_model() {
             }
             run.finish()
         },
+    );
+}
+
+/// `process_due` documents that after a panic in `send` "the batch's unsent items
+/// are released unchanged". The model check relies on that; this pins it down.
+#[test]
+fn a_panic_in_process_due_releases_the_unsent_rest_of_the_batch_unchanged() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let clock = ManualClock::at(START).expect("start time");
+    let outbox = Outbox::builder(dir.path())
+        .clock(clock.clone())
+        .sleeper(clock.clone())
+        .max_inline_wait(Duration::ZERO)
+        .drain_batch(16)
+        .open()
+        .expect("open");
+    outbox.enqueue(message("a", 0, false)).expect("enqueue a");
+    clock.advance(Duration::from_millis(1));
+    outbox.enqueue(message("b", 1, false)).expect("enqueue b");
+    let retried = outbox
+        .process("b", |_| Err(SendError::retryable("http_502")))
+        .expect("process b");
+    assert_eq!(retried.outcome, Outcome::Deferred);
+    clock.advance(Duration::from_millis(250));
+    let before = outbox.get("b").expect("get").expect("b");
+    let drained = catch_unwind(AssertUnwindSafe(|| {
+        outbox.process_due(|item| match item.idempotency_key() {
+            "a" => panic!("model_check: scripted panic for a"),
+            other => panic!("{other} was sent after the batch's send panicked"),
+        })
+    }));
+    assert!(drained.is_err(), "the panic reaches the caller");
+    let after = outbox.get("b").expect("get").expect("b");
+    let fields = |i: &OutboxItem| {
+        (
+            i.state(),
+            i.attempts(),
+            i.dispatch_claimed(),
+            i.error_code().map(str::to_owned),
+            i.next_attempt_at(),
+        )
+    };
+    assert_eq!(
+        fields(&after),
+        fields(&before),
+        "batch-release broken: b was claimed in the batch but never sent; releasing it must \
+         leave it as it was (state, attempts, claim, error_code, next_attempt_at)"
     );
 }
