@@ -23,7 +23,7 @@ use crate::rate::RateLimit;
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::retry::Backoff;
 use crate::send::{FailureClass, SendError};
-use crate::store::{CommitFailure, Loaded, Store};
+use crate::store::{CommitFailure, Loaded, Store, rate_time};
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -155,26 +155,23 @@ impl Txn<'_> {
         !self.overlay.is_empty() || !self.records.is_empty()
     }
 
-    /// Send and claim times of `destination` (claims count: they may be sending now).
-    fn destination_times(&self, destination: &str) -> Vec<DateTime<Utc>> {
-        let committed = self.base.index.keys_for_destination(destination);
-        let pending = self
-            .overlay
-            .values()
-            .filter(|i| {
-                i.destination == destination
-                    && !self.base.state.items.contains_key(&i.idempotency_key)
-            })
-            .map(|i| i.idempotency_key.as_str());
-        committed
-            .chain(pending)
-            .filter_map(|key| self.item(key))
-            .filter_map(|i| match (i.state, &i.claim) {
-                (ItemState::Sent, _) => i.sent_at,
-                (ItemState::Queued, Some(claim)) => claim.at.or(Some(i.updated_at)),
-                _ => None,
-            })
-            .collect()
+    /// Send and claim times of `destination` since `since` (claims count: they
+    /// may be sending now), as this transaction sees them.
+    fn destination_times(&self, destination: &str, since: DateTime<Utc>) -> Vec<DateTime<Utc>> {
+        let mut times: Vec<DateTime<Utc>> = self
+            .base
+            .index
+            .rate_times_since(destination, since)
+            .filter(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(at, _)| at)
+            .collect();
+        times.extend(
+            self.overlay
+                .values()
+                .filter(|i| i.destination == destination)
+                .filter_map(rate_time),
+        );
+        times
     }
 }
 
@@ -817,7 +814,8 @@ impl Outbox {
                 None,
             )));
         }
-        let times = txn.destination_times(&item.destination);
+        let window_start = now - chrono_duration(self.inner.config.rate_limit.window);
+        let times = txn.destination_times(&item.destination, window_start);
         if let Some(free_at) = self.inner.config.rate_limit.next_free_slot(now, times) {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);

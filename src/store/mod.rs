@@ -65,7 +65,18 @@ pub(crate) struct State {
 #[derive(Debug, Default)]
 pub(crate) struct Index {
     by_transport_ref: HashMap<String, BTreeSet<String>>,
-    by_destination: HashMap<String, BTreeSet<String>>,
+    /// Per destination, the times that count against its rate cap (send times,
+    /// and claim times of sends in progress), ordered by time.
+    rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
+}
+
+/// The time an item counts against its destination's rate cap, if it does.
+pub(crate) fn rate_time(item: &OutboxItem) -> Option<DateTime<Utc>> {
+    match (item.state, &item.claim) {
+        (ItemState::Sent, _) => item.sent_at,
+        (ItemState::Queued, Some(claim)) => claim.at.or(Some(item.updated_at)),
+        _ => None,
+    }
 }
 
 impl Index {
@@ -85,10 +96,12 @@ impl Index {
                 .or_default()
                 .insert(key.clone());
         }
-        self.by_destination
-            .entry(item.destination.clone())
-            .or_default()
-            .insert(key.clone());
+        if let Some(at) = rate_time(item) {
+            self.rate_times
+                .entry(item.destination.clone())
+                .or_default()
+                .insert((at, key.clone()));
+        }
     }
 
     fn remove(&mut self, item: &OutboxItem) {
@@ -101,10 +114,12 @@ impl Index {
                 self.by_transport_ref.remove(r);
             }
         }
-        if let Some(keys) = self.by_destination.get_mut(&item.destination) {
-            keys.remove(key);
-            if keys.is_empty() {
-                self.by_destination.remove(&item.destination);
+        if let Some(at) = rate_time(item)
+            && let Some(times) = self.rate_times.get_mut(&item.destination)
+        {
+            times.remove(&(at, key.clone()));
+            if times.is_empty() {
+                self.rate_times.remove(&item.destination);
             }
         }
     }
@@ -117,13 +132,18 @@ impl Index {
             .map(String::as_str)
     }
 
-    /// The keys of the items going to `destination`.
-    pub(crate) fn keys_for_destination(&self, destination: &str) -> impl Iterator<Item = &str> {
-        self.by_destination
+    /// The rate-counting times of `destination` at or after `since`, with their keys.
+    /// O(log n + k): only the window is visited, however long the history.
+    pub(crate) fn rate_times_since(
+        &self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> impl Iterator<Item = (DateTime<Utc>, &str)> {
+        self.rate_times
             .get(destination)
             .into_iter()
-            .flatten()
-            .map(String::as_str)
+            .flat_map(move |times| times.range((since, String::new())..))
+            .map(|(at, key)| (*at, key.as_str()))
     }
 }
 
