@@ -135,10 +135,30 @@ impl Files {
     }
 }
 
+/// Whether `is` is `was` with `torn` (a tail, now in a quarantine file) either cut
+/// off or overwritten with zeros in place.
+fn tail_set_aside(was: &[u8], is: &[u8], torn: &[u8]) -> bool {
+    if torn.is_empty() || !was.ends_with(torn) && was.len() != is.len() {
+        return false;
+    }
+    if is.len() + torn.len() == was.len() {
+        return was.starts_with(is) && was.ends_with(torn);
+    }
+    let Some(at) = was.iter().zip(is).position(|(a, b)| a != b) else {
+        return false;
+    };
+    let end = at + torn.len();
+    was.len() == is.len()
+        && end <= was.len()
+        && was[at..end] == *torn
+        && is[at..end].iter().all(|b| *b == 0)
+        && was[end..] == is[end..]
+}
+
 /// After an operation that failed, every file is as `expected`, except that a torn
-/// tail of the journal or the log may have been moved, byte for byte, into a new
-/// `<file>.torn-*` quarantine file. (Strict equality for the log is demanded by
-/// `a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged`.)
+/// tail of the journal or the log may have been set aside, byte for byte, into a
+/// new `<file>.torn-*` quarantine file. (Strict equality is demanded by
+/// `a_failed_open_leaves_the_audit_log_and_journal_byte_for_byte_unchanged`.)
 fn untouched_after_error(
     dir: &Path,
     before_names: &BTreeSet<String>,
@@ -157,22 +177,15 @@ fn untouched_after_error(
             .flat_map(|n| read(dir, n).unwrap_or_default())
             .collect();
         let (was, is) = (was.unwrap_or_default(), is.unwrap_or_default());
-        ensure(
-            name != STATE
-                && !torn.is_empty()
-                && is.len() + torn.len() == was.len()
-                && was.starts_with(is)
-                && was.ends_with(&torn),
-            || {
-                format!(
-                    "damaged-file-untouched broken: the call failed ({error}) but {name} changed \
-                     from {} to {} bytes (quarantined: {} bytes)",
-                    was.len(),
-                    is.len(),
-                    torn.len()
-                )
-            },
-        )?;
+        ensure(name != STATE && tail_set_aside(was, is, &torn), || {
+            format!(
+                "damaged-file-untouched broken: the call failed ({error}) but {name} changed \
+                 ({} bytes before, {} after, {} quarantined) beyond setting a torn tail aside",
+                was.len(),
+                is.len(),
+                torn.len()
+            )
+        })?;
     }
     Ok(())
 }
@@ -242,9 +255,16 @@ fn template() -> &'static Template {
     TEMPLATE.get_or_init(|| {
         let dir = tempfile::tempdir().expect("temp dir");
         let outbox = build(dir.path(), false);
-        let journaled = Files::read(dir.path());
+        // Journals are preallocated with zeros; keep the lines and a short zero run,
+        // so damage lands where it matters and copies stay small.
+        let trimmed = |files: Files| {
+            let journal = files.get(JOURNAL).expect("journal");
+            let end = journal.iter().rposition(|b| *b == b'\n').expect("a header") + 1;
+            files.with(JOURNAL, [&journal[..end], &[0u8; 64][..]].concat())
+        };
+        let journaled = trimmed(Files::read(dir.path()));
         outbox.compact().expect("compact");
-        let compacted = Files::read(dir.path());
+        let compacted = trimmed(Files::read(dir.path()));
         assert!(
             journaled.get(STATE).is_none() && compacted.get(STATE).is_some(),
             "the template needs both layouts"
@@ -518,12 +538,21 @@ impl LineDamage {
                 lines.remove(i.index(n));
             }
             Self::WrongType { line, field, value } => {
-                let i = line.index(n);
-                let json = if journal {
-                    &lines[i][17..]
-                } else {
-                    &lines[i][..]
-                };
+                // Only lines that hold JSON (not the journal's zero padding).
+                fn json_of(l: &str, journal: bool) -> Option<&str> {
+                    if journal { l.get(17..) } else { Some(l) }
+                }
+                let candidates: Vec<usize> = (0..n)
+                    .filter(|i| {
+                        json_of(&lines[*i], journal)
+                            .is_some_and(|j| serde_json::from_str::<serde_json::Value>(j).is_ok())
+                    })
+                    .collect();
+                if candidates.is_empty() {
+                    return original.to_vec();
+                }
+                let i = candidates[line.index(candidates.len())];
+                let json = json_of(&lines[i], journal).expect("checked above");
                 let mut record: serde_json::Value = serde_json::from_str(json).expect("JSON");
                 match record.get_mut("items").and_then(|items| items.get_mut(0)) {
                     Some(item) if journal && ITEM_FIELDS.contains(field) => {
@@ -596,13 +625,30 @@ fn open_damaged(dir: &Path, files: &Files) -> Result<Option<Error>, TestCaseErro
 
 /// Damages `name` under a handle that is already open, then enqueues through it:
 /// no panic, a typed error or success, and after an error every file as it was.
+/// Where the handle that sees the damage comes from.
+#[derive(Clone, Copy)]
+enum Older {
+    /// Opened on a copy of the compacted template (cheap).
+    OnCompacted,
+    /// The handle that wrote every journal entry itself.
+    Writer,
+}
+
+/// Damages `name` under a handle that is already open, then enqueues through it:
+/// no panic, a typed error or success, and after an error every file as it was.
 fn enqueue_through_an_older_handle(
-    compacted: bool,
+    older: Older,
     name: &str,
     damage: impl Fn(&[u8]) -> Vec<u8>,
 ) -> Result<Result<(), Error>, TestCaseError> {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let old = build(dir.path(), compacted);
+    let dir = match older {
+        Older::OnCompacted => template().compacted.materialize(),
+        Older::Writer => tempfile::tempdir().expect("temp dir"),
+    };
+    let old = match older {
+        Older::OnCompacted => open_in(dir.path()).expect("open the intact outbox"),
+        Older::Writer => build(dir.path(), false),
+    };
     let intact = read(dir.path(), name).expect("file to damage");
     let damaged = damage(&intact);
     std::fs::write(dir.path().join(name), &damaged).expect("damage");
@@ -665,7 +711,8 @@ fn a_damaged_snapshot_gives_a_typed_error_and_stays_untouched() {
             })?;
         }
         // An older handle must refuse what open refuses, and leave every file as it was.
-        let result = enqueue_through_an_older_handle(true, STATE, |b| damage.apply(b))?;
+        let result =
+            enqueue_through_an_older_handle(Older::OnCompacted, STATE, |b| damage.apply(b))?;
         if let Some(refusal) = &refused {
             ensure(result.is_err(), || {
                 format!(
@@ -704,8 +751,30 @@ fn a_damaged_journal_gives_a_typed_error_or_loses_no_acknowledged_change() {
                 )
             })?;
         }
-        enqueue_through_an_older_handle(false, JOURNAL, |b| damage.apply(b, true)).map(|_| ())
+        Ok(())
     });
+}
+
+#[test]
+fn a_journal_damaged_under_its_writer_gives_a_typed_error_and_stays_untouched() {
+    // Each case builds its outbox through the public API (journal preallocation
+    // included), so this property runs fewer cases.
+    let cases = seeded::env_u64("OUTBOX_PROPTEST_CASES").map_or(24, |n| (n / 4).max(1) as u32);
+    let mut fields = ITEM_FIELDS.to_vec();
+    fields.extend(["seq", "journal", "generation", "audit"]);
+    seeded::check_cases(
+        "journal_damaged_under_its_writer",
+        cases,
+        &line_damage(fields),
+        |damage| {
+            enqueue_through_an_older_handle(Older::Writer, JOURNAL, |b| {
+                // Damage the lines, keep the preallocated zeros after them.
+                let end = b.iter().rposition(|x| *x == b'\n').map_or(0, |i| i + 1);
+                [damage.apply(&b[..end], true), b[end..].to_vec()].concat()
+            })
+            .map(|_| ())
+        },
+    );
 }
 
 #[test]
@@ -793,36 +862,59 @@ fn a_damaged_audit_log_is_detected_or_repaired_and_never_loses_bytes() {
                 }
             }
 
-            enqueue_through_an_older_handle(compacted, AUDIT, |b| damage.apply(b, false))
+            enqueue_through_an_older_handle(Older::OnCompacted, AUDIT, |b| damage.apply(b, false))
                 .map(|_| ())
         },
     );
 }
 
 #[test]
-fn a_failed_open_leaves_the_audit_log_byte_for_byte_unchanged() {
-    // Damage that no crash produces: the last record is gone and the one before it
-    // is cut in the middle, and the journal cannot restore them (it was compacted).
-    // The open must fail (the log is shorter than the head the snapshot recorded)
-    // without first cutting the log and moving its tail aside.
+fn a_failed_open_leaves_the_audit_log_and_journal_byte_for_byte_unchanged() {
+    // Damage that no crash produces, so the open must fail, and it must fail
+    // without first cutting (or zeroing) a "torn tail" and moving it aside:
+    // - the log: its last record is gone and the one before it is cut in the
+    //   middle, and the journal cannot restore them (it was compacted);
+    // - the journal: cut in the middle of an early entry whose audit records the
+    //   log already holds (a crash never leaves the log ahead of the journal).
     let t = template();
-    let audit = t.compacted.get(AUDIT).expect("audit");
-    let newlines: Vec<usize> = (0..audit.len()).filter(|i| audit[*i] == b'\n').collect();
-    let cut = newlines[newlines.len() - 3] + 20;
-    let damaged = &audit[..cut];
-    let dir = t.compacted.with(AUDIT, damaged.to_vec()).materialize();
-    let err = open_in(dir.path()).expect_err("a log cut short of the recorded head must not open");
-    assert!(matches!(err, Error::AuditBroken { .. }), "{err}");
+    let cut_in_line = |bytes: &[u8], from_end: usize| {
+        let newlines: Vec<usize> = (0..bytes.len()).filter(|i| bytes[*i] == b'\n').collect();
+        bytes[..newlines[newlines.len() - from_end] + 20].to_vec()
+    };
+    let journal = t.journaled.get(JOURNAL).expect("journal");
+    let cases = [
+        (
+            AUDIT,
+            t.compacted
+                .with(AUDIT, cut_in_line(t.compacted.get(AUDIT).expect("log"), 3)),
+        ),
+        (JOURNAL, t.journaled.with(JOURNAL, cut_in_line(journal, 8))),
+    ];
+    let mut broken = Vec::new();
+    for (name, files) in cases {
+        let dir = files.materialize();
+        let Err(err) = open_in(dir.path()) else {
+            broken.push(format!("{name}: damage that no crash leaves was accepted"));
+            continue;
+        };
+        let now = read(dir.path(), name);
+        if now.as_deref() != files.get(name) {
+            broken.push(format!(
+                "{name}: Outbox::open failed ({err}) but had already changed {name} ({} bytes \
+                 before, {} after) and set bytes aside in {:?}",
+                files.get(name).map_or(0, <[u8]>::len),
+                now.map_or(0, |b| b.len()),
+                names(dir.path())
+                    .iter()
+                    .filter(|n| n.contains(".torn-"))
+                    .collect::<Vec<_>>()
+            ));
+        }
+    }
     assert!(
-        read(dir.path(), AUDIT).as_deref() == Some(damaged),
-        "damaged-file-untouched broken: Outbox::open failed ({err}) but had already cut \
-         audit.jsonl from {} to {} bytes and moved the rest to {:?}",
-        damaged.len(),
-        read(dir.path(), AUDIT).map_or(0, |a| a.len()),
-        names(dir.path())
-            .iter()
-            .filter(|n| n.starts_with("audit.jsonl.torn-"))
-            .collect::<Vec<_>>()
+        broken.is_empty(),
+        "damaged-file-untouched broken:\n  {}",
+        broken.join("\n  ")
     );
 }
 
@@ -1430,8 +1522,10 @@ mod symlinks {
                 if file == AUDIT {
                     std::fs::write(p.dir().join(AUDIT), torn_audit).expect("tear the log");
                 } else {
-                    let journal =
-                        [layout.get(JOURNAL).expect("journal"), b"0123abcd {\"half"].concat();
+                    // An unfinished line right after the last entry, before the zeros.
+                    let journal = layout.get(JOURNAL).expect("journal");
+                    let end = journal.iter().rposition(|b| *b == b'\n').expect("lines") + 1;
+                    let journal = [&journal[..end], b"0123abcd {\"half", &journal[end..]].concat();
                     std::fs::write(p.dir().join(JOURNAL), journal).expect("tear the journal");
                 }
                 p.plant(&name);

@@ -36,8 +36,22 @@ pub fn check<S>(
     S: Strategy,
     S::Value: Debug,
 {
-    let seed = seed_from_env("OUTBOX_PROPTEST_SEED");
     let cases = env_u64("OUTBOX_PROPTEST_CASES").map_or(default_cases, |n| n as u32);
+    check_cases(name, cases, strategy, test);
+}
+
+/// As [`check`], with exactly `cases` cases (for properties whose cases are costly
+/// and that scale `OUTBOX_PROPTEST_CASES` down themselves).
+pub fn check_cases<S>(
+    name: &str,
+    cases: u32,
+    strategy: &S,
+    test: impl Fn(S::Value) -> Result<(), TestCaseError>,
+) where
+    S: Strategy,
+    S::Value: Debug,
+{
+    let seed = seed_from_env("OUTBOX_PROPTEST_SEED");
     let config = Config {
         cases,
         rng_seed: RngSeed::Fixed(seed),
