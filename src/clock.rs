@@ -84,7 +84,7 @@ impl ManualClock {
     /// Move the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         let mut now = self.now.lock().unwrap_or_else(PoisonError::into_inner);
-        *now += chrono::Duration::from_std(by).unwrap_or(chrono::Duration::MAX);
+        *now = later(*now, by);
     }
 
     /// Set the clock to `to` (which may be in the past).
@@ -126,9 +126,28 @@ pub(crate) fn parse_timestamp(text: &str) -> Option<DateTime<Utc>> {
         .map(|t| t.with_timezone(&Utc))
 }
 
-/// Converts a std duration to chrono's, saturating instead of failing.
-pub(crate) fn chrono_duration(d: Duration) -> chrono::Duration {
-    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+/// The latest time the outbox stores: the end of year 9999, the last one RFC 3339
+/// (and so `outbox.json`) can write. Later times saturate to it.
+pub(crate) fn latest() -> DateTime<Utc> {
+    DateTime::<Utc>::from_timestamp(253_402_300_799, 999_999_000)
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// `at + d`, saturating at [`latest`] instead of overflowing: a platform's
+/// `Retry-After` is outside input and may be absurd.
+pub(crate) fn later(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| at.checked_add_signed(d))
+        .map_or_else(latest, |t| t.min(latest()))
+}
+
+/// `at - d`, saturating at the earliest representable time.
+pub(crate) fn earlier(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| at.checked_sub_signed(d))
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
 }
 
 #[cfg(test)]
@@ -145,6 +164,19 @@ mod tests {
     fn offsets_are_normalised_to_utc() {
         let t = parse_timestamp("2026-03-04T07:06:07+02:00").unwrap();
         assert_eq!(format_timestamp(t), "2026-03-04T05:06:07.000000Z");
+    }
+
+    #[test]
+    fn far_future_arithmetic_saturates_at_a_storable_time() {
+        let now = parse_timestamp("2026-01-01T00:00:00Z").unwrap();
+        let far = later(now, Duration::MAX);
+        assert_eq!(far, latest());
+        assert_eq!(
+            parse_timestamp(&format_timestamp(far)),
+            Some(far),
+            "it round-trips"
+        );
+        assert!(earlier(now, Duration::MAX) < now);
     }
 
     #[test]

@@ -47,6 +47,55 @@ pub(crate) fn open_private(path: &Path, append: bool) -> io::Result<File> {
     options.open(path)
 }
 
+/// Opens an existing file for reading (and writing, if `write`), refusing to
+/// follow a symlink at the last path component: a planted link must never make
+/// the outbox read or write someone else's file.
+pub(crate) fn open_existing(path: &Path, write: bool) -> io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(write);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(O_NOFOLLOW);
+    }
+    options.open(path)
+}
+
+/// Reads a whole file without following a symlink at its last component.
+pub(crate) fn read_existing(path: &Path) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    io::Read::read_to_end(&mut open_existing(path, false)?, &mut bytes)?;
+    Ok(bytes)
+}
+
+/// Writes `bytes` to a new file `dir/<stem>-<n>` (the first free `n`), mode
+/// 0600, created exclusively (so never through a planted symlink), and fsyncs it
+/// and the directory. Returns its path.
+pub(crate) fn write_quarantine(dir: &Path, stem: &str, bytes: &[u8]) -> Result<PathBuf> {
+    for n in 0u32.. {
+        let path = dir.join(format!("{stem}-{n}"));
+        let mut options = OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(FILE_MODE);
+        }
+        match options.open(&path) {
+            Ok(mut file) => {
+                file.write_all(bytes)
+                    .and_then(|()| file.sync_all())
+                    .and_then(|()| sync_dir(dir))
+                    .map_err(|e| Error::io(&path, "write quarantine file", e))?;
+                return Ok(path);
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io(&path, "create quarantine file", e)),
+        }
+    }
+    unreachable!("u32 names run out only after four billion quarantines")
+}
+
 /// `O_NOFOLLOW` for the platforms we build on (the value differs by architecture).
 #[cfg(all(unix, any(target_os = "linux", target_os = "android")))]
 #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]

@@ -103,8 +103,7 @@ impl OwnerLease {
     /// Creates and locks a fresh owner file. Call with the directory lock held so
     /// a concurrent sweep cannot remove the file between creation and locking.
     pub(crate) fn acquire<T>(dir: &Path, _held: &DirGuard<'_, T>) -> Result<Self> {
-        let owners = dir.join(OWNERS_DIR);
-        create_private_dir(&owners)?;
+        let owners = owners_dir(dir)?;
         loop {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -182,10 +181,30 @@ pub(crate) fn owner_is_alive(dir: &Path, owner: &str) -> bool {
     }
 }
 
+/// The owners directory, created if missing. A symlink or file in its place is
+/// refused: a planted link must not make us create or delete files elsewhere.
+pub(crate) fn owners_dir(dir: &Path) -> Result<PathBuf> {
+    let owners = dir.join(OWNERS_DIR);
+    match fs::symlink_metadata(&owners) {
+        Ok(meta) if meta.is_dir() => return Ok(owners),
+        Ok(_) => {
+            return Err(Error::io(
+                &owners,
+                "open owners directory",
+                io::Error::other("not a directory (a symlink or a file is in the way)"),
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(&owners, "stat", e)),
+    }
+    create_private_dir(&owners)?;
+    Ok(owners)
+}
+
 /// Removes owner files whose owners are gone. Call with the directory lock held.
-pub(crate) fn sweep_dead_owners<T>(dir: &Path, _held: &DirGuard<'_, T>) {
-    let Ok(entries) = fs::read_dir(dir.join(OWNERS_DIR)) else {
-        return;
+pub(crate) fn sweep_dead_owners<T>(dir: &Path, _held: &DirGuard<'_, T>) -> Result<()> {
+    let Ok(entries) = fs::read_dir(owners_dir(dir)?) else {
+        return Ok(());
     };
     for entry in entries.flatten() {
         let path = entry.path();
@@ -203,6 +222,7 @@ pub(crate) fn sweep_dead_owners<T>(dir: &Path, _held: &DirGuard<'_, T>) {
             tracing::warn!(path = %path.display(), error = %e, "could not remove a dead owner file");
         }
     }
+    Ok(())
 }
 
 /// Creates a directory (mode 0700 on Unix) if it does not exist.

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, AuditTail, Hasher, Head};
 use crate::builder::OutboxBuilder;
-use crate::clock::{Clock, Sleeper, chrono_duration, format_timestamp};
+use crate::clock::{Clock, Sleeper, earlier, format_timestamp, later};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
 use crate::fsutil;
@@ -178,7 +178,8 @@ impl Txn<'_> {
 /// What the decision step of `process` concluded.
 enum Decision {
     Done(DeliveryReceipt),
-    Send(Box<OutboxItem>),
+    /// Claimed: the item as claimed, and as it was before (to release it unchanged).
+    Send(Box<OutboxItem>, Box<OutboxItem>),
 }
 
 /// What `send` produced, with panics caught.
@@ -223,12 +224,13 @@ impl Outbox {
             for stale in fsutil::sweep_temp_files(&dir)? {
                 tracing::info!(path = %stale.display(), "removed a temp file left by a crashed writer");
             }
-            lock::sweep_dead_owners(&dir, &guard);
+            lock::sweep_dead_owners(&dir, &guard)?;
             let owner = OwnerLease::acquire(&dir, &guard)?;
             let Locked { audit, loaded } = &mut *guard;
             audit.catch_up()?;
             let loaded = store.refresh(loaded)?;
             reconcile_audit(audit, loaded, &faults)?;
+            store.settle_torn(loaded)?;
             if loaded.has_journal_entries() {
                 // Start from a fresh snapshot: outbox.json is current after every open.
                 compact_locked(&store, audit, loaded, &faults).map_err(|(_, e)| e)?;
@@ -498,14 +500,14 @@ impl Outbox {
         for decision in decisions {
             match decision {
                 Decision::Done(receipt) => report.add(receipt, false),
-                Decision::Send(item) => claimed.push(item),
+                Decision::Send(item, before) => claimed.push((item, before)),
             }
         }
         if claimed.is_empty() {
             return Ok(());
         }
         let mut results: Vec<SendResult> = Vec::with_capacity(claimed.len());
-        for item in &claimed {
+        for (item, _) in &claimed {
             let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(item)));
             let panicked = result.is_err();
             results.push(result);
@@ -521,19 +523,19 @@ impl Outbox {
             .and_then(|()| {
                 self.transact(|txn| {
                     let mut outcomes = Vec::with_capacity(results.len());
-                    for (item, result) in claimed.iter().zip(&results) {
+                    for ((item, _), result) in claimed.iter().zip(&results) {
                         outcomes.push(self.finish(txn, &item.idempotency_key, result)?);
                     }
                     // After a panic the rest were never handed to `send`: release them.
-                    for item in &claimed[results.len()..] {
-                        release(txn, &item.idempotency_key)?;
+                    for (_, before) in &claimed[results.len()..] {
+                        txn.insert((**before).clone());
                     }
                     Ok(outcomes)
                 })
             });
         {
             let mut in_flight = self.in_flight();
-            for item in &claimed {
+            for (item, _) in &claimed {
                 in_flight.remove(&item.idempotency_key);
             }
         }
@@ -660,6 +662,7 @@ impl Outbox {
         audit.catch_up()?;
         let loaded = inner.store.refresh(loaded)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
+        self.guard_poison(inner.store.settle_torn(loaded))?;
         let mut txn = Txn {
             base: loaded,
             overlay: BTreeMap::new(),
@@ -732,7 +735,7 @@ impl Outbox {
             let decision = self.transact(|txn| self.decide(txn, key));
             let item = match decision {
                 Ok(Decision::Done(receipt)) => return Ok(receipt),
-                Ok(Decision::Send(item)) => item,
+                Ok(Decision::Send(item, _)) => item,
                 Err(e) => {
                     // A claim that did not commit is not in flight.
                     self.in_flight().remove(key);
@@ -814,7 +817,7 @@ impl Outbox {
                 None,
             )));
         }
-        let window_start = now - chrono_duration(self.inner.config.rate_limit.window);
+        let window_start = earlier(now, self.inner.config.rate_limit.window);
         let times = txn.destination_times(&item.destination, window_start);
         if let Some(free_at) = self.inner.config.rate_limit.next_free_slot(now, times) {
             let item = txn.item_mut(key)?;
@@ -828,6 +831,7 @@ impl Outbox {
                 Some(audit_id),
             )?));
         }
+        let before = Box::new(item.clone());
         let owner = self.inner.owner.id().to_owned();
         let item = txn.item_mut(key)?;
         item.attempts += 1;
@@ -842,7 +846,7 @@ impl Outbox {
         // Marked before the lock is released, so no thread of ours mistakes the
         // claim for an orphan.
         self.in_flight().insert(key.to_owned());
-        Ok(Decision::Send(Box::new(claimed)))
+        Ok(Decision::Send(Box::new(claimed), before))
     }
 
     /// Whether a claim belongs to a worker that is still alive.
@@ -905,7 +909,7 @@ impl Outbox {
                     let item = txn.item_mut(key)?;
                     item.claim = None;
                     item.error_code = Some(code);
-                    item.next_attempt_at = Some(now + chrono_duration(wait));
+                    item.next_attempt_at = Some(later(now, wait));
                     let audit_id = record(txn, key, AuditOutcome::Retrying, None)?;
                     Ok((
                         receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
@@ -924,7 +928,7 @@ impl Outbox {
 fn done(decision: Decision) -> DeliveryReceipt {
     match decision {
         Decision::Done(receipt) => receipt,
-        Decision::Send(_) => unreachable!("only `decide` claims"),
+        Decision::Send(..) => unreachable!("only `decide` claims"),
     }
 }
 
@@ -939,14 +943,6 @@ fn receipt(
         key: key.to_owned(),
     })?;
     Ok(DeliveryReceipt::for_item(item, outcome, audit_id))
-}
-
-/// Gives back a claim whose item was never handed to `send`.
-fn release(txn: &mut Txn<'_>, key: &str) -> Result<()> {
-    let item = txn.item_mut(key)?;
-    item.claim = None;
-    item.attempts = item.attempts.saturating_sub(1);
-    Ok(())
 }
 
 /// Fails an item terminally with `code`.
@@ -1135,6 +1131,8 @@ fn reconcile_audit(audit: &mut AuditTail, loaded: &Loaded, faults: &Failpoints) 
     {
         return Err(broken(head.seq, AuditFault::HeadMismatch { seq: head.seq }));
     }
+    // Everything checks out: only now may a torn tail be cut from the log.
+    audit.settle_torn_tail()?;
     let missing = loaded.journal_audit_after(head.seq);
     if !missing.is_empty() {
         tracing::warn!(

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::clock::chrono_duration;
+use crate::clock::{earlier, later};
 
 /// At most `count` sends per destination in any sliding `window`.
 ///
@@ -38,8 +38,7 @@ impl RateLimit {
         now: DateTime<Utc>,
         recent: impl IntoIterator<Item = DateTime<Utc>>,
     ) -> Option<DateTime<Utc>> {
-        let window = chrono_duration(self.window);
-        let cutoff = now - window;
+        let cutoff = earlier(now, self.window);
         let mut in_window: Vec<DateTime<Utc>> =
             recent.into_iter().filter(|t| *t > cutoff).collect();
         let count = self.count as usize;
@@ -49,7 +48,7 @@ impl RateLimit {
         in_window.sort_unstable();
         // Enough of the oldest sends must age out that fewer than `count` remain.
         let must_expire = in_window.len() - count + 1;
-        Some(in_window[must_expire - 1] + window)
+        Some(later(in_window[must_expire - 1], self.window))
     }
 
     pub(crate) fn validate(&self) -> crate::Result<()> {

@@ -352,6 +352,8 @@ pub(crate) struct AuditTail {
     lines: u64,
     /// The most recent heads, newest last, for cross-checks against `outbox.json`.
     recent: VecDeque<Head>,
+    /// A crash remnant after the last whole record, waiting to be set aside.
+    torn: Option<Vec<u8>>,
 }
 
 impl AuditTail {
@@ -366,6 +368,7 @@ impl AuditTail {
             verified_len: 0,
             lines: 0,
             recent,
+            torn: None,
         }
     }
 
@@ -406,9 +409,11 @@ impl AuditTail {
             Err(e) => return Err(Error::io(&self.path, "stat", e)),
         };
         if len == self.verified_len {
+            self.torn = None;
             return Ok(());
         }
-        let mut file = File::open(&self.path).map_err(|e| Error::io(&self.path, "open", e))?;
+        let mut file = fsutil::open_existing(&self.path, false)
+            .map_err(|e| Error::io(&self.path, "open", e))?;
         if len < self.verified_len {
             return Err(broken(
                 &self.path,
@@ -452,38 +457,20 @@ impl AuditTail {
         for head in heads {
             self.remember(head);
         }
-        if offset < fresh.len() {
-            self.quarantine_tail(&fresh[offset..])?;
-        }
+        self.torn = (offset < fresh.len()).then(|| fresh[offset..].to_vec());
         Ok(())
     }
 
-    /// Moves a torn tail into its own file, then cuts it from the log.
-    fn quarantine_tail(&mut self, tail: &[u8]) -> Result<()> {
-        let seq = self.head().seq;
-        let mut n = 0u32;
-        let (mut file, path) = loop {
-            let path = self.dir.join(format!("{AUDIT_FILE}.torn-{seq}-{n}"));
-            let mut options = fs::OpenOptions::new();
-            options.write(true).create_new(true);
-            #[cfg(unix)]
-            {
-                use std::os::unix::fs::OpenOptionsExt;
-                options.mode(fsutil::FILE_MODE);
-            }
-            match options.open(&path) {
-                Ok(file) => break (file, path),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
-                Err(e) => return Err(Error::io(&path, "create quarantine file", e)),
-            }
+    /// Moves a torn tail noticed by [`catch_up`](Self::catch_up) into its own
+    /// file, then cuts it from the log. Called only once the state has been
+    /// checked, so an open that fails leaves the log untouched.
+    pub(crate) fn settle_torn_tail(&mut self) -> Result<()> {
+        let Some(tail) = self.torn.take() else {
+            return Ok(());
         };
-        std::io::Write::write_all(&mut file, tail)
-            .and_then(|()| file.sync_all())
-            .map_err(|e| Error::io(&path, "write quarantine file", e))?;
-        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
-        let log = fs::OpenOptions::new()
-            .write(true)
-            .open(&self.path)
+        let stem = format!("{AUDIT_FILE}.torn-{}", self.head().seq);
+        let path = fsutil::write_quarantine(&self.dir, &stem, &tail)?;
+        let log = fsutil::open_existing(&self.path, true)
             .map_err(|e| Error::io(&self.path, "open", e))?;
         log.set_len(self.verified_len)
             .and_then(|()| log.sync_all())
@@ -550,6 +537,7 @@ impl AuditTail {
         if records.is_empty() {
             return Ok(());
         }
+        self.settle_torn_tail()?;
         let mut buffer = Vec::with_capacity(records.len() * 640);
         let mut head = self.head().clone();
         for record in records {

@@ -203,6 +203,8 @@ pub(crate) struct Loaded {
     snapshot: Option<Stamp>,
     /// `None` when there is no journal of the snapshot's generation yet.
     cursor: Option<Cursor>,
+    /// An unacknowledged, torn entry at the cursor, waiting to be set aside.
+    torn: Option<Vec<u8>>,
 }
 
 impl Loaded {
@@ -322,7 +324,8 @@ impl Store {
     /// Loads the snapshot and replays the journal of its generation.
     fn load(&self, snapshot: Option<Stamp>) -> Result<Loaded> {
         let state = if snapshot.is_some() {
-            let bytes = fs::read(&self.path).map_err(|e| Error::io(&self.path, "read", e))?;
+            let bytes =
+                fsutil::read_existing(&self.path).map_err(|e| Error::io(&self.path, "read", e))?;
             decode(&self.path, &bytes)?
         } else {
             State::default()
@@ -333,12 +336,9 @@ impl Store {
             journal_audit: Vec::new(),
             snapshot,
             cursor: None,
+            torn: None,
         };
-        let file = match fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&self.journal_path)
-        {
+        let file = match fsutil::open_existing(&self.journal_path, true) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(loaded),
             Err(e) => return Err(Error::io(&self.journal_path, "open", e)),
@@ -408,6 +408,7 @@ impl Store {
             allocated: meta.len(),
         });
         self.read_journal(&mut loaded)?;
+        self.check_beyond_end(&mut loaded)?;
         Ok(loaded)
     }
 
@@ -478,33 +479,62 @@ impl Store {
             cursor.offset += len as u64;
             cursor.next_seq += 1;
         }
-        if pos < fresh.len() && fresh[pos] != 0 {
-            self.quarantine_journal_tail(loaded, torn_at, &fresh[pos..])?;
-        }
+        loaded.torn = if pos < fresh.len() && fresh[pos] != 0 {
+            let Some(cursor) = loaded.cursor.as_ref() else {
+                unreachable!("checked above")
+            };
+            let mut tail = read_remnant(&cursor.file, torn_at, &fresh[pos..])
+                .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+            let end = tail.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+            tail.truncate(end);
+            Some(tail)
+        } else {
+            None
+        };
         Ok(())
     }
 
-    /// Copies an unacknowledged, torn journal tail aside, then zeroes it.
-    fn quarantine_journal_tail(&self, loaded: &mut Loaded, at: u64, probe: &[u8]) -> Result<()> {
-        let Some(cursor) = loaded.cursor.as_mut() else {
+    /// Once per load: looks past the entries' end for non-zero bytes. Whole valid
+    /// entries there mean acknowledged entries were cut off by zeros (damage,
+    /// reported); anything else is a remnant, set aside like a torn tail.
+    fn check_beyond_end(&self, loaded: &mut Loaded) -> Result<()> {
+        let Some(cursor) = loaded.cursor.as_ref() else {
             return Ok(());
         };
-        let mut tail = read_remnant(&cursor.file, at, probe)
+        if loaded.torn.is_some() {
+            return Ok(());
+        }
+        let len =
+            usize::try_from(cursor.allocated.saturating_sub(cursor.offset)).unwrap_or(usize::MAX);
+        let mut rest = vec![0; len];
+        let n = read_at(&cursor.file, &mut rest, cursor.offset)
             .map_err(|e| Error::io(&self.journal_path, "read", e))?;
-        let end = tail.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
-        tail.truncate(end);
-        let mut n = 0u32;
-        let quarantine = loop {
-            let path = self.dir.join(format!("{JOURNAL_FILE}.torn-{n}"));
-            if !path.exists() {
-                break path;
-            }
-            n += 1;
+        rest.truncate(n);
+        let Some(last) = rest.iter().rposition(|b| *b != 0) else {
+            return Ok(());
         };
-        fs::write(&quarantine, &tail)
-            .and_then(|()| File::open(&quarantine)?.sync_all())
-            .map_err(|e| Error::io(&quarantine, "write quarantine file", e))?;
-        write_all_at(&cursor.file, &vec![0; tail.len()], at)
+        rest.truncate(last + 1);
+        if !journal::is_remnant(false, &rest) {
+            return Err(invalid(
+                &self.journal_path,
+                format!("byte {}", cursor.offset),
+                "whole entries follow a zeroed region: acknowledged entries were lost",
+            ));
+        }
+        loaded.torn = Some(rest);
+        Ok(())
+    }
+
+    /// Copies an unacknowledged, torn journal tail aside, then zeroes it. Called
+    /// only once the state has been checked, so an open that fails leaves the
+    /// journal untouched, and before any new entry is written over it.
+    pub(crate) fn settle_torn(&self, loaded: &mut Loaded) -> Result<()> {
+        let (Some(tail), Some(cursor)) = (loaded.torn.take(), loaded.cursor.as_mut()) else {
+            return Ok(());
+        };
+        let quarantine =
+            fsutil::write_quarantine(&self.dir, &format!("{JOURNAL_FILE}.torn"), &tail)?;
+        write_all_at(&cursor.file, &vec![0; tail.len()], cursor.offset)
             .and_then(|()| cursor.file.sync_data())
             .map_err(|e| Error::io(&self.journal_path, "zero torn tail", e))?;
         tracing::warn!(
@@ -527,6 +557,8 @@ impl Store {
         if loaded.cursor.is_none() {
             self.start_journal(loaded, loaded.state.generation, faults)?;
         }
+        self.settle_torn(loaded)
+            .map_err(|e| (CommitFailure::Uncertain, e))?;
         let Some(cursor) = loaded.cursor.as_mut() else {
             unreachable!("started above")
         };
@@ -592,16 +624,12 @@ impl Store {
                 };
                 (failure, e)
             })?;
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&self.journal_path)
-            .map_err(|e| {
-                (
-                    CommitFailure::Uncertain,
-                    Error::io(&self.journal_path, "open", e),
-                )
-            })?;
+        let file = fsutil::open_existing(&self.journal_path, true).map_err(|e| {
+            (
+                CommitFailure::Uncertain,
+                Error::io(&self.journal_path, "open", e),
+            )
+        })?;
         let (dev, ino) = match stamp(&self.journal_path) {
             Ok(Some(s)) => (s.dev, s.ino),
             Ok(None) => {
