@@ -35,6 +35,12 @@ mod enabled {
     }
 
     impl Failpoints {
+        /// No failpoint armed.
+        #[cfg_attr(not(test), allow(dead_code))]
+        pub(crate) fn none() -> Self {
+            Self::default()
+        }
+
         pub(crate) fn arm(&self, name: &str, action: FailAction) {
             self.armed
                 .lock()
@@ -103,6 +109,12 @@ pub(crate) struct Failpoints;
 #[cfg(not(feature = "test-failpoints"))]
 impl Failpoints {
     pub(crate) fn from_env() -> Self {
+        Self
+    }
+
+    /// No failpoint armed.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn none() -> Self {
         Self
     }
 
