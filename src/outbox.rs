@@ -29,6 +29,8 @@ use crate::store::{CommitFailure, Loaded, Store, rate_time};
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
 /// The error code of an item whose `send` panicked (treated as ambiguous).
 pub const SEND_PANICKED: &str = "send_panicked";
+/// The error code of an item an operator cancelled.
+pub const CANCELLED: &str = "cancelled_by_operator";
 /// The error code on a deferral caused by the destination's rate cap.
 pub const RATE_CAPPED: &str = "destination_rate_cap";
 /// The error code of a queued item that already used up its attempts (e.g. after
@@ -346,7 +348,7 @@ impl Outbox {
             transport_ref: None,
             last_audit_id: None,
         });
-        record(txn, &key, AuditOutcome::Queued, None)?;
+        record(txn, &key, AuditOutcome::Queued, None, false)?;
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
     }
 
@@ -551,6 +553,93 @@ impl Outbox {
             report.add(receipt, retry_wait.is_some());
         }
         Ok(())
+    }
+
+    /// An operator's decision to send a `failed` item again — the only way an
+    /// ambiguous item is ever resent. The item goes back to `queued` with its
+    /// attempts reset; a `requeued` audit record names `operator` and `reason`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`]; [`Error::InvalidTransition`] for an item that is
+    /// `sent` (it left already) or `queued` (nothing to requeue, or in flight);
+    /// [`Error::InvalidField`] for a blank or oversize operator or reason; the
+    /// load and write errors of every operation.
+    ///
+    /// # Durability
+    ///
+    /// As [`enqueue`](Self::enqueue).
+    pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
+        let note = operator_note(operator, reason)?;
+        self.transact(|txn| {
+            let item = txn.item(key).ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })?;
+            let refuse = |why: &str| Error::InvalidTransition {
+                key: key.to_owned(),
+                action: "requeued",
+                reason: why.to_owned(),
+            };
+            match item.state {
+                ItemState::Sent => return Err(refuse("it was sent already")),
+                ItemState::Queued if item.claim.is_some() => {
+                    return Err(refuse("it is in flight (claimed by a worker)"));
+                }
+                ItemState::Queued => return Err(refuse("it is queued already")),
+                ItemState::Failed => {}
+            }
+            let item = txn.item_mut(key)?;
+            item.state = ItemState::Queued;
+            item.attempts = 0;
+            item.error_code = None;
+            item.next_attempt_at = None;
+            record(txn, key, AuditOutcome::Requeued, Some(&note), false)?;
+            txn.item(key).cloned().ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })
+        })
+    }
+
+    /// An operator's decision not to send a `queued` item: it becomes `failed`
+    /// with [`CANCELLED`], and a `cancelled` audit record names `operator` and
+    /// `reason`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotFound`]; [`Error::InvalidTransition`] for an item that is not
+    /// queued, or is in flight (claimed by a worker: it may be leaving right now);
+    /// [`Error::InvalidField`] for a blank or oversize operator or reason; the
+    /// load and write errors of every operation.
+    ///
+    /// # Durability
+    ///
+    /// As [`enqueue`](Self::enqueue).
+    pub fn cancel(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
+        let note = operator_note(operator, reason)?;
+        self.transact(|txn| {
+            let item = txn.item(key).ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })?;
+            let refuse = |why: &str| Error::InvalidTransition {
+                key: key.to_owned(),
+                action: "cancelled",
+                reason: why.to_owned(),
+            };
+            if item.state != ItemState::Queued {
+                return Err(refuse(&format!("it is {} already", item.state)));
+            }
+            if item.claim.is_some() {
+                return Err(refuse("it is in flight (claimed by a worker)"));
+            }
+            let item = txn.item_mut(key)?;
+            item.state = ItemState::Failed;
+            item.error_code = Some(CANCELLED.to_owned());
+            item.next_attempt_at = None;
+            record(txn, key, AuditOutcome::Cancelled, Some(&note), false)?;
+            txn.item(key).cloned().ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })
+        })
     }
 
     /// Verifies the audit chain and cross-checks it against the head `outbox.json`
@@ -787,6 +876,7 @@ impl Outbox {
                     key,
                     outcome,
                     Some("terminal outcome had no audit record"),
+                    true,
                 )?
             };
             return Ok(Decision::Done(receipt(txn, key, outcome, Some(audit_id))?));
@@ -823,7 +913,7 @@ impl Outbox {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
             item.error_code = Some(RATE_CAPPED.to_owned());
-            let audit_id = record(txn, key, AuditOutcome::Deferred, None)?;
+            let audit_id = record(txn, key, AuditOutcome::Deferred, None, false)?;
             return Ok(Decision::Done(receipt(
                 txn,
                 key,
@@ -894,7 +984,7 @@ impl Outbox {
                     .as_deref()
                     .filter(|r| !r.trim().is_empty())
                     .map(|r| sanitize(r, limits::TRANSPORT_REF));
-                let audit_id = record(txn, key, AuditOutcome::Sent, None)?;
+                let audit_id = record(txn, key, AuditOutcome::Sent, None, false)?;
                 Ok((receipt(txn, key, Outcome::Sent, Some(audit_id))?, None))
             }
             Ok(Err(error)) => {
@@ -910,7 +1000,7 @@ impl Outbox {
                     item.claim = None;
                     item.error_code = Some(code);
                     item.next_attempt_at = Some(later(now, wait));
-                    let audit_id = record(txn, key, AuditOutcome::Retrying, None)?;
+                    let audit_id = record(txn, key, AuditOutcome::Retrying, None, false)?;
                     Ok((
                         receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
                         Some(wait),
@@ -952,7 +1042,7 @@ fn fail(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
     item.claim = None;
     item.next_attempt_at = None;
     item.error_code = Some(code.to_owned());
-    let audit_id = record(txn, key, AuditOutcome::Failed, None)?;
+    let audit_id = record(txn, key, AuditOutcome::Failed, None, false)?;
     Ok(Decision::Done(receipt(
         txn,
         key,
@@ -961,13 +1051,28 @@ fn fail(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
     )?))
 }
 
+/// Checks an operator's name and reason and joins them into an audit note.
+fn operator_note(operator: &str, reason: &str) -> Result<String> {
+    use crate::message::{TextRule, check_text};
+    check_text("operator", operator, limits::LABEL, TextRule::Identifier)?;
+    check_text(
+        "reason",
+        reason,
+        limits::TRANSPORT_REF,
+        TextRule::Identifier,
+    )?;
+    Ok(format!("{operator}: {reason}"))
+}
+
 /// Seals an audit record for the item's current state into the transaction and
-/// stamps its id on the item. Returns the id.
+/// stamps its id on the item. Returns the id. `note` is free text for the
+/// record; `reconciled` marks a late repair.
 fn record(
     txn: &mut Txn<'_>,
     key: &str,
     outcome: AuditOutcome,
-    reconciled_note: Option<&str>,
+    note: Option<&str>,
+    reconciled: bool,
 ) -> Result<String> {
     let now = txn.now;
     let (seq, prev_hash) = (txn.head.seq + 1, txn.head.hash.clone());
@@ -995,8 +1100,8 @@ fn record(
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
         outcome,
-        note: reconciled_note.map(str::to_owned),
-        reconciled: reconciled_note.is_some(),
+        note: note.map(str::to_owned),
+        reconciled,
         recorded_at_utc: format_timestamp(now),
         risk_class: item.risk_class.clone(),
         transport_ref: item.transport_ref.clone(),

@@ -16,6 +16,7 @@ mod delivery;
 mod durable_writes;
 mod hostile_input;
 mod model_check;
+mod operator_actions;
 mod rate_caps;
 mod retries;
 mod seed_compat;
@@ -24,5 +25,7 @@ mod seed_compat;
 mod crash_repair;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
+#[cfg(all(unix, feature = "test-failpoints"))]
+mod concurrency;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod processes;

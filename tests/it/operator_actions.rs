@@ -1,0 +1,158 @@
+//! Operator actions: requeue a failed item (the only way an ambiguous one is ever
+//! resent) and cancel a queued one, both refused where unsafe, both audited.
+
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, CANCELLED, Error, ItemState, Outcome, SendError};
+
+use crate::harness::Harness;
+
+fn failed_ambiguously(h: &Harness, key: &str) {
+    h.enqueue(key, "chat-1");
+    let r = h
+        .outbox
+        .process(key, |_| Err(SendError::ambiguous("read_timeout")))
+        .unwrap();
+    assert_eq!(r.outcome, Outcome::Failed);
+}
+
+#[test]
+fn requeue_sends_a_failed_item_again_and_audits_who_and_why() {
+    let h = Harness::new();
+    failed_ambiguously(&h, "k");
+    let item = h
+        .outbox
+        .requeue("k", "alice", "checked the chat: it never arrived")
+        .unwrap();
+    assert_eq!(
+        (item.state(), item.attempts(), item.error_code()),
+        (ItemState::Queued, 0, None)
+    );
+    assert_eq!(
+        h.outbox
+            .process("k", |_| Ok(Some("tg-2".into())))
+            .unwrap()
+            .outcome,
+        Outcome::Sent
+    );
+    let history = h.outbox.history("k").unwrap();
+    let requeued = history
+        .iter()
+        .find(|r| r.outcome.as_str() == "requeued")
+        .unwrap();
+    assert_eq!(
+        requeued.note.as_deref(),
+        Some("alice: checked the chat: it never arrived")
+    );
+    assert!(!requeued.reconciled);
+    let kinds: Vec<_> = history.iter().map(|r| r.outcome.as_str()).collect();
+    assert_eq!(kinds, ["queued", "failed", "requeued", "sent"]);
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn requeue_refuses_sent_queued_and_in_flight_items_and_writes_nothing() {
+    let h = Harness::new();
+    h.enqueue("sent", "chat-1");
+    h.outbox.process("sent", |_| Ok(None)).unwrap();
+    h.enqueue("queued", "chat-2");
+    for key in ["sent", "queued"] {
+        let err =
+            h.assert_files_unchanged(|| h.outbox.requeue(key, "alice", "why not").unwrap_err());
+        assert!(
+            matches!(
+                err,
+                Error::InvalidTransition {
+                    action: "requeued",
+                    ..
+                }
+            ),
+            "{key}: {err}"
+        );
+    }
+    let err = h.outbox.requeue("ghost", "alice", "why").unwrap_err();
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    // In flight: another handle is inside send right now.
+    h.enqueue("busy", "chat-3");
+    let other = h.reopen();
+    h.outbox
+        .process("busy", |_| {
+            let err = other.requeue("busy", "alice", "impatient").unwrap_err();
+            assert!(err.to_string().contains("in flight"), "{err}");
+            let err = other.cancel("busy", "alice", "impatient").unwrap_err();
+            assert!(err.to_string().contains("in flight"), "{err}");
+            Ok(None)
+        })
+        .unwrap();
+}
+
+#[test]
+fn an_ambiguous_item_left_by_a_crash_can_be_requeued() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    h.outbox.compact().unwrap();
+    let path = h.path("outbox.json");
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "\"dispatch_claimed\": false",
+        "\"claim_owner\": \"1-dead-0\",\n      \"dispatch_claimed\": true",
+    );
+    std::fs::write(&path, text).unwrap();
+    let r = h.outbox.process("k", |_| panic!("resent")).unwrap();
+    assert_eq!(r.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    h.outbox
+        .requeue("k", "bob", "customer confirmed nothing arrived")
+        .unwrap();
+    assert_eq!(
+        h.outbox.process("k", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn cancel_fails_a_queued_item_for_good_and_audits_it() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let item = h.outbox.cancel("k", "carol", "customer withdrew").unwrap();
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(CANCELLED))
+    );
+    assert_eq!(
+        h.outbox
+            .process("k", |_| panic!("sent a cancelled item"))
+            .unwrap()
+            .outcome,
+        Outcome::Failed
+    );
+    let last = h.outbox.history("k").unwrap().pop().unwrap();
+    assert_eq!(
+        (last.outcome.as_str(), last.note.as_deref()),
+        ("cancelled", Some("carol: customer withdrew"))
+    );
+    let err = h.assert_files_unchanged(|| h.outbox.cancel("k", "carol", "again").unwrap_err());
+    assert!(
+        matches!(
+            err,
+            Error::InvalidTransition {
+                action: "cancelled",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn operator_and_reason_are_validated() {
+    let h = Harness::new();
+    failed_ambiguously(&h, "k");
+    for (operator, reason, field) in [
+        ("", "r", "operator"),
+        ("a", " ", "reason"),
+        ("a\0", "r", "operator"),
+    ] {
+        let err = h.assert_files_unchanged(|| h.outbox.requeue("k", operator, reason).unwrap_err());
+        assert!(
+            matches!(err, Error::InvalidField { field: f, .. } if f == field),
+            "{err}"
+        );
+    }
+}
