@@ -36,6 +36,7 @@ pub struct OutboxBuilder {
     pub(crate) rate_limit: RateLimit,
     pub(crate) max_inline_wait: Duration,
     pub(crate) drain_batch: usize,
+    pub(crate) compact_on_open: bool,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
@@ -52,6 +53,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("rate_limit", &self.rate_limit)
             .field("max_inline_wait", &self.max_inline_wait)
             .field("drain_batch", &self.drain_batch)
+            .field("compact_on_open", &self.compact_on_open)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .finish_non_exhaustive()
@@ -67,6 +69,7 @@ impl OutboxBuilder {
             rate_limit: RateLimit::default(),
             max_inline_wait: Duration::from_secs(5),
             drain_batch: 16,
+            compact_on_open: true,
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
@@ -110,6 +113,15 @@ impl OutboxBuilder {
     /// leave in doubt; 1 claims and records each item on its own.
     pub fn drain_batch(mut self, items: usize) -> Self {
         self.drain_batch = items;
+        self
+    }
+
+    /// Whether opening folds the journal into a fresh `outbox.json`. Default
+    /// `true`, so the snapshot is current after every start. Tools that only
+    /// look (an operator's `status`, a monitoring probe) turn it off so opening
+    /// writes as little as possible; the journal is compacted later anyway.
+    pub fn compact_on_open(mut self, compact: bool) -> Self {
+        self.compact_on_open = compact;
         self
     }
 

@@ -233,7 +233,7 @@ impl Outbox {
             let loaded = store.refresh(loaded)?;
             reconcile_audit(audit, loaded, &faults)?;
             store.settle_torn(loaded)?;
-            if loaded.has_journal_entries() {
+            if builder.compact_on_open && loaded.has_journal_entries() {
                 // Start from a fresh snapshot: outbox.json is current after every open.
                 compact_locked(&store, audit, loaded, &faults).map_err(|(_, e)| e)?;
             }

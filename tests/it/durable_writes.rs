@@ -222,3 +222,23 @@ fn data_survives_reopening() {
     );
     again.verify_audit().unwrap();
 }
+
+#[test]
+fn opening_without_compaction_leaves_snapshot_and_journal_as_they_are() {
+    let h = Harness::new();
+    h.enqueue("a", "chat-1");
+    let (snapshot, journal) = (
+        h.state_bytes(),
+        std::fs::read(h.path("outbox.journal")).unwrap(),
+    );
+    let looker = Outbox::builder(h.dir.path())
+        .compact_on_open(false)
+        .open()
+        .unwrap();
+    assert_eq!(looker.list_items().unwrap().len(), 1);
+    assert_eq!(h.state_bytes(), snapshot);
+    assert_eq!(std::fs::read(h.path("outbox.journal")).unwrap(), journal);
+    drop(looker);
+    let _compacting = h.reopen();
+    assert_ne!(h.state_bytes(), snapshot, "the default open compacts");
+}
