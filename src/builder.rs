@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::clock::{Clock, Sleeper, SystemClock, ThreadSleeper};
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::rate::RateLimit;
+use crate::rate::{RateLimit, RatePolicy};
 use crate::retry::Backoff;
 
 /// Configures and opens an [`Outbox`].
@@ -33,7 +33,7 @@ pub struct OutboxBuilder {
     pub(crate) dir: PathBuf,
     pub(crate) max_attempts: u32,
     pub(crate) backoff: Backoff,
-    pub(crate) rate_limit: RateLimit,
+    pub(crate) rates: RatePolicy,
     pub(crate) max_inline_wait: Duration,
     pub(crate) drain_batch: usize,
     pub(crate) compact_on_open: bool,
@@ -50,7 +50,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("dir", &self.dir)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
-            .field("rate_limit", &self.rate_limit)
+            .field("rates", &self.rates)
             .field("max_inline_wait", &self.max_inline_wait)
             .field("drain_batch", &self.drain_batch)
             .field("compact_on_open", &self.compact_on_open)
@@ -66,7 +66,7 @@ impl OutboxBuilder {
             dir,
             max_attempts: 3,
             backoff: Backoff::default(),
-            rate_limit: RateLimit::default(),
+            rates: RatePolicy::default(),
             max_inline_wait: Duration::from_secs(5),
             drain_batch: 16,
             compact_on_open: true,
@@ -91,10 +91,31 @@ impl OutboxBuilder {
         self
     }
 
-    /// At most `count` sends per destination in any sliding `window`.
+    /// At most `count` sends per destination in any sliding `window`, for
+    /// destinations no [`rate_limit_for`](Self::rate_limit_for) pattern matches.
     /// Default: 10 per 60 s. Both must be positive.
     pub fn rate_limit(mut self, count: u32, window: Duration) -> Self {
-        self.rate_limit = RateLimit { count, window };
+        self.rates.per_destination = RateLimit { count, window };
+        self
+    }
+
+    /// A different per-destination cap for destinations matching `pattern`, where
+    /// `*` matches any run of characters: e.g. Telegram group chats have negative
+    /// ids, and a group takes at most 20 messages a minute
+    /// (`.rate_limit_for("-*", 20, Duration::from_secs(60))`). The first matching
+    /// pattern, in the order given, wins. Default: none.
+    pub fn rate_limit_for(mut self, pattern: &str, count: u32, window: Duration) -> Self {
+        self.rates
+            .overrides
+            .push((pattern.to_owned(), RateLimit { count, window }));
+        self
+    }
+
+    /// At most `count` sends across all destinations in any sliding `window`
+    /// (Telegram: about 30 a second for a bot). An item held back by it is
+    /// deferred with [`GLOBAL_RATE_CAPPED`](crate::GLOBAL_RATE_CAPPED). Default: none.
+    pub fn global_rate_limit(mut self, count: u32, window: Duration) -> Self {
+        self.rates.global = Some(RateLimit { count, window });
         self
     }
 
@@ -176,7 +197,7 @@ impl OutboxBuilder {
             return Err(Error::invalid_config("drain_batch", "must be 1 to 4096"));
         }
         self.backoff.validate()?;
-        self.rate_limit.validate()?;
+        self.rates.validate()?;
         if matches!(&self.audit_key, Some(key) if key.is_empty()) {
             return Err(Error::invalid_config("audit_key", "must not be empty"));
         }

@@ -19,7 +19,7 @@ use crate::fsutil;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
-use crate::rate::RateLimit;
+use crate::rate::RatePolicy;
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::retry::Backoff;
 use crate::send::{FailureClass, SendError};
@@ -31,6 +31,8 @@ pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
 pub const SEND_PANICKED: &str = "send_panicked";
 /// The error code of an item an operator cancelled.
 pub const CANCELLED: &str = "cancelled_by_operator";
+/// The error code on a deferral caused by the cap across all destinations.
+pub const GLOBAL_RATE_CAPPED: &str = "global_rate_cap";
 /// The error code on a deferral caused by the destination's rate cap.
 pub const RATE_CAPPED: &str = "destination_rate_cap";
 /// The error code of a queued item that already used up its attempts (e.g. after
@@ -82,7 +84,7 @@ struct Config {
     max_attempts: u32,
     drain_batch: usize,
     backoff: Backoff,
-    rate_limit: RateLimit,
+    rates: RatePolicy,
     max_inline_wait: Duration,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
@@ -155,6 +157,19 @@ impl Txn<'_> {
 
     fn changed(&self) -> bool {
         !self.overlay.is_empty() || !self.records.is_empty()
+    }
+
+    /// Send and claim times of every destination since `since`.
+    fn all_times(&self, since: DateTime<Utc>) -> Vec<DateTime<Utc>> {
+        let mut times: Vec<DateTime<Utc>> = self
+            .base
+            .index
+            .all_rate_times_since(since)
+            .filter(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(at, _)| at)
+            .collect();
+        times.extend(self.overlay.values().filter_map(rate_time));
+        times
     }
 
     /// Send and claim times of `destination` since `since` (claims count: they
@@ -251,7 +266,7 @@ impl Outbox {
                     max_attempts: builder.max_attempts,
                     drain_batch: builder.drain_batch,
                     backoff: builder.backoff,
-                    rate_limit: builder.rate_limit,
+                    rates: builder.rates,
                     max_inline_wait: builder.max_inline_wait,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
@@ -907,12 +922,10 @@ impl Outbox {
                 None,
             )));
         }
-        let window_start = earlier(now, self.inner.config.rate_limit.window);
-        let times = txn.destination_times(&item.destination, window_start);
-        if let Some(free_at) = self.inner.config.rate_limit.next_free_slot(now, times) {
+        if let Some((free_at, code)) = self.rate_capped(txn, &item.destination, now) {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
-            item.error_code = Some(RATE_CAPPED.to_owned());
+            item.error_code = Some(code.to_owned());
             let audit_id = record(txn, key, AuditOutcome::Deferred, None, false)?;
             return Ok(Decision::Done(receipt(
                 txn,
@@ -921,6 +934,9 @@ impl Outbox {
                 Some(audit_id),
             )?));
         }
+        let item = txn.item(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })?;
         let before = Box::new(item.clone());
         let owner = self.inner.owner.id().to_owned();
         let item = txn.item_mut(key)?;
@@ -937,6 +953,30 @@ impl Outbox {
         // claim for an orphan.
         self.in_flight().insert(key.to_owned());
         Ok(Decision::Send(Box::new(claimed), before))
+    }
+
+    /// When a send to `destination` at `now` would exceed a cap: the moment the
+    /// binding cap frees a slot, and which cap it is.
+    fn rate_capped(
+        &self,
+        txn: &Txn<'_>,
+        destination: &str,
+        now: DateTime<Utc>,
+    ) -> Option<(DateTime<Utc>, &'static str)> {
+        let rates = &self.inner.config.rates;
+        let cap = rates.for_destination(destination);
+        let times = txn.destination_times(destination, earlier(now, cap.window));
+        let per_destination = cap.next_free_slot(now, times).map(|at| (at, RATE_CAPPED));
+        let global = rates.global.and_then(|cap| {
+            let times = txn.all_times(earlier(now, cap.window));
+            cap.next_free_slot(now, times)
+                .map(|at| (at, GLOBAL_RATE_CAPPED))
+        });
+        // Both must allow the send; the later moment is when both do.
+        match (per_destination, global) {
+            (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Whether a claim belongs to a worker that is still alive.

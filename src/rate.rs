@@ -1,4 +1,5 @@
-//! Per-destination sliding-window rate caps.
+//! Sliding-window rate caps: per destination (with overrides by destination
+//! pattern) and, optionally, across all destinations.
 
 use std::time::Duration;
 
@@ -68,6 +69,68 @@ impl RateLimit {
     }
 }
 
+/// The caps the outbox enforces: a default per destination, overrides for
+/// destinations matching a pattern, and an optional cap across all destinations.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct RatePolicy {
+    pub(crate) per_destination: RateLimit,
+    /// `(pattern, cap)`, first match wins.
+    pub(crate) overrides: Vec<(String, RateLimit)>,
+    pub(crate) global: Option<RateLimit>,
+}
+
+impl RatePolicy {
+    /// The cap that applies to `destination`.
+    pub(crate) fn for_destination(&self, destination: &str) -> RateLimit {
+        self.overrides
+            .iter()
+            .find(|(pattern, _)| glob_match(pattern, destination))
+            .map_or(self.per_destination, |(_, cap)| *cap)
+    }
+
+    pub(crate) fn validate(&self) -> crate::Result<()> {
+        self.per_destination.validate()?;
+        for (pattern, cap) in &self.overrides {
+            if pattern.is_empty() {
+                return Err(crate::Error::invalid_config(
+                    "rate_limit_for",
+                    "the destination pattern must not be empty",
+                ));
+            }
+            cap.validate()?;
+        }
+        if let Some(cap) = &self.global {
+            cap.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `text` matches `pattern`, where `*` matches any run of characters
+/// (including none) and every other character matches itself.
+pub(crate) fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    // Greedy matching with backtracking to the last `*`: O(len(p) * len(t)) at worst.
+    let (mut pi, mut ti) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == t[ti] {
+            pi += 1;
+            ti += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +168,30 @@ mod tests {
     fn a_send_exactly_one_window_ago_no_longer_counts() {
         assert_eq!(cap(1, 60).next_free_slot(t(100), [t(40)]), None);
         assert_eq!(cap(1, 60).next_free_slot(t(100), [t(41)]), Some(t(101)));
+    }
+
+    #[test]
+    fn glob_patterns_match_as_documented() {
+        assert!(glob_match("-*", "-100123"));
+        assert!(!glob_match("-*", "100123"));
+        assert!(glob_match("chat-42", "chat-42"));
+        assert!(!glob_match("chat-42", "chat-420"));
+        assert!(glob_match("*@example.com", "ops@example.com"));
+        assert!(glob_match("a*b*c", "aXXbYYc"));
+        assert!(!glob_match("a*b*c", "aXXbYY"));
+        assert!(glob_match("*", ""));
+    }
+
+    #[test]
+    fn the_first_matching_override_wins_and_the_default_covers_the_rest() {
+        let policy = RatePolicy {
+            per_destination: cap(1, 1),
+            overrides: vec![("-100*".into(), cap(30, 1)), ("-*".into(), cap(20, 60))],
+            global: None,
+        };
+        assert_eq!(policy.for_destination("-1001234"), cap(30, 1));
+        assert_eq!(policy.for_destination("-42"), cap(20, 60));
+        assert_eq!(policy.for_destination("42"), cap(1, 1));
     }
 
     #[test]

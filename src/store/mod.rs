@@ -68,6 +68,8 @@ pub(crate) struct Index {
     /// Per destination, the times that count against its rate cap (send times,
     /// and claim times of sends in progress), ordered by time.
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
+    /// The same times across all destinations, for the global cap.
+    all_rate_times: BTreeSet<(DateTime<Utc>, String)>,
 }
 
 /// The time an item counts against its destination's rate cap, if it does.
@@ -101,6 +103,7 @@ impl Index {
                 .entry(item.destination.clone())
                 .or_default()
                 .insert((at, key.clone()));
+            self.all_rate_times.insert((at, key.clone()));
         }
     }
 
@@ -113,6 +116,9 @@ impl Index {
             if keys.is_empty() {
                 self.by_transport_ref.remove(r);
             }
+        }
+        if let Some(at) = rate_time(item) {
+            self.all_rate_times.remove(&(at, key.clone()));
         }
         if let Some(at) = rate_time(item)
             && let Some(times) = self.rate_times.get_mut(&item.destination)
@@ -130,6 +136,16 @@ impl Index {
             .get(transport_ref)
             .and_then(BTreeSet::first)
             .map(String::as_str)
+    }
+
+    /// The rate-counting times of every destination at or after `since`, with keys.
+    pub(crate) fn all_rate_times_since(
+        &self,
+        since: DateTime<Utc>,
+    ) -> impl Iterator<Item = (DateTime<Utc>, &str)> {
+        self.all_rate_times
+            .range((since, String::new())..)
+            .map(|(at, key)| (*at, key.as_str()))
     }
 
     /// The rate-counting times of `destination` at or after `since`, with their keys.

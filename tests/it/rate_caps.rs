@@ -98,3 +98,82 @@ fn a_send_in_progress_counts_against_the_cap() {
         })
         .unwrap();
 }
+
+#[test]
+fn destinations_matching_a_pattern_get_their_own_cap() {
+    // Telegram-like: 1 per minute for private chats (the default), 3 for groups ("-…").
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)).rate_limit_for("-*", 3, secs(60)));
+    for key in ["g1", "g2", "g3", "g4"] {
+        h.enqueue(key, "-100200");
+    }
+    h.enqueue("p1", "4242");
+    h.enqueue("p2", "4242");
+    let outcomes: Vec<_> = ["g1", "g2", "g3", "g4", "p1", "p2"]
+        .iter()
+        .map(|k| h.outbox.process(k, |_| Ok(None)).unwrap().outcome)
+        .collect();
+    use Outcome::{Deferred, Sent};
+    assert_eq!(outcomes, [Sent, Sent, Sent, Deferred, Sent, Deferred]);
+}
+
+#[test]
+fn a_global_cap_holds_across_destinations_and_says_so() {
+    let h = Harness::with(|b| b.rate_limit(10, secs(60)).global_rate_limit(2, secs(1)));
+    for i in 0..3 {
+        h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
+    }
+    let t0 = h.clock.now();
+    assert_eq!(
+        h.outbox.process("k0", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(
+        h.outbox.process("k1", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    let capped = h
+        .outbox
+        .process("k2", |_| panic!("over the global cap"))
+        .unwrap();
+    assert_eq!(capped.outcome, Outcome::Deferred);
+    assert_eq!(
+        capped.error_code.as_deref(),
+        Some(durable_outbox::GLOBAL_RATE_CAPPED)
+    );
+    assert_eq!(
+        capped.next_attempt_at,
+        Some(t0 + chrono::Duration::seconds(1))
+    );
+    h.clock.advance(secs(1));
+    assert_eq!(
+        h.outbox.process("k2", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn when_both_caps_bind_the_item_waits_for_the_later_one() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)).global_rate_limit(1, secs(1)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let t0 = h.clock.now();
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    let r = h.outbox.process("b", |_| panic!("capped")).unwrap();
+    assert_eq!(r.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+    assert_eq!(r.error_code.as_deref(), Some(RATE_CAPPED));
+}
+
+#[test]
+fn an_empty_pattern_or_a_zero_cap_is_rejected_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    for builder in [
+        durable_outbox::Outbox::builder(dir.path()).rate_limit_for("", 1, secs(1)),
+        durable_outbox::Outbox::builder(dir.path()).rate_limit_for("-*", 0, secs(1)),
+        durable_outbox::Outbox::builder(dir.path()).global_rate_limit(1, secs(0)),
+    ] {
+        assert!(matches!(
+            builder.open(),
+            Err(durable_outbox::Error::InvalidConfig { .. })
+        ));
+    }
+}
