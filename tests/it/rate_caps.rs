@@ -112,8 +112,8 @@ fn destinations_matching_a_pattern_get_their_own_cap() {
         .iter()
         .map(|k| h.outbox.process(k, |_| Ok(None)).unwrap().outcome)
         .collect();
-    use Outcome::{Deferred, Sent};
-    assert_eq!(outcomes, [Sent, Sent, Sent, Deferred, Sent, Deferred]);
+    let (sent, deferred) = (Outcome::Sent, Outcome::Deferred);
+    assert_eq!(outcomes, [sent, sent, sent, deferred, sent, deferred]);
 }
 
 #[test]
