@@ -51,6 +51,8 @@
 //! open handle, which is how a live claim is told from a dead one). Keep the
 //! directory on a local filesystem: advisory locks are unreliable over the network.
 
+#[cfg(feature = "tokio")]
+mod asynchronous;
 mod audit;
 mod builder;
 mod clock;
@@ -67,6 +69,8 @@ mod retry;
 mod send;
 mod store;
 
+#[cfg(feature = "tokio")]
+pub use crate::asynchronous::SEND_CANCELLED;
 pub use crate::audit::{
     AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport, GENESIS_HASH, Head,
 };

@@ -199,8 +199,16 @@ enum Decision {
     Send(Box<OutboxItem>, Box<OutboxItem>),
 }
 
+/// What the claim step concluded, for callers outside this module.
+pub(crate) enum Claimed {
+    /// No send now; here is why.
+    Done(DeliveryReceipt),
+    /// Claimed durably: send it, then record the result.
+    Send(Box<OutboxItem>),
+}
+
 /// What `send` produced, with panics caught.
-type SendResult = std::thread::Result<std::result::Result<Option<String>, SendError>>;
+pub(crate) type SendResult = std::thread::Result<std::result::Result<Option<String>, SendError>>;
 
 impl Outbox {
     /// Opens (creating if needed) the outbox in `dir` with default settings.
@@ -470,19 +478,7 @@ impl Outbox {
     where
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     {
-        let now = self.inner.config.clock.now();
-        let mut due: Vec<(DateTime<Utc>, String)> = self.read(|loaded| {
-            loaded
-                .state
-                .items
-                .values()
-                .filter(|item| item.state == ItemState::Queued)
-                .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
-                .map(|item| (item.created_at, item.idempotency_key.clone()))
-                .collect()
-        })?;
-        due.sort();
-        let keys: Vec<String> = due.into_iter().map(|(_, key)| key).collect();
+        let keys = self.due_keys()?;
         let mut report = DrainReport::default();
         for batch in keys.chunks(self.inner.config.drain_batch) {
             self.drain_batch(batch, &mut send, &mut report)?;
@@ -836,33 +832,12 @@ impl Outbox {
         send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     ) -> Result<DeliveryReceipt> {
         loop {
-            let decision = self.transact(|txn| self.decide(txn, key));
-            let item = match decision {
-                Ok(Decision::Done(receipt)) => return Ok(receipt),
-                Ok(Decision::Send(item, _)) => item,
-                Err(e) => {
-                    // A claim that did not commit is not in flight.
-                    self.in_flight().remove(key);
-                    return Err(e);
-                }
+            let item = match self.claim(key)? {
+                Claimed::Done(receipt) => return Ok(receipt),
+                Claimed::Send(item) => item,
             };
             let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
-            let recorded = self
-                .inner
-                .faults
-                .check("process.after_send")
-                .map_err(|e| Error::io(self.inner.store.path(), "process", e))
-                .and_then(|()| self.transact(|txn| self.finish(txn, key, &result)));
-            self.in_flight().remove(key);
-            let (receipt, retry_wait) = match (recorded, result) {
-                (recorded, Err(panic)) => {
-                    if let Err(e) = recorded {
-                        tracing::error!(key, error = %e, "could not record a panicked send");
-                    }
-                    resume_unwind(panic)
-                }
-                (recorded, Ok(_)) => recorded?,
-            };
+            let (receipt, retry_wait) = self.record_result(key, result)?;
             match retry_wait {
                 Some(wait) if wait <= self.inner.config.max_inline_wait => {
                     self.inner.config.sleeper.sleep(wait);
@@ -870,6 +845,93 @@ impl Outbox {
                 _ => return Ok(receipt),
             }
         }
+    }
+
+    /// Step one of a send: decide, and claim durably if the item is to go now.
+    /// A claimed key is in this handle's in-flight set until
+    /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
+    pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
+        match self.transact(|txn| self.decide(txn, key)) {
+            Ok(Decision::Done(receipt)) => Ok(Claimed::Done(receipt)),
+            Ok(Decision::Send(item, _)) => Ok(Claimed::Send(item)),
+            Err(e) => {
+                // A claim that did not commit is not in flight.
+                self.in_flight().remove(key);
+                Err(e)
+            }
+        }
+    }
+
+    /// Step two: record what `send` did and take the key out of the in-flight
+    /// set. A panic is recorded, then resumed. Returns the receipt and, for a
+    /// retryable failure with attempts left, how long to wait.
+    pub(crate) fn record_result(
+        &self,
+        key: &str,
+        result: SendResult,
+    ) -> Result<(DeliveryReceipt, Option<Duration>)> {
+        let recorded = self
+            .inner
+            .faults
+            .check("process.after_send")
+            .map_err(|e| Error::io(self.inner.store.path(), "process", e))
+            .and_then(|()| self.transact(|txn| self.finish(txn, key, &result)));
+        self.in_flight().remove(key);
+        match result {
+            Err(panic) => {
+                if let Err(e) = recorded {
+                    tracing::error!(key, error = %e, "could not record a panicked send");
+                }
+                resume_unwind(panic)
+            }
+            Ok(_) => recorded,
+        }
+    }
+
+    /// Gives up on a claimed send whose outcome will never be known (its future
+    /// was dropped mid-flight): the item fails with `code`, as ambiguous.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn abandon(&self, key: &str, code: &str) -> Result<()> {
+        let result = self.transact(|txn| {
+            let ours = txn.item(key).is_some_and(|i| {
+                i.state == ItemState::Queued && i.claim_owner() == Some(self.inner.owner.id())
+            });
+            if ours {
+                fail(txn, key, code)?;
+            }
+            Ok(())
+        });
+        self.in_flight().remove(key);
+        result
+    }
+
+    /// The keys of the items due now, oldest first.
+    pub(crate) fn due_keys(&self) -> Result<Vec<String>> {
+        let now = self.inner.config.clock.now();
+        let mut due: Vec<(DateTime<Utc>, String)> = self.read(|loaded| {
+            loaded
+                .state
+                .items
+                .values()
+                .filter(|item| item.state == ItemState::Queued)
+                .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
+                .map(|item| (item.created_at, item.idempotency_key.clone()))
+                .collect()
+        })?;
+        due.sort();
+        Ok(due.into_iter().map(|(_, key)| key).collect())
+    }
+
+    /// The longest retry wait `process` sleeps through inline.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn max_inline_wait(&self) -> Duration {
+        self.inner.config.max_inline_wait
+    }
+
+    /// The configured sleeper (for inline retry waits).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn sleeper(&self) -> Arc<dyn Sleeper> {
+        Arc::clone(&self.inner.config.sleeper)
     }
 
     /// Under the lock: decide what to do with the item, claiming it if it is to be sent.

@@ -26,6 +26,8 @@ mod disk_full;
 
 #[cfg(feature = "tokio")]
 mod async_api;
+#[cfg(feature = "tokio")]
+mod async_api;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
 #[cfg(feature = "test-failpoints")]

@@ -1,0 +1,300 @@
+//! The async API for tokio bots (feature `tokio`).
+//!
+//! Same guarantees as the blocking API, without stalling the runtime: every file
+//! operation and fsync runs on tokio's blocking pool (`spawn_blocking`); only the
+//! caller's send future runs on the async worker. The claim is durable before the
+//! future is first polled. A future that is dropped mid-send (a timeout, a
+//! `select!` that went the other way, a cancelled task) may or may not have
+//! delivered: the item fails as [`SEND_CANCELLED`], is never resent, and an
+//! operator may requeue it.
+
+use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use crate::error::{Error, Result};
+use crate::item::OutboxItem;
+use crate::outbox::{Claimed, Outbox, SendResult};
+use crate::receipt::{DeliveryReceipt, DrainReport};
+use crate::send::SendError;
+
+/// The error code of an item whose send future was dropped before it finished
+/// (treated as ambiguous: it may have been delivered).
+pub const SEND_CANCELLED: &str = "send_cancelled";
+
+impl Outbox {
+    /// [`process`](Outbox::process) for async transports: `send` returns a future.
+    ///
+    /// The claim is fsynced (on the blocking pool) before the future is polled.
+    /// Retry waits of up to `max_inline_wait` are slept on the blocking pool too,
+    /// through the configured sleeper, so a `ManualClock` works in tests.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{NewMessage, Outbox, Outcome, SendError};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// outbox.enqueue(NewMessage {
+    ///     idempotency_key: "order-17".into(),
+    ///     connector: "telegram".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "chat-42".into(),
+    ///     content: "your order shipped".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// let receipt = outbox
+    ///     .process_async("order-17", |item| async move {
+    ///         // e.g. client.post(url).json(&body).send().await, mapped to SendError
+    ///         Ok::<_, SendError>(Some(format!("tg-{}", item.idempotency_key())))
+    ///     })
+    ///     .await?;
+    /// assert_eq!(receipt.outcome, Outcome::Sent);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Cancellation
+    ///
+    /// Dropping the returned future while `send` is in progress fails the item as
+    /// [`SEND_CANCELLED`] (recorded on the blocking pool); it is never resent.
+    ///
+    /// # Panics
+    ///
+    /// A panic inside the send future is recorded (the item fails with
+    /// [`SEND_PANICKED`](crate::SEND_PANICKED)), then resumed in the caller.
+    ///
+    /// # Errors
+    ///
+    /// As [`process`](Outbox::process); plus [`Error::Io`] if the blocking pool
+    /// is shutting down.
+    pub async fn process_async<F, Fut>(&self, key: &str, mut send: F) -> Result<DeliveryReceipt>
+    where
+        F: FnMut(OutboxItem) -> Fut,
+        Fut: Future<Output = std::result::Result<Option<String>, SendError>>,
+    {
+        loop {
+            let (receipt, retry_wait) = match self.send_once(key, &mut send).await? {
+                Step::Done(receipt) => return Ok(receipt),
+                Step::Sent(receipt, retry_wait) => (receipt, retry_wait),
+            };
+            match retry_wait {
+                Some(wait) if wait <= self.max_inline_wait() => {
+                    let sleeper = self.sleeper();
+                    blocking(self, move || {
+                        sleeper.sleep(wait);
+                        Ok(())
+                    })
+                    .await?;
+                }
+                _ => return Ok(receipt),
+            }
+        }
+    }
+
+    /// [`process_due`](Outbox::process_due) for async transports: up to
+    /// `concurrency` items in flight at once (at least 1), each through
+    /// `process_async`'s claim → send → record, with no inline retry sleeps
+    /// (retryable failures are rescheduled). Rate caps still hold: every claim
+    /// counts the sends in flight, so concurrent items never exceed a cap.
+    ///
+    /// Receipts are reported in completion order.
+    ///
+    /// # Panics
+    ///
+    /// A panic in a send future is recorded, then resumed once the other
+    /// in-flight items have finished and been recorded.
+    ///
+    /// # Errors
+    ///
+    /// The first error stops new sends; items in flight finish and are recorded.
+    pub async fn process_due_async<F, Fut>(
+        &self,
+        concurrency: usize,
+        send: F,
+    ) -> Result<DrainReport>
+    where
+        F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+    {
+        let outbox = self.clone();
+        let keys = blocking(self, move || outbox.due_keys()).await?;
+        let send = Arc::new(send);
+        let limit = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut report = DrainReport::default();
+        let mut first_error = None;
+        let mut panic = None;
+        for key in keys {
+            // Collect what finished while waiting for a free slot.
+            while let Some(done) = tasks.try_join_next() {
+                settle(done, &mut report, &mut first_error, &mut panic);
+            }
+            if first_error.is_some() || panic.is_some() {
+                break;
+            }
+            let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
+                break;
+            };
+            let (outbox, send) = (self.clone(), Arc::clone(&send));
+            tasks.spawn(async move {
+                let _permit = permit;
+                let step = outbox.send_once(&key, &mut |item| send(item)).await?;
+                Ok(match step {
+                    Step::Done(receipt) => (receipt, false),
+                    Step::Sent(receipt, retry_wait) => (receipt, retry_wait.is_some()),
+                })
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            settle(done, &mut report, &mut first_error, &mut panic);
+        }
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// One claim → send → record round, with cancellation and panic handling.
+    async fn send_once<F, Fut>(&self, key: &str, send: &mut F) -> Result<Step>
+    where
+        F: FnMut(OutboxItem) -> Fut,
+        Fut: Future<Output = std::result::Result<Option<String>, SendError>>,
+    {
+        let (outbox, owned_key) = (self.clone(), key.to_owned());
+        let item = match blocking(self, move || outbox.claim(&owned_key)).await? {
+            Claimed::Done(receipt) => return Ok(Step::Done(receipt)),
+            Claimed::Send(item) => item,
+        };
+        let guard = CancelGuard {
+            outbox: Some(self.clone()),
+            key: key.to_owned(),
+        };
+        let result: SendResult = CatchUnwind(Box::pin(send(*item))).await;
+        guard.disarm();
+        let (outbox, owned_key) = (self.clone(), key.to_owned());
+        let recorded = tokio::task::spawn_blocking(move || {
+            // Record first; a panic is resumed here, on the blocking thread, and
+            // surfaces below as the join error's payload.
+            outbox.record_result(&owned_key, result)
+        })
+        .await;
+        let (receipt, retry_wait) = match recorded {
+            Ok(recorded) => recorded?,
+            Err(join) if join.is_panic() => resume_unwind(join.into_panic()),
+            Err(join) => return Err(pool_gone(self, &join)),
+        };
+        Ok(Step::Sent(receipt, retry_wait))
+    }
+}
+
+/// What one round produced.
+enum Step {
+    /// Nothing was sent (terminal, deferred, in flight elsewhere).
+    Done(DeliveryReceipt),
+    /// A send ran; its receipt and, for a retryable failure, the wait before the next try.
+    Sent(DeliveryReceipt, Option<std::time::Duration>),
+}
+
+type TaskOutcome = std::result::Result<Result<(DeliveryReceipt, bool)>, tokio::task::JoinError>;
+
+/// Folds one finished drain task into the report.
+fn settle(
+    done: TaskOutcome,
+    report: &mut DrainReport,
+    first_error: &mut Option<Error>,
+    panic: &mut Option<Box<dyn std::any::Any + Send>>,
+) {
+    match done {
+        Ok(Ok((receipt, retried))) => report.add(receipt, retried),
+        Ok(Err(e)) => {
+            first_error.get_or_insert(e);
+        }
+        Err(join) if join.is_panic() => {
+            panic.get_or_insert(join.into_panic());
+        }
+        Err(join) => {
+            first_error.get_or_insert(Error::io(
+                std::path::PathBuf::new(),
+                "run drain task",
+                std::io::Error::other(join.to_string()),
+            ));
+        }
+    }
+}
+
+/// Runs file work on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    outbox: &Outbox,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result,
+        Err(join) if join.is_panic() => resume_unwind(join.into_panic()),
+        Err(join) => Err(pool_gone(outbox, &join)),
+    }
+}
+
+fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error {
+    Error::io(
+        outbox.dir(),
+        "run blocking task",
+        std::io::Error::other(join.to_string()),
+    )
+}
+
+/// Fails the item as [`SEND_CANCELLED`] if dropped before [`disarm`](Self::disarm):
+/// the send future was dropped mid-flight, so the message may have left.
+struct CancelGuard {
+    outbox: Option<Outbox>,
+    key: String,
+}
+
+impl CancelGuard {
+    fn disarm(mut self) {
+        self.outbox = None;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        let Some(outbox) = self.outbox.take() else {
+            return;
+        };
+        let key = std::mem::take(&mut self.key);
+        let record = move || {
+            if let Err(e) = outbox.abandon(&key, SEND_CANCELLED) {
+                // The claim stays; the next touch of the item fails it as
+                // ambiguous instead, since it is no longer in flight here.
+                tracing::error!(key, error = %e, "could not record a cancelled send");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(record)),
+            Err(_) => record(),
+        }
+    }
+}
+
+/// Polls a future, turning a panic inside it into an `Err` (like
+/// `std::panic::catch_unwind` for one poll at a time).
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.0.as_mut();
+        match catch_unwind(AssertUnwindSafe(move || inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}

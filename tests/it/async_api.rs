@@ -1,0 +1,196 @@
+//! The async API: the same at-most-once guarantees for tokio bots, with file work
+//! off the async threads, cancellation treated as ambiguous, bounded concurrency.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use durable_outbox::{ItemState, Outbox, Outcome, SEND_CANCELLED, SEND_PANICKED, SendError};
+
+use crate::harness::{Harness, msg, secs};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn process_async_delivers_with_the_claim_durable_before_the_future_runs() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let observer = h.reopen();
+    let receipt = runtime().block_on(h.outbox.process_async("k", |item| {
+        // Another handle (another process, in effect) already sees the claim.
+        let seen = observer.get(item.idempotency_key()).unwrap().unwrap();
+        async move {
+            assert!(
+                seen.dispatch_claimed(),
+                "claimed before the send future ran"
+            );
+            tokio::task::yield_now().await;
+            Ok(Some("tg-1".to_owned()))
+        }
+    }));
+    let receipt = receipt.unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref()),
+        (Outcome::Sent, Some("tg-1"))
+    );
+    assert_eq!(
+        h.outbox.process("k", |_| panic!("resent")).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn a_send_future_dropped_mid_flight_fails_as_ambiguous_and_is_never_resent() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let rt = runtime();
+    let timed_out = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_millis(50),
+            h.outbox.process_async("k", |_| async {
+                // The request was written; the response never comes.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(None)
+            }),
+        )
+        .await
+    });
+    assert!(timed_out.is_err(), "the caller gave up");
+    // The cancellation is recorded on the blocking pool; wait for it.
+    let mut item = h.outbox.get("k").unwrap().unwrap();
+    for _ in 0..200 {
+        if item.state() != ItemState::Queued {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        item = h.outbox.get("k").unwrap().unwrap();
+    }
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(SEND_CANCELLED))
+    );
+    let again = rt.block_on(
+        h.outbox
+            .process_async("k", |_| async { panic!("resent after cancel") }),
+    );
+    assert_eq!(again.unwrap().outcome, Outcome::Failed);
+}
+
+#[test]
+fn a_panicking_send_future_is_recorded_then_resumed() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let rt = runtime();
+    let joined = rt.block_on(async {
+        let outbox = h.outbox.clone();
+        tokio::spawn(async move {
+            outbox
+                .process_async("k", |_| async {
+                    if true {
+                        panic!("transport bug");
+                    }
+                    Ok(None)
+                })
+                .await
+        })
+        .await
+    });
+    assert!(
+        joined.unwrap_err().is_panic(),
+        "the panic reaches the caller's task"
+    );
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(SEND_PANICKED))
+    );
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn retries_wait_through_the_configured_sleeper() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&calls);
+    let receipt = runtime()
+        .block_on(h.outbox.process_async("k", move |_| {
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Err(SendError::retryable("http_503"))
+                } else {
+                    Ok(None)
+                }
+            }
+        }))
+        .unwrap();
+    assert_eq!((receipt.outcome, receipt.attempts), (Outcome::Sent, 2));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn process_due_async_bounds_concurrency_and_still_honours_rate_caps() {
+    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
+    for i in 0..24 {
+        h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 4));
+    }
+    let live = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (l, p) = (Arc::clone(&live), Arc::clone(&peak));
+    let report = runtime()
+        .block_on(h.outbox.process_due_async(3, move |item| {
+            let (live, peak) = (Arc::clone(&l), Arc::clone(&p));
+            async move {
+                let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                live.fetch_sub(1, Ordering::SeqCst);
+                Ok(Some(format!("tr-{}", item.idempotency_key())))
+            }
+        }))
+        .unwrap();
+    assert!(peak.load(Ordering::SeqCst) <= 3, "at most 3 in flight");
+    assert!(peak.load(Ordering::SeqCst) >= 2, "and really concurrent");
+    assert_eq!(
+        report.sent, 8,
+        "2 per destination per window, 4 destinations"
+    );
+    assert_eq!(report.deferred, 16);
+    let sent = h
+        .outbox
+        .list_items()
+        .unwrap()
+        .iter()
+        .filter(|i| i.state() == ItemState::Sent)
+        .count();
+    assert_eq!(sent, 8);
+    h.outbox.verify_audit().unwrap();
+}
+
+#[test]
+fn the_async_api_works_across_handles_like_the_blocking_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Outbox::open(dir.path()).unwrap();
+    let b = Outbox::open(dir.path()).unwrap();
+    a.enqueue(msg("k", "chat-1")).unwrap();
+    let rt = runtime();
+    let outcome = rt.block_on(a.process_async("k", |_| {
+        let b = b.clone();
+        async move {
+            let inner = b
+                .process_async("k", |_| async { panic!("sent twice") })
+                .await
+                .unwrap();
+            assert_eq!(inner.outcome, Outcome::InFlight);
+            Ok(None)
+        }
+    }));
+    assert_eq!(outcome.unwrap().outcome, Outcome::Sent);
+}
