@@ -24,6 +24,8 @@ mod seed_compat;
 #[cfg(unix)]
 mod disk_full;
 
+#[cfg(feature = "tokio")]
+mod async_api;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
 #[cfg(feature = "test-failpoints")]
