@@ -26,11 +26,11 @@ mod disk_full;
 
 #[cfg(feature = "tokio")]
 mod async_api;
+#[cfg(all(unix, feature = "test-failpoints"))]
+mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
-#[cfg(all(unix, feature = "test-failpoints"))]
-mod concurrency;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod processes;
