@@ -82,6 +82,10 @@ fn a_send_future_dropped_mid_flight_fails_as_ambiguous_and_is_never_resent() {
     assert_eq!(again.unwrap().outcome, Outcome::Failed);
 }
 
+fn transport_bug() -> Result<Option<String>, SendError> {
+    panic!("transport bug")
+}
+
 #[test]
 fn a_panicking_send_future_is_recorded_then_resumed() {
     let h = Harness::new();
@@ -91,12 +95,7 @@ fn a_panicking_send_future_is_recorded_then_resumed() {
         let outbox = h.outbox.clone();
         tokio::spawn(async move {
             outbox
-                .process_async("k", |_| async {
-                    if true {
-                        panic!("transport bug");
-                    }
-                    Ok(None)
-                })
+                .process_async("k", |_| async { transport_bug() })
                 .await
         })
         .await
