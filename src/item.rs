@@ -90,6 +90,9 @@ pub struct OutboxItem {
     pub(crate) transport_ref: Option<String>,
     /// The audit id of the last outcome recorded for this item, when known.
     pub(crate) last_audit_id: Option<String>,
+    /// Until when the platform asked not to send to this item's destination at
+    /// all (a `retry_after` on a retryable failure, e.g. HTTP 429).
+    pub(crate) cooldown_until: Option<DateTime<Utc>>,
 }
 
 impl OutboxItem {
@@ -168,6 +171,12 @@ impl OutboxItem {
     /// The audit id of the last outcome recorded for this item, if known.
     pub fn last_audit_id(&self) -> Option<&str> {
         self.last_audit_id.as_deref()
+    }
+
+    /// Until when the platform asked not to send to this destination (from the
+    /// last retryable failure's `retry_after`), if that is still recorded.
+    pub fn cooldown_until(&self) -> Option<DateTime<Utc>> {
+        self.cooldown_until
     }
 
     /// The owner id written into the claim, if any.

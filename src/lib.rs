@@ -82,8 +82,8 @@ pub use crate::failpoint::FailAction;
 pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::outbox::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, GLOBAL_RATE_CAPPED, Outbox,
-    RATE_CAPPED, SEND_PANICKED,
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
+    GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_PANICKED,
 };
 pub use crate::rate::RateLimit;
 pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};

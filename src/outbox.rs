@@ -23,7 +23,7 @@ use crate::rate::RatePolicy;
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::retry::Backoff;
 use crate::send::{FailureClass, SendError};
-use crate::store::{CommitFailure, Loaded, Store, rate_time};
+use crate::store::{CommitFailure, Loaded, Store, cooldown, rate_time};
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -31,6 +31,9 @@ pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
 pub const SEND_PANICKED: &str = "send_panicked";
 /// The error code of an item an operator cancelled.
 pub const CANCELLED: &str = "cancelled_by_operator";
+/// The error code on a deferral because the platform asked (with `retry_after`)
+/// not to send to the destination until a moment that has not come yet.
+pub const DESTINATION_COOLDOWN: &str = "destination_cooldown";
 /// The error code on a deferral caused by the cap across all destinations.
 pub const GLOBAL_RATE_CAPPED: &str = "global_rate_cap";
 /// The error code on a deferral caused by the destination's rate cap.
@@ -157,6 +160,23 @@ impl Txn<'_> {
 
     fn changed(&self) -> bool {
         !self.overlay.is_empty() || !self.records.is_empty()
+    }
+
+    /// The latest platform cooldown on `destination` still in force at `now`.
+    fn destination_cooldown(&self, destination: &str, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let committed = self
+            .base
+            .index
+            .latest_cooldown(destination)
+            .find(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(until, _)| until);
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination)
+            .filter_map(cooldown)
+            .max();
+        committed.max(pending).filter(|until| *until > now)
     }
 
     /// Send and claim times of every destination since `since`.
@@ -370,6 +390,7 @@ impl Outbox {
             risk_class: message.risk_class,
             transport_ref: None,
             last_audit_id: None,
+            cooldown_until: None,
         });
         record(txn, &key, AuditOutcome::Queued, None, false)?;
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
@@ -1034,11 +1055,14 @@ impl Outbox {
             cap.next_free_slot(now, times)
                 .map(|at| (at, GLOBAL_RATE_CAPPED))
         });
-        // Both must allow the send; the later moment is when both do.
-        match (per_destination, global) {
-            (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
-            (a, b) => a.or(b),
-        }
+        let cooled = txn
+            .destination_cooldown(destination, now)
+            .map(|until| (until, DESTINATION_COOLDOWN));
+        // Every limit must allow the send; the latest moment is when all do.
+        [per_destination, global, cooled]
+            .into_iter()
+            .flatten()
+            .max_by_key(|(at, _)| *at)
     }
 
     /// Whether a claim belongs to a worker that is still alive.
@@ -1102,6 +1126,8 @@ impl Outbox {
                     item.claim = None;
                     item.error_code = Some(code);
                     item.next_attempt_at = Some(later(now, wait));
+                    // The platform's wait covers the whole destination, not just this item.
+                    item.cooldown_until = error.retry_after_hint().map(|hint| later(now, hint));
                     let audit_id = record(txn, key, AuditOutcome::Retrying, None, false)?;
                     Ok((
                         receipt(txn, key, Outcome::Deferred, Some(audit_id))?,

@@ -70,6 +70,15 @@ pub(crate) struct Index {
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
     /// The same times across all destinations, for the global cap.
     all_rate_times: BTreeSet<(DateTime<Utc>, String)>,
+    /// Per destination, the cooldowns queued items carry (platform `retry_after`s).
+    cooldowns: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
+}
+
+/// The cooldown a queued item imposes on its destination, if any.
+pub(crate) fn cooldown(item: &OutboxItem) -> Option<DateTime<Utc>> {
+    (item.state == ItemState::Queued)
+        .then_some(item.cooldown_until)
+        .flatten()
 }
 
 /// The time an item counts against its destination's rate cap, if it does.
@@ -105,6 +114,12 @@ impl Index {
                 .insert((at, key.clone()));
             self.all_rate_times.insert((at, key.clone()));
         }
+        if let Some(until) = cooldown(item) {
+            self.cooldowns
+                .entry(item.destination.clone())
+                .or_default()
+                .insert((until, key.clone()));
+        }
     }
 
     fn remove(&mut self, item: &OutboxItem) {
@@ -119,6 +134,14 @@ impl Index {
         }
         if let Some(at) = rate_time(item) {
             self.all_rate_times.remove(&(at, key.clone()));
+        }
+        if let Some(until) = cooldown(item)
+            && let Some(set) = self.cooldowns.get_mut(&item.destination)
+        {
+            set.remove(&(until, key.clone()));
+            if set.is_empty() {
+                self.cooldowns.remove(&item.destination);
+            }
         }
         if let Some(at) = rate_time(item)
             && let Some(times) = self.rate_times.get_mut(&item.destination)
@@ -136,6 +159,18 @@ impl Index {
             .get(transport_ref)
             .and_then(BTreeSet::first)
             .map(String::as_str)
+    }
+
+    /// The latest cooldown on `destination` (with its key), if any is recorded.
+    pub(crate) fn latest_cooldown(
+        &self,
+        destination: &str,
+    ) -> impl Iterator<Item = (DateTime<Utc>, &str)> {
+        self.cooldowns
+            .get(destination)
+            .into_iter()
+            .flat_map(|set| set.iter().rev())
+            .map(|(at, key)| (*at, key.as_str()))
     }
 
     /// The rate-counting times of every destination at or after `since`, with keys.
@@ -857,6 +892,7 @@ fn item_to_disk(item: &OutboxItem) -> ItemV1 {
         connector: item.connector.clone(),
         content: item.content.clone(),
         content_hash: item.content_hash.clone(),
+        cooldown_until_utc: time(item.cooldown_until),
         created_at_utc: format_timestamp(item.created_at),
         destination: item.destination.clone(),
         direction: item.direction.clone(),
@@ -924,6 +960,7 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
     } else {
         None
     };
+    let cooldown_until = optional_time("cooldown_until_utc", &raw.cooldown_until_utc)?;
     Ok(OutboxItem {
         created_at: required_time("created_at_utc", &raw.created_at_utc)?,
         updated_at: required_time("updated_at_utc", &raw.updated_at_utc)?,
@@ -944,6 +981,7 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
         risk_class: raw.risk_class,
         transport_ref: raw.transport_ref,
         last_audit_id: raw.last_audit_id,
+        cooldown_until,
     })
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
 //! optional fields: `audit_head` and `generation` at the top
-//! level, and `claim_owner`, `claimed_at_utc`, `last_audit_id` on items. This crate reads
+//! level, and `claim_owner`, `claimed_at_utc`, `cooldown_until_utc`, `last_audit_id`
+//! on items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
 
 use serde::{Deserialize, Serialize};
@@ -62,6 +63,8 @@ pub(crate) struct ItemV1 {
     pub(crate) connector: String,
     pub(crate) content: String,
     pub(crate) content_hash: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cooldown_until_utc: Option<String>,
     pub(crate) created_at_utc: String,
     pub(crate) destination: String,
     #[serde(default = "default_direction")]

@@ -177,3 +177,44 @@ fn an_empty_pattern_or_a_zero_cap_is_rejected_at_open() {
         ));
     }
 }
+
+#[test]
+fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
+    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+    for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2")] {
+        h.enqueue(key, chat);
+    }
+    let t0 = h.clock.now();
+    let first = h
+        .outbox
+        .process("a", |_| {
+            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(30)))
+        })
+        .unwrap();
+    assert_eq!(first.outcome, Outcome::Deferred);
+    // The platform said "wait 30 s" about chat-1: b must not go there either…
+    let b = h
+        .reopen()
+        .process("b", |_| panic!("ignored the platform's Retry-After"))
+        .unwrap();
+    assert_eq!(b.outcome, Outcome::Deferred);
+    assert_eq!(
+        b.error_code.as_deref(),
+        Some(durable_outbox::DESTINATION_COOLDOWN)
+    );
+    assert_eq!(b.next_attempt_at, Some(t0 + chrono::Duration::seconds(30)));
+    // …while other chats are unaffected.
+    assert_eq!(
+        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    h.clock.advance(secs(30));
+    assert_eq!(
+        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(
+        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}

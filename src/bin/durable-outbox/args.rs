@@ -1,0 +1,337 @@
+//! The command line, declared with clap's derive API. Parsing only: no I/O here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// The exit codes, shown under every `--help` and in the README.
+pub const EXIT_CODES: &str = "\
+Exit codes:
+  0  success: the outbox is healthy, verified, found, or the action was recorded
+  1  needs attention: failed ambiguous items or a broken audit chain (status),
+     verification failed (verify), the action was refused (requeue, cancel),
+     nothing matched (show, find), or the outbox could not be read
+  2  bad arguments or usage: unknown option, invalid value, DIR is not an outbox";
+
+/// Inspect and operate a durable-outbox directory while the bot runs.
+///
+/// Every command opens the outbox the way the bot does and takes the same lock for
+/// each change, so it is safe to run next to a live bot. Read commands change
+/// nothing the bot relies on; `requeue` and `cancel` are recorded in the audit log.
+#[derive(Debug, Parser)]
+#[command(name = "durable-outbox", version, after_help = EXIT_CODES)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Health at a glance: counts by state, rate windows, the oldest queued item,
+    /// failures by error code, the audit head and whether the chain verifies.
+    ///
+    /// Exits 1 when something needs an operator: a failed item that may have been
+    /// delivered (ambiguous), or a broken audit chain.
+    #[command(after_help = EXIT_CODES)]
+    Status(StatusArgs),
+    /// A table of items, newest activity first (no message bodies unless --show-content).
+    #[command(after_help = EXIT_CODES)]
+    List(ListArgs),
+    /// One item and its full audit history.
+    #[command(after_help = EXIT_CODES)]
+    Show(ShowArgs),
+    /// Which item a reply answers: look an item up by the platform's message id.
+    #[command(after_help = EXIT_CODES)]
+    Find(FindArgs),
+    /// Verify the audit chain and cross-check it against the state.
+    ///
+    /// Checks every record's hash and link, that the log reaches the head
+    /// outbox.json recorded, that every record belongs to a known item, and that
+    /// every item's latest outcome has its record. Exits 1 naming the first bad line.
+    #[command(after_help = EXIT_CODES)]
+    Verify(VerifyArgs),
+    /// Send a failed item again: an operator's decision, recorded in the audit log.
+    ///
+    /// The only way an ambiguous item (one that may have been delivered) is ever
+    /// sent again. Refuses sent items and items a worker is sending right now.
+    #[command(after_help = EXIT_CODES)]
+    Requeue(OperatorArgs),
+    /// Do not send a queued item: it becomes failed with `cancelled_by_operator`,
+    /// recorded in the audit log. Refuses items a worker is sending right now.
+    #[command(after_help = EXIT_CODES)]
+    Cancel(OperatorArgs),
+    /// Every item (or, with --audit, every audit record) as JSON lines or CSV.
+    #[command(after_help = EXIT_CODES)]
+    Export(ExportArgs),
+}
+
+/// The outbox a command works on.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// The outbox directory (the one the bot opens).
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// A file holding the audit HMAC key, for bots that set `audit_key` (its exact bytes).
+    #[arg(long, value_name = "FILE")]
+    pub audit_key_file: Option<PathBuf>,
+}
+
+/// `status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The bot's per-destination rate cap, to compare each window against.
+    #[arg(long, value_name = "COUNT/SECONDS", default_value = "10/60", value_parser = parse_rate_limit)]
+    pub rate_limit: RateCap,
+    /// An error code the bot uses for ambiguous failures (may have been delivered),
+    /// besides `ambiguous_delivery_after_restart` and `send_panicked`. Repeatable.
+    #[arg(long = "ambiguous-code", value_name = "CODE")]
+    pub ambiguous_codes: Vec<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Only items in this state.
+    #[arg(long, value_enum, value_name = "STATE")]
+    pub state: Option<StateFilter>,
+    /// Only items for this destination.
+    #[arg(long, value_name = "DESTINATION")]
+    pub destination: Option<String>,
+    /// Only items that changed at or after T: an RFC 3339 time
+    /// (2026-01-15T09:00:00Z) or an age such as 90s, 15m, 2h or 7d.
+    #[arg(long, value_name = "T", value_parser = parse_since)]
+    pub since: Option<Since>,
+    /// Show at most N items (the most recently changed).
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Include message bodies.
+    #[arg(long)]
+    pub show_content: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `show`.
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The item's idempotency key.
+    #[arg(value_name = "KEY")]
+    pub key: String,
+    /// Include the message body.
+    #[arg(long)]
+    pub show_content: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `find`.
+#[derive(Debug, Args)]
+pub struct FindArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The platform's message id a reply quotes.
+    #[arg(long, value_name = "R")]
+    pub transport_ref: String,
+    /// Include the message body.
+    #[arg(long)]
+    pub show_content: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Report progress on stderr even when it is not a terminal.
+    #[arg(long)]
+    pub progress: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `requeue` and `cancel`.
+#[derive(Debug, Args)]
+pub struct OperatorArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The item's idempotency key.
+    #[arg(value_name = "KEY")]
+    pub key: String,
+    /// Why: recorded in the audit log.
+    #[arg(long, value_name = "TEXT")]
+    pub reason: String,
+    /// Who decided: recorded in the audit log. Default: your login name.
+    #[arg(long, value_name = "NAME")]
+    pub operator: Option<String>,
+    /// Print the updated item as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ExportFormat::Jsonl)]
+    pub format: ExportFormat,
+    /// Export the audit log's records instead of the items.
+    #[arg(long)]
+    pub audit: bool,
+    /// Include message bodies (items only; the audit log never holds them).
+    #[arg(long)]
+    pub show_content: bool,
+}
+
+/// `list --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StateFilter {
+    /// Waiting to be sent, including items in flight.
+    Queued,
+    /// Queued and claimed by a worker (being sent now, or its worker died).
+    InFlight,
+    /// Delivered.
+    Sent,
+    /// Given up (or cancelled).
+    Failed,
+}
+
+/// `export --format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// One JSON object per line.
+    Jsonl,
+    /// Comma-separated values with a header row (RFC 4180 quoting).
+    Csv,
+}
+
+/// `status --rate-limit`: at most `count` sends per destination per `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateCap {
+    /// Sends allowed per window.
+    pub count: u32,
+    /// The window's length.
+    pub window: Duration,
+}
+
+/// `list --since`: an absolute time, or an age resolved against "now" when the
+/// command runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Since {
+    /// A point in time.
+    At(DateTime<Utc>),
+    /// This long before now.
+    Ago(Duration),
+}
+
+impl Since {
+    /// The point in time this stands for, given the current time.
+    pub fn resolve(self, now: DateTime<Utc>) -> DateTime<Utc> {
+        match self {
+            Self::At(at) => at,
+            Self::Ago(age) => chrono::Duration::from_std(age)
+                .ok()
+                .and_then(|age| now.checked_sub_signed(age))
+                .unwrap_or(DateTime::<Utc>::MIN_UTC),
+        }
+    }
+}
+
+/// Parses `COUNT/SECONDS`, both positive, e.g. `10/60`.
+fn parse_rate_limit(text: &str) -> Result<RateCap, String> {
+    let expected = || format!("expected COUNT/SECONDS such as 10/60, got {text:?}");
+    let (count, seconds) = text.split_once('/').ok_or_else(expected)?;
+    let count: u32 = count.trim().parse().map_err(|_| expected())?;
+    let seconds: u64 = seconds.trim().parse().map_err(|_| expected())?;
+    if count == 0 || seconds == 0 {
+        return Err(format!("both numbers must be positive, got {text:?}"));
+    }
+    Ok(RateCap {
+        count,
+        window: Duration::from_secs(seconds),
+    })
+}
+
+/// Parses an RFC 3339 time or an age `<number><s|m|h|d>`.
+fn parse_since(text: &str) -> Result<Since, String> {
+    if let Ok(at) = DateTime::parse_from_rfc3339(text) {
+        return Ok(Since::At(at.with_timezone(&Utc)));
+    }
+    let unit = |c: char| match c {
+        's' => Some(1),
+        'm' => Some(60),
+        'h' => Some(3600),
+        'd' => Some(86_400),
+        _ => None,
+    };
+    let age = text
+        .char_indices()
+        .last()
+        .and_then(|(at, c)| Some((text[..at].parse::<u64>().ok()?, unit(c)?)))
+        .and_then(|(n, scale)| n.checked_mul(scale));
+    match age {
+        Some(seconds) => Ok(Since::Ago(Duration::from_secs(seconds))),
+        None => Err(format!(
+            "expected an RFC 3339 time (2026-01-15T09:00:00Z) or an age such as 90s, 15m, 2h, 7d; got {text:?}"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limits_need_two_positive_numbers() {
+        assert_eq!(
+            parse_rate_limit("2/30"),
+            Ok(RateCap {
+                count: 2,
+                window: Duration::from_secs(30)
+            })
+        );
+        for bad in ["10", "0/60", "10/0", "a/b", "10/60s", ""] {
+            assert!(parse_rate_limit(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn since_takes_times_and_ages() {
+        let now = DateTime::parse_from_rfc3339("2026-01-15T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let at = |t: &str| parse_since(t).unwrap().resolve(now).to_rfc3339();
+        assert_eq!(at("2h"), "2026-01-15T08:00:00+00:00");
+        assert_eq!(at("90s"), "2026-01-15T09:58:30+00:00");
+        assert_eq!(at("2026-01-15T11:00:00+01:00"), "2026-01-15T10:00:00+00:00");
+        for bad in ["yesterday", "2w", "h", "-5m", ""] {
+            assert!(parse_since(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,201 @@
+//! `durable-outbox`: the operator's command-line tool for an outbox directory.
+//!
+//! `main` only wires the real stdout and stderr to [`run`] and turns its error into
+//! a message and an exit code; every command lives in its own module and writes
+//! to the streams it is given. Build it with `--features cli`.
+
+mod args;
+mod inspect;
+mod operate;
+mod status;
+mod verify;
+mod view;
+
+use std::error::Error;
+use std::ffi::OsString;
+use std::fmt;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Parser;
+use durable_outbox::{Outbox, OutboxBuilder};
+
+use crate::args::{Cli, Command, Target};
+
+/// What every command returns: an exit code, or an error for `main` to report.
+pub type CliResult = Result<ExitCode, Box<dyn Error>>;
+
+/// Exit code 1: something needs attention, was refused, or was not found.
+pub const ATTENTION: u8 = 1;
+/// Exit code 2: bad arguments or usage.
+pub const USAGE: u8 = 2;
+
+fn main() -> ExitCode {
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    let stderr = io::stderr();
+    let mut err = stderr.lock();
+    match run(std::env::args_os(), &mut out, &mut err) {
+        Ok(code) => code,
+        Err(error) => {
+            // Whatever was printed before the error still goes out first.
+            let _ = out.flush();
+            report(error.as_ref(), &mut err)
+        }
+    }
+}
+
+/// Parses `args` (program name first) and runs the command.
+///
+/// # Errors
+///
+/// Whatever stopped the command: [`UsageError`] for bad arguments found after
+/// parsing, the library's errors, and I/O errors writing the output.
+pub fn run<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> CliResult
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--help` and `--version` go to stdout with 0; usage errors to stderr with 2.
+            let text = e.render().to_string();
+            if e.use_stderr() {
+                err.write_all(text.as_bytes())?;
+            } else {
+                out.write_all(text.as_bytes())?;
+                out.flush()?;
+            }
+            return Ok(ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(USAGE)));
+        }
+    };
+    let code = match cli.command {
+        Command::Status(args) => status::run(&args, out)?,
+        Command::List(args) => inspect::list(&args, out)?,
+        Command::Show(args) => inspect::show(&args, out)?,
+        Command::Find(args) => inspect::find(&args, out)?,
+        Command::Verify(args) => verify::run(&args, out, err)?,
+        Command::Requeue(args) => operate::requeue(&args, out, err)?,
+        Command::Cancel(args) => operate::cancel(&args, out, err)?,
+        Command::Export(args) => inspect::export(&args, out)?,
+    };
+    out.flush()?;
+    Ok(code)
+}
+
+/// Prints `durable-outbox: <error>: <source>: …` and picks the exit code. A closed
+/// pipe (`durable-outbox export … | head`) is a normal end, not an error.
+fn report(error: &(dyn Error + 'static), err: &mut dyn Write) -> ExitCode {
+    let mut chain = Some(error);
+    let mut message = String::from("durable-outbox");
+    while let Some(cause) = chain {
+        if cause
+            .downcast_ref::<io::Error>()
+            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
+        {
+            return ExitCode::SUCCESS;
+        }
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        chain = cause.source();
+    }
+    let code = if error.is::<UsageError>() {
+        message.push_str("\n\nFor more information, try '--help'.");
+        USAGE
+    } else {
+        ATTENTION
+    };
+    let _ = writeln!(err, "{message}");
+    ExitCode::from(code)
+}
+
+/// A problem with the arguments that clap cannot see, such as a directory that is
+/// not an outbox. Exits with 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl fmt::Display for UsageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for UsageError {}
+
+/// A lookup that matched nothing (`show`, `find`). Exits with 1.
+#[derive(Debug)]
+pub struct NotFound(pub String);
+
+impl fmt::Display for NotFound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for NotFound {}
+
+/// The files whose presence makes a directory an outbox.
+const OUTBOX_FILES: [&str; 4] = ["outbox.json", "outbox.journal", "audit.jsonl", "outbox.lock"];
+
+/// Opens the outbox in `target.dir` the way a bot does, without compacting it.
+///
+/// # Errors
+///
+/// As [`builder`], then the library's open errors.
+pub fn open(target: &Target) -> Result<Outbox, Box<dyn Error>> {
+    Ok(builder(target)?.open()?)
+}
+
+/// Checks that `target.dir` is an outbox and configures a handle on it.
+///
+/// The library would create a missing directory; an operator's typo must not, so
+/// the directory has to exist and hold at least one outbox file. Opening does not
+/// compact: a tool that mostly looks should write as little as possible.
+///
+/// # Errors
+///
+/// [`UsageError`] when `DIR` is not an outbox or the key file is unreadable or empty.
+pub fn builder(target: &Target) -> Result<OutboxBuilder, Box<dyn Error>> {
+    let dir = &target.dir;
+    match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => return Err(usage(dir, "not a directory")),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(usage(dir, "no such directory"));
+        }
+        Err(e) => return Err(Box::new(e)),
+    }
+    if !OUTBOX_FILES.iter().any(|name| dir.join(name).exists()) {
+        return Err(usage(
+            dir,
+            "not an outbox directory (it has no outbox.json, outbox.journal, audit.jsonl or outbox.lock)",
+        ));
+    }
+    let mut builder = Outbox::builder(dir).compact_on_open(false);
+    if let Some(key) = audit_key(target)? {
+        builder = builder.audit_key(key);
+    }
+    Ok(builder)
+}
+
+/// The HMAC key from `--audit-key-file`, if given.
+///
+/// # Errors
+///
+/// [`UsageError`] when the file cannot be read or is empty.
+pub fn audit_key(target: &Target) -> Result<Option<Vec<u8>>, Box<dyn Error>> {
+    let Some(path) = &target.audit_key_file else {
+        return Ok(None);
+    };
+    match std::fs::read(path) {
+        Ok(key) if key.is_empty() => Err(usage(path, "the audit key file is empty")),
+        Ok(key) => Ok(Some(key)),
+        Err(e) => Err(usage(path, &format!("cannot read the audit key file: {e}"))),
+    }
+}
+
+fn usage(path: &Path, why: &str) -> Box<dyn Error> {
+    Box::new(UsageError(format!("{}: {why}", path.display())))
+}

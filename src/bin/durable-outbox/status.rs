@@ -1,0 +1,357 @@
+//! `status`: what is stuck, what failed and why, and whether the audit log holds.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+
+use chrono::{DateTime, Utc};
+use durable_outbox::{
+    AMBIGUOUS_AFTER_RESTART, AuditReport, Error, ItemState, OutboxItem, SEND_PANICKED,
+};
+use serde::Serialize;
+
+use crate::args::{RateCap, StatusArgs};
+use crate::view::{self, Table, age, clean, short};
+use crate::{ATTENTION, CliResult};
+
+/// Error codes that always mean "may have been delivered".
+const BUILT_IN_AMBIGUOUS: [&str; 2] = [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED];
+
+/// The whole report; its JSON form is `status --json`.
+#[derive(Debug, Serialize)]
+struct Status {
+    dir: String,
+    now_utc: String,
+    healthy: bool,
+    /// One sentence per thing an operator should look at; empty when healthy.
+    attention: Vec<String>,
+    /// `None` when the outbox could not be opened because its audit log is broken.
+    items: Option<Counts>,
+    oldest_queued: Option<Oldest>,
+    failed_by_error_code: Vec<FailedCode>,
+    rate_window: Option<RateWindow>,
+    audit: Audit,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Counts {
+    total: usize,
+    queued: usize,
+    /// Queued items claimed by a worker (included in `queued`).
+    in_flight: usize,
+    /// Queued, unclaimed and due now (included in `queued`).
+    due: usize,
+    /// Queued and held back until `next_attempt_at` (included in `queued`).
+    waiting: usize,
+    sent: usize,
+    failed: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct Oldest {
+    idempotency_key: String,
+    created_at_utc: String,
+    age_seconds: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct FailedCode {
+    error_code: String,
+    items: usize,
+    /// The failure may have been a delivery: only an operator can decide to resend.
+    ambiguous: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct RateWindow {
+    cap: u32,
+    window_seconds: u64,
+    destinations: Vec<DestinationWindow>,
+}
+
+#[derive(Debug, Serialize)]
+struct DestinationWindow {
+    destination: String,
+    /// Sends in the current window, counting items being sent now.
+    sends_in_window: usize,
+    cap: u32,
+    queued: usize,
+    /// When the window has room again, if it is full now.
+    next_free_slot_utc: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Audit {
+    head_seq: Option<u64>,
+    head_hash: Option<String>,
+    verified: bool,
+    records: Option<u64>,
+    /// Why the chain did not verify.
+    error: Option<String>,
+}
+
+pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
+    let now = Utc::now();
+    let ambiguous: Vec<&str> = BUILT_IN_AMBIGUOUS
+        .into_iter()
+        .chain(args.ambiguous_codes.iter().map(String::as_str))
+        .collect();
+    let mut status = Status {
+        dir: args.target.dir.display().to_string(),
+        now_utc: short(now),
+        healthy: true,
+        attention: Vec::new(),
+        items: None,
+        oldest_queued: None,
+        failed_by_error_code: Vec::new(),
+        rate_window: None,
+        audit: Audit {
+            head_seq: None,
+            head_hash: None,
+            verified: false,
+            records: None,
+            error: None,
+        },
+    };
+    match crate::open(&args.target) {
+        Ok(outbox) => {
+            let items = outbox.list_items()?;
+            summarise(&mut status, &items, now, &ambiguous, args.rate_limit);
+            let head = outbox.audit_head()?;
+            status.audit.head_seq = Some(head.seq);
+            status.audit.head_hash = Some(head.hash);
+            record_verification(&mut status, outbox.verify_audit())?;
+        }
+        // A broken chain stops the library from opening the outbox at all: report
+        // it as the finding it is rather than as a failure of this command.
+        Err(e) if matches!(e.downcast_ref::<Error>(), Some(Error::AuditBroken { .. })) => {
+            status.audit.error = Some(e.to_string());
+            status.attention.push(format!(
+                "the audit chain does not verify ({e}); run `durable-outbox verify` and \
+                 keep a copy of the directory before anything else touches it"
+            ));
+        }
+        Err(e) => return Err(e),
+    }
+    status.healthy = status.attention.is_empty();
+    if args.json {
+        view::write_json(out, &status)?;
+    } else {
+        write_text(&status, out)?;
+    }
+    Ok(if status.healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(ATTENTION)
+    })
+}
+
+fn record_verification(
+    status: &mut Status,
+    verified: durable_outbox::Result<AuditReport>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match verified {
+        Ok(report) => {
+            status.audit.verified = true;
+            status.audit.records = Some(report.records);
+        }
+        Err(e @ Error::AuditBroken { .. }) => {
+            status.audit.error = Some(e.to_string());
+            status.attention.push(format!(
+                "the audit chain does not verify ({e}); run `durable-outbox verify`"
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
+/// Fills in everything that comes from the items.
+fn summarise(
+    status: &mut Status,
+    items: &[OutboxItem],
+    now: DateTime<Utc>,
+    ambiguous: &[&str],
+    cap: RateCap,
+) {
+    let mut counts = Counts {
+        total: items.len(),
+        ..Counts::default()
+    };
+    let mut oldest: Option<&OutboxItem> = None;
+    let mut failed: BTreeMap<&str, usize> = BTreeMap::new();
+    for item in items {
+        match item.state() {
+            ItemState::Queued => {
+                counts.queued += 1;
+                if item.dispatch_claimed() {
+                    counts.in_flight += 1;
+                } else if item.next_attempt_at().is_some_and(|at| at > now) {
+                    counts.waiting += 1;
+                } else {
+                    counts.due += 1;
+                }
+                if oldest.is_none_or(|o| item.created_at() < o.created_at()) {
+                    oldest = Some(item);
+                }
+            }
+            ItemState::Sent => counts.sent += 1,
+            ItemState::Failed => {
+                counts.failed += 1;
+                *failed.entry(item.error_code().unwrap_or("-")).or_default() += 1;
+            }
+        }
+    }
+    status.oldest_queued = oldest.map(|item| Oldest {
+        idempotency_key: item.idempotency_key().to_owned(),
+        created_at_utc: short(item.created_at()),
+        age_seconds: (now - item.created_at()).num_seconds().max(0),
+    });
+    status.failed_by_error_code = failed
+        .into_iter()
+        .map(|(code, n)| FailedCode {
+            error_code: code.to_owned(),
+            items: n,
+            ambiguous: ambiguous.contains(&code),
+        })
+        .collect();
+    let in_doubt: usize = status
+        .failed_by_error_code
+        .iter()
+        .filter(|f| f.ambiguous)
+        .map(|f| f.items)
+        .sum();
+    if in_doubt > 0 {
+        status.attention.push(format!(
+            "{in_doubt} failed item(s) may have been delivered (ambiguous): check with the \
+             recipient, then `requeue` or leave each one (`list --state failed`)"
+        ));
+    }
+    status.items = Some(counts);
+    status.rate_window = Some(windows(items, now, cap));
+}
+
+/// One destination's sends in the window, and its queue.
+#[derive(Default)]
+struct Tally {
+    sends: Vec<DateTime<Utc>>,
+    queued: usize,
+}
+
+/// Sends per destination in the window ending now. An item counts with its
+/// `sent_at`, and a claimed item counts as a send in progress (the library counts
+/// it from its claim time, which is recent by nature).
+fn windows(items: &[OutboxItem], now: DateTime<Utc>, cap: RateCap) -> RateWindow {
+    let start = chrono::Duration::from_std(cap.window)
+        .ok()
+        .and_then(|w| now.checked_sub_signed(w))
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let mut per: BTreeMap<&str, Tally> = BTreeMap::new();
+    for item in items {
+        if item.dispatch_claimed() {
+            per.entry(item.destination()).or_default().sends.push(now);
+        } else if let Some(at) = item.sent_at().filter(|at| *at > start) {
+            per.entry(item.destination()).or_default().sends.push(at);
+        }
+        if item.state() == ItemState::Queued {
+            per.entry(item.destination()).or_default().queued += 1;
+        }
+    }
+    let count = cap.count as usize;
+    let destinations = per
+        .into_iter()
+        .map(|(destination, mut tally)| {
+            tally.sends.sort_unstable();
+            // Full: enough of the oldest sends must age out to leave room for one.
+            let next_free = (tally.sends.len() >= count)
+                .then(|| tally.sends[tally.sends.len() - count])
+                .and_then(|oldest| chrono::Duration::from_std(cap.window).ok().map(|w| oldest + w));
+            DestinationWindow {
+                destination: destination.to_owned(),
+                sends_in_window: tally.sends.len(),
+                cap: cap.count,
+                queued: tally.queued,
+                next_free_slot_utc: next_free.map(short),
+            }
+        })
+        .collect();
+    RateWindow {
+        cap: cap.count,
+        window_seconds: cap.window.as_secs(),
+        destinations,
+    }
+}
+
+fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "outbox   {}", clean(&status.dir))?;
+    writeln!(out, "now      {}", status.now_utc)?;
+    if status.healthy {
+        writeln!(out, "health   ok")?;
+    } else {
+        writeln!(out, "health   NEEDS ATTENTION")?;
+        for line in &status.attention {
+            writeln!(out, "  - {}", clean(line))?;
+        }
+    }
+    if let Some(c) = &status.items {
+        writeln!(
+            out,
+            "\nitems    {} total: {} queued ({} in flight, {} due now, {} waiting), {} sent, {} failed",
+            c.total, c.queued, c.in_flight, c.due, c.waiting, c.sent, c.failed
+        )?;
+    }
+    if let Some(oldest) = &status.oldest_queued {
+        let span = chrono::Duration::seconds(oldest.age_seconds);
+        writeln!(
+            out,
+            "oldest queued  {} ({} old, enqueued {})",
+            clean(&oldest.idempotency_key),
+            age(span),
+            oldest.created_at_utc
+        )?;
+    }
+    if !status.failed_by_error_code.is_empty() {
+        writeln!(out, "\nfailed by error code")?;
+        let mut table = Table::new(vec!["ERROR CODE", "ITEMS", ""]);
+        for f in &status.failed_by_error_code {
+            let note = if f.ambiguous {
+                "ambiguous: may have been delivered"
+            } else {
+                ""
+            };
+            table.row(vec![f.error_code.clone(), f.items.to_string(), note.into()]);
+        }
+        table.write(out, "  ")?;
+    }
+    if let Some(window) = &status.rate_window {
+        writeln!(
+            out,
+            "\nrate window ({} sends per {}s per destination)",
+            window.cap, window.window_seconds
+        )?;
+        let mut table = Table::new(vec!["DESTINATION", "SENDS", "QUEUED", "NEXT FREE SLOT"]);
+        for d in &window.destinations {
+            table.row(vec![
+                d.destination.clone(),
+                format!("{}/{}", d.sends_in_window, d.cap),
+                d.queued.to_string(),
+                d.next_free_slot_utc.clone().unwrap_or_else(|| "-".into()),
+            ]);
+        }
+        if table.is_empty() {
+            writeln!(out, "  no sends in the window and nothing queued")?;
+        } else {
+            table.write(out, "  ")?;
+        }
+    }
+    let audit = &status.audit;
+    writeln!(out)?;
+    if let (Some(seq), Some(hash)) = (audit.head_seq, &audit.head_hash) {
+        writeln!(out, "audit    head seq {seq}, hash {hash}")?;
+    }
+    match (&audit.error, audit.records) {
+        (Some(error), _) => writeln!(out, "audit    chain BROKEN: {}", clean(error)),
+        (None, Some(records)) => writeln!(out, "audit    chain verified ({records} records)"),
+        (None, None) => writeln!(out, "audit    chain not checked"),
+    }
+}
