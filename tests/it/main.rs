@@ -26,6 +26,8 @@ mod disk_full;
 
 #[cfg(feature = "tokio")]
 mod async_api;
+#[cfg(feature = "tokio")]
+mod http_loopback;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
