@@ -95,12 +95,9 @@ fn state_matches(filter: StateFilter, item: &OutboxItem) -> bool {
 
 pub fn show(args: &ShowArgs, out: &mut dyn Write) -> CliResult {
     let outbox = crate::open(&args.target)?;
-    let item = outbox.get(&args.key)?.ok_or_else(|| {
-        NotFound(format!(
-            "no outbox item has idempotency key {:?}",
-            args.key
-        ))
-    })?;
+    let item = outbox
+        .get(&args.key)?
+        .ok_or_else(|| NotFound(format!("no outbox item has idempotency key {:?}", args.key)))?;
     describe(&outbox, &item, args.show_content, args.json, out)
 }
 
@@ -208,10 +205,8 @@ fn describe(
 
 /// A record's time in the tables' whole-second form (kept as stored if it does not parse).
 fn record_time(stored: &str) -> String {
-    DateTime::parse_from_rfc3339(stored).map_or_else(
-        |_| stored.to_owned(),
-        |t| short(t.with_timezone(&Utc)),
-    )
+    DateTime::parse_from_rfc3339(stored)
+        .map_or_else(|_| stored.to_owned(), |t| short(t.with_timezone(&Utc)))
 }
 
 pub fn export(args: &ExportArgs, out: &mut dyn Write) -> CliResult {
@@ -273,7 +268,11 @@ fn item_cells<'a>(item: &'a ItemView<'a>) -> impl Iterator<Item = Cow<'a, str>> 
     [
         Cow::Borrowed(item.idempotency_key),
         Cow::Borrowed(item.state),
-        Cow::Borrowed(if item.dispatch_claimed { "true" } else { "false" }),
+        Cow::Borrowed(if item.dispatch_claimed {
+            "true"
+        } else {
+            "false"
+        }),
         Cow::Borrowed(item.connector),
         Cow::Borrowed(item.grant_id),
         Cow::Borrowed(item.destination),

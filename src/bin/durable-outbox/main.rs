@@ -91,10 +91,7 @@ fn report(error: &(dyn Error + 'static), err: &mut dyn Write) -> ExitCode {
     let mut chain = Some(error);
     let mut message = String::from("durable-outbox");
     while let Some(cause) = chain {
-        if cause
-            .downcast_ref::<io::Error>()
-            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
-        {
+        if is_broken_pipe(cause) {
             return ExitCode::SUCCESS;
         }
         message.push_str(": ");
@@ -109,6 +106,20 @@ fn report(error: &(dyn Error + 'static), err: &mut dyn Write) -> ExitCode {
     };
     let _ = writeln!(err, "{message}");
     ExitCode::from(code)
+}
+
+/// Whether `error` is a write to a pipe whose reader has gone. JSON output reports
+/// it wrapped in a `serde_json::Error`, whose `source()` skips the I/O error itself.
+fn is_broken_pipe(error: &(dyn Error + 'static)) -> bool {
+    let kind = error
+        .downcast_ref::<io::Error>()
+        .map(io::Error::kind)
+        .or_else(|| {
+            error
+                .downcast_ref::<serde_json::Error>()
+                .and_then(serde_json::Error::io_error_kind)
+        });
+    kind == Some(io::ErrorKind::BrokenPipe)
 }
 
 /// A problem with the arguments that clap cannot see, such as a directory that is
@@ -137,7 +148,12 @@ impl fmt::Display for NotFound {
 impl Error for NotFound {}
 
 /// The files whose presence makes a directory an outbox.
-const OUTBOX_FILES: [&str; 4] = ["outbox.json", "outbox.journal", "audit.jsonl", "outbox.lock"];
+const OUTBOX_FILES: [&str; 4] = [
+    "outbox.json",
+    "outbox.journal",
+    "audit.jsonl",
+    "outbox.lock",
+];
 
 /// Opens the outbox in `target.dir` the way a bot does, without compacting it.
 ///

@@ -113,12 +113,7 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
         Action::Requeue => "queued again, attempts reset; the bot sends it on its next pass",
         Action::Cancel => &format!("failed with {CANCELLED}; it will not be sent"),
     };
-    writeln!(
-        out,
-        "{} {}{was}: {now}",
-        action.done(),
-        clean(&args.key)
-    )?;
+    writeln!(out, "{} {}{was}: {now}", action.done(), clean(&args.key))?;
     writeln!(
         out,
         "recorded in the audit log{} by {}: {}",

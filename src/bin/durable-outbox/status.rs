@@ -265,7 +265,11 @@ fn windows(items: &[OutboxItem], now: DateTime<Utc>, cap: RateCap) -> RateWindow
             // Full: enough of the oldest sends must age out to leave room for one.
             let next_free = (tally.sends.len() >= count)
                 .then(|| tally.sends[tally.sends.len() - count])
-                .and_then(|oldest| chrono::Duration::from_std(cap.window).ok().map(|w| oldest + w));
+                .and_then(|oldest| {
+                    chrono::Duration::from_std(cap.window)
+                        .ok()
+                        .map(|w| oldest + w)
+                });
             DestinationWindow {
                 destination: destination.to_owned(),
                 sends_in_window: tally.sends.len(),

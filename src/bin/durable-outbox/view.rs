@@ -173,7 +173,8 @@ impl Table {
 
     /// Adds a row; cells are escaped for the terminal.
     pub fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells.into_iter().map(|c| clean(&c)).collect());
+        self.rows
+            .push(cells.into_iter().map(|c| clean(&c)).collect());
     }
 
     pub fn is_empty(&self) -> bool {

@@ -1,0 +1,20 @@
+//! The `durable-outbox` operator tool, run as a real process against real outbox
+//! directories: ones this crate wrote, one the Python reference wrote, damaged
+//! ones, and one a bot is writing to while the tool runs.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail loudly by panicking"
+)]
+
+mod harness;
+
+mod concurrent_bot;
+mod export;
+mod inspect;
+mod operator_actions;
+mod seed_v1;
+mod status;
+mod usage;
+mod verify;

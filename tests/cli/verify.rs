@@ -1,0 +1,106 @@
+//! `verify`: a tampered, truncated or inconsistent outbox exits 1 naming the first
+//! bad line; a sound one exits 0.
+
+use crate::harness::Fixture;
+
+/// Changes one hex digit of the content hash in line `line` of audit.jsonl: the
+/// line stays valid JSON, so only the chain can tell.
+pub fn flip_a_byte_in_line(f: &Fixture, line: usize) {
+    let path = f.file("audit.jsonl");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let start: usize = bytes
+        .split(|b| *b == b'\n')
+        .take(line - 1)
+        .map(|l| l.len() + 1)
+        .sum();
+    let field = b"\"content_hash\":\"";
+    let at = start
+        + bytes[start..]
+            .windows(field.len())
+            .position(|w| w == field)
+            .unwrap()
+        + field.len();
+    bytes[at] = if bytes[at] == b'0' { b'1' } else { b'0' };
+    std::fs::write(&path, bytes).unwrap();
+}
+
+#[test]
+fn a_sound_outbox_verifies() {
+    let f = Fixture::demo();
+    let records = f.outbox.audit_head().unwrap().seq;
+    f.run("verify", &[])
+        .exits(0)
+        .says(&format!("ok      audit chain: {records} records"))
+        .says("verified");
+    let report = f.run("verify", &["--json"]).exits(0).json();
+    assert_eq!(report["verified"], true);
+    assert_eq!(report["records"], f.outbox.audit_head().unwrap().seq);
+    assert_eq!(report["items"], 6);
+}
+
+#[test]
+fn a_flipped_byte_fails_naming_its_line() {
+    let f = Fixture::demo();
+    flip_a_byte_in_line(&f, 7);
+    f.run("verify", &[])
+        .exits(1)
+        .says("FAILED")
+        .says("line 7: hash mismatch")
+        .says("NOT VERIFIED")
+        .complains("verification failed");
+    let report = f.run("verify", &["--json"]).exits(1).json();
+    assert_eq!(report["verified"], false);
+    assert_eq!(report["first_bad_line"], 7);
+}
+
+#[test]
+fn a_cut_off_tail_is_caught_against_the_recorded_head() {
+    let f = Fixture::demo();
+    // Folded into outbox.json, the records are no longer in the journal to repair from.
+    f.outbox.compact().unwrap();
+    let path = f.file("audit.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let keep: Vec<&str> = text.lines().collect();
+    std::fs::write(&path, format!("{}\n", keep[..keep.len() - 1].join("\n"))).unwrap();
+    f.run("verify", &[]).exits(1).says("truncated");
+}
+
+#[test]
+fn a_record_for_an_item_missing_from_the_state_is_named() {
+    let f = Fixture::demo();
+    f.outbox.compact().unwrap();
+    let path = f.file("outbox.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let items = state["items"].as_array_mut().unwrap();
+    items.retain(|i| i["idempotency_key"] != "gone-1");
+    std::fs::write(&path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let first_record_of_gone = f.outbox.history("gone-1").unwrap()[0].seq;
+    let report = f.run("verify", &["--json"]).exits(1).json();
+    assert_eq!(report["first_bad_line"], first_record_of_gone);
+    assert!(
+        report["problems"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"gone-1\", which the state does not have"),
+        "{report}"
+    );
+}
+
+#[test]
+fn progress_goes_to_stderr_when_asked_for() {
+    let f = Fixture::demo();
+    let records = f.outbox.audit_head().unwrap().seq;
+    f.run("verify", &["--progress"])
+        .exits(0)
+        .complains("verify: opening the outbox and checking the audit chain")
+        .complains(&format!(
+            "verify: cross-checking {records} records against 6 items"
+        ));
+    let quiet = f.run("verify", &[]);
+    assert_eq!(
+        quiet.exits(0).stderr,
+        "",
+        "no progress when stderr is not a terminal"
+    );
+}
