@@ -1,4 +1,5 @@
-//! Model check of the item lifecycle (brief §3) and the per-destination rate caps (§4).
+//! Model check of the item lifecycle (brief §3) and the per-destination rate caps (§4),
+//! including the destination-wide cooldown a platform's `retry_after` imposes.
 //!
 //! Proptest generates runs of: enqueue (a small pool of keys and destinations,
 //! sometimes reusing a key for a different message), `process(key)` with scripted
@@ -20,9 +21,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use durable_outbox::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, AuditLog, Clock, DeliveryReceipt, DrainReport,
-    Error, ItemState, ManualClock, NewMessage, Outbox, OutboxItem, Outcome, RATE_CAPPED,
-    SEND_PANICKED, SendError, limits,
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, AuditLog, Clock, DESTINATION_COOLDOWN,
+    DeliveryReceipt, DrainReport, Error, ItemState, ManualClock, NewMessage, Outbox, OutboxItem,
+    Outcome, RATE_CAPPED, SEND_PANICKED, SendError, limits,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -192,6 +193,8 @@ struct ModelItem {
     sent_at: Option<DateTime<Utc>>,
     error_code: Option<String>,
     transport_ref: Option<String>,
+    /// Set by a retryable failure with `retry_after`: holds the whole destination.
+    cooldown_until: Option<DateTime<Utc>>,
 }
 
 /// The comparable part of one audit record.
@@ -353,7 +356,8 @@ impl Model {
         self.expect(key, Outcome::Failed, true)
     }
 
-    /// §4: `None` if a send to `destination` may start now, else when a slot frees.
+    /// §4: `None` if a send to `destination` may start now, else when a slot of
+    /// the rate cap frees.
     fn free_slot(&self, destination: usize) -> Option<DateTime<Utc>> {
         let window = millis(self.settings.rate_window_ms);
         let count = self.settings.rate_count as usize;
@@ -376,6 +380,30 @@ impl Model {
         Some(recent[recent.len() - count] + window)
     }
 
+    /// A platform's `retry_after` holds its whole destination: the latest
+    /// cooldown a queued item of `destination` carries, while it is in force.
+    fn cooldown(&self, destination: usize) -> Option<DateTime<Utc>> {
+        self.items
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .filter_map(|i| i.cooldown_until)
+            .max()
+            .filter(|until| *until > self.now)
+    }
+
+    /// When a send to `destination` may start, if not now, and which limit
+    /// decides: the later of the rate cap and a cooldown (the cooldown on a tie).
+    fn held_until(&self, destination: usize) -> Option<(DateTime<Utc>, &'static str)> {
+        let capped = self.free_slot(destination).map(|at| (at, RATE_CAPPED));
+        let cooled = self
+            .cooldown(destination)
+            .map(|at| (at, DESTINATION_COOLDOWN));
+        match (capped, cooled) {
+            (Some(c), Some(d)) => Some(if c.0 > d.0 { c } else { d }),
+            (c, d) => c.or(d),
+        }
+    }
+
     /// Whether `process` would hand `key` to `send` right now.
     fn would_claim(&self, key: &str) -> bool {
         self.items.get(key).is_some_and(|item| {
@@ -383,7 +411,7 @@ impl Model {
                 && item.claimed_at.is_none()
                 && item.attempts < self.settings.max_attempts
                 && item.next_attempt_at.is_none_or(|at| at <= self.now)
-                && self.free_slot(item.destination).is_none()
+                && self.held_until(item.destination).is_none()
         })
     }
 
@@ -402,10 +430,10 @@ impl Model {
             ItemState::Queued if item.next_attempt_at.is_some_and(|at| at > self.now) => {
                 Some(self.expect(key, Outcome::Deferred, false))
             }
-            ItemState::Queued => self.free_slot(item.destination).map(|free_at| {
+            ItemState::Queued => self.held_until(item.destination).map(|(free_at, code)| {
                 let item = self.item(key);
                 item.next_attempt_at = Some(free_at);
-                item.error_code = Some(RATE_CAPPED.to_owned());
+                item.error_code = Some(code.to_owned());
                 self.record(key, "deferred");
                 self.expect(key, Outcome::Deferred, true)
             }),
@@ -453,6 +481,7 @@ impl Model {
         let backoff = if item.attempts <= 1 { 250 } else { 500 };
         let wait = backoff.max(hint);
         item.claimed_at = None;
+        item.cooldown_until = matches!(reply, Reply::RetryAfter(..)).then(|| now + millis(hint));
         item.error_code = Some(sanitized(code));
         item.next_attempt_at = Some(now + millis(wait));
         self.record(key, "retrying");
@@ -807,6 +836,7 @@ impl Run {
                             sent_at: None,
                             error_code: None,
                             transport_ref: None,
+                            cooldown_until: None,
                         },
                     );
                     self.model.record(key, "queued");
@@ -1046,6 +1076,7 @@ struct Observed {
     sent_at: Option<DateTime<Utc>>,
     error_code: Option<String>,
     transport_ref: Option<String>,
+    cooldown_until: Option<DateTime<Utc>>,
 }
 
 fn observed(item: &OutboxItem) -> Observed {
@@ -1060,6 +1091,7 @@ fn observed(item: &OutboxItem) -> Observed {
         sent_at: item.sent_at(),
         error_code: item.error_code().map(str::to_owned),
         transport_ref: item.transport_ref().map(str::to_owned),
+        cooldown_until: item.cooldown_until(),
     }
 }
 
@@ -1076,6 +1108,7 @@ fn observed_model(key: &str, item: &ModelItem) -> Observed {
         sent_at: item.sent_at,
         error_code: item.error_code.clone(),
         transport_ref: item.transport_ref.clone(),
+        cooldown_until: item.cooldown_until,
     }
 }
 
