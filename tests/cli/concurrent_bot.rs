@@ -30,7 +30,10 @@ impl Bot {
                 let mut n = 0;
                 // Bounded, in case the test never says stop.
                 while !stop.load(Ordering::Acquire) && n < 5_000 {
-                    outbox.enqueue(message(&format!("bot-{n:05}"), &format!("chat-{}", n % 7)))?;
+                    outbox.enqueue(message(
+                        &format!("bot-{n:05}"),
+                        &format!("bot-chat-{}", n % 7),
+                    ))?;
                     outbox
                         .process_due(|item| Ok(Some(format!("ref-{}", item.idempotency_key()))))?;
                     n += 1;

@@ -76,6 +76,14 @@ fn sends_per_destination_are_compared_with_the_cap() {
         .expect("chat-1 sent twice");
     assert_eq!(chat1["sends_in_window"], 2);
     assert!(chat1["next_free_slot_utc"].is_string(), "{chat1}");
+    // later-1's HTTP 429 asked for an hour's pause on chat-3.
+    let chat3 = window["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["destination"] == "chat-3")
+        .expect("chat-3 has a queued item");
+    assert!(chat3["cooldown_until_utc"].is_string(), "{chat3}");
     // With the default cap of 10 the window is not full.
     f.run("status", &[]).exits(0).says("chat-1       2/10");
 }

@@ -152,6 +152,7 @@ fn describe(
         ("updated", short(item.updated_at())),
         ("next attempt", when(item.next_attempt_at())),
         ("sent", when(item.sent_at())),
+        ("cooldown until", when(item.cooldown_until())),
         ("error code", or_dash(item.error_code())),
         ("transport ref", or_dash(item.transport_ref())),
         ("lane", clean(item.lane())),
@@ -239,7 +240,7 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-const ITEM_COLUMNS: [&str; 19] = [
+const ITEM_COLUMNS: [&str; 20] = [
     "idempotency_key",
     "state",
     "dispatch_claimed",
@@ -251,6 +252,7 @@ const ITEM_COLUMNS: [&str; 19] = [
     "updated_at_utc",
     "next_attempt_at_utc",
     "sent_at_utc",
+    "cooldown_until_utc",
     "error_code",
     "transport_ref",
     "lane",
@@ -281,6 +283,7 @@ fn item_cells<'a>(item: &'a ItemView<'a>) -> impl Iterator<Item = Cow<'a, str>> 
         Cow::Borrowed(item.updated_at_utc.as_str()),
         owned_opt(&item.next_attempt_at_utc),
         owned_opt(&item.sent_at_utc),
+        owned_opt(&item.cooldown_until_utc),
         opt(item.error_code),
         opt(item.transport_ref),
         Cow::Borrowed(item.lane),

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
-use durable_outbox::{Outbox, OutboxBuilder};
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Outbox, OutboxBuilder, SEND_PANICKED};
 
 use crate::args::{Cli, Command, Target};
 
@@ -146,6 +146,12 @@ impl fmt::Display for NotFound {
 }
 
 impl Error for NotFound {}
+
+/// Error codes the library gives failures that may have been deliveries: only an
+/// operator may send such an item again. `send_cancelled` is the async API's
+/// `SEND_CANCELLED`, spelled out because the library exports it only with its
+/// `tokio` feature, and a tokio bot's outbox must be read right without it.
+pub const AMBIGUOUS_CODES: [&str; 3] = [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED, "send_cancelled"];
 
 /// The files whose presence makes a directory an outbox.
 const OUTBOX_FILES: [&str; 4] = [

@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use durable_outbox::{AMBIGUOUS_AFTER_RESTART, CANCELLED, Error, OutboxItem, SEND_PANICKED};
+use durable_outbox::{CANCELLED, Error, OutboxItem};
 use serde::Serialize;
 
 use crate::args::OperatorArgs;
@@ -83,7 +83,7 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
     });
     if action == Action::Requeue
         && let Some(code) = before.as_ref().and_then(OutboxItem::error_code)
-        && [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED].contains(&code)
+        && crate::AMBIGUOUS_CODES.contains(&code)
     {
         writeln!(
             err,

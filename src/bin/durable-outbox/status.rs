@@ -5,17 +5,12 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
-use durable_outbox::{
-    AMBIGUOUS_AFTER_RESTART, AuditReport, Error, ItemState, OutboxItem, SEND_PANICKED,
-};
+use durable_outbox::{AuditReport, Error, ItemState, OutboxItem};
 use serde::Serialize;
 
 use crate::args::{RateCap, StatusArgs};
 use crate::view::{self, Table, age, clean, short};
 use crate::{ATTENTION, CliResult};
-
-/// Error codes that always mean "may have been delivered".
-const BUILT_IN_AMBIGUOUS: [&str; 2] = [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED];
 
 /// The whole report; its JSON form is `status --json`.
 #[derive(Debug, Serialize)]
@@ -78,6 +73,9 @@ struct DestinationWindow {
     queued: usize,
     /// When the window has room again, if it is full now.
     next_free_slot_utc: Option<String>,
+    /// Until when the platform asked not to send here (`retry_after`), if that is
+    /// still in the future.
+    cooldown_until_utc: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -92,7 +90,7 @@ struct Audit {
 
 pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
     let now = Utc::now();
-    let ambiguous: Vec<&str> = BUILT_IN_AMBIGUOUS
+    let ambiguous: Vec<&str> = crate::AMBIGUOUS_CODES
         .into_iter()
         .chain(args.ambiguous_codes.iter().map(String::as_str))
         .collect();
@@ -236,6 +234,7 @@ fn summarise(
 struct Tally {
     sends: Vec<DateTime<Utc>>,
     queued: usize,
+    cooldown_until: Option<DateTime<Utc>>,
 }
 
 /// Sends per destination in the window ending now. An item counts with its
@@ -255,6 +254,10 @@ fn windows(items: &[OutboxItem], now: DateTime<Utc>, cap: RateCap) -> RateWindow
         }
         if item.state() == ItemState::Queued {
             per.entry(item.destination()).or_default().queued += 1;
+        }
+        if let Some(until) = item.cooldown_until().filter(|until| *until > now) {
+            let tally = per.entry(item.destination()).or_default();
+            tally.cooldown_until = tally.cooldown_until.max(Some(until));
         }
     }
     let count = cap.count as usize;
@@ -276,6 +279,7 @@ fn windows(items: &[OutboxItem], now: DateTime<Utc>, cap: RateCap) -> RateWindow
                 cap: cap.count,
                 queued: tally.queued,
                 next_free_slot_utc: next_free.map(short),
+                cooldown_until_utc: tally.cooldown_until.map(short),
             }
         })
         .collect();
@@ -333,13 +337,20 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
             "\nrate window ({} sends per {}s per destination)",
             window.cap, window.window_seconds
         )?;
-        let mut table = Table::new(vec!["DESTINATION", "SENDS", "QUEUED", "NEXT FREE SLOT"]);
+        let mut table = Table::new(vec![
+            "DESTINATION",
+            "SENDS",
+            "QUEUED",
+            "NEXT FREE SLOT",
+            "COOLDOWN UNTIL",
+        ]);
         for d in &window.destinations {
             table.row(vec![
                 d.destination.clone(),
                 format!("{}/{}", d.sends_in_window, d.cap),
                 d.queued.to_string(),
                 d.next_free_slot_utc.clone().unwrap_or_else(|| "-".into()),
+                d.cooldown_until_utc.clone().unwrap_or_else(|| "-".into()),
             ]);
         }
         if table.is_empty() {
