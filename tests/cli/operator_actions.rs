@@ -5,7 +5,7 @@ use std::sync::mpsc;
 
 use durable_outbox::{CANCELLED, ItemState};
 
-use crate::harness::{Fixture, LOGIN};
+use crate::harness::{Fixture, LOGIN, command, finished};
 
 #[test]
 fn requeue_sends_a_failed_item_again_and_records_who_and_why() {
@@ -47,6 +47,25 @@ fn the_operator_defaults_to_the_login_name() {
         last.note.as_deref(),
         Some(format!("{LOGIN}: checked: never arrived").as_str())
     );
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn without_a_login_name_in_the_environment_the_account_name_is_recorded() {
+    let f = Fixture::demo();
+    let whoami = std::process::Command::new("id")
+        .arg("-un")
+        .output()
+        .unwrap();
+    let account = String::from_utf8(whoami.stdout).unwrap().trim().to_owned();
+    let output = command(["cancel".as_ref(), f.path().as_os_str()])
+        .args(["queued-1", "--reason", "duplicate"])
+        .env_remove("LOGNAME")
+        .output()
+        .unwrap();
+    finished(&output).exits(0);
+    let last = f.outbox.history("queued-1").unwrap().pop().unwrap();
+    assert_eq!(last.note, Some(format!("{account}: duplicate")));
 }
 
 #[test]

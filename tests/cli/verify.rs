@@ -104,3 +104,30 @@ fn progress_goes_to_stderr_when_asked_for() {
         "no progress when stderr is not a terminal"
     );
 }
+
+#[test]
+fn a_keyed_log_verifies_with_its_key_file_and_hints_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = b"bot secret";
+    let outbox = durable_outbox::Outbox::builder(dir.path())
+        .audit_key(key.to_vec())
+        .open()
+        .unwrap();
+    outbox
+        .enqueue(crate::harness::message("k", "chat-1"))
+        .unwrap();
+    let key_file = dir.path().join("audit.key");
+    std::fs::write(&key_file, key).unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["verify", dir.path().to_str().unwrap()];
+        args.extend_from_slice(extra);
+        crate::harness::cli(args)
+    };
+    run(&["--audit-key-file", key_file.to_str().unwrap()])
+        .exits(0)
+        .says("verified");
+    run(&[])
+        .exits(1)
+        .says("line 1: hash mismatch")
+        .says("--audit-key-file");
+}

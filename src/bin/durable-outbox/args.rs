@@ -18,8 +18,9 @@ Exit codes:
 /// Inspect and operate a durable-outbox directory while the bot runs.
 ///
 /// Every command opens the outbox the way the bot does and takes the same lock for
-/// each change, so it is safe to run next to a live bot. Read commands change
-/// nothing the bot relies on; `requeue` and `cancel` are recorded in the audit log.
+/// each change, so it is safe to run next to a live bot. Read commands record
+/// nothing (opening repairs what a crash left, as the bot's own open would);
+/// `requeue` and `cancel` are recorded in the audit log with who and why.
 #[derive(Debug, Parser)]
 #[command(name = "durable-outbox", version, after_help = EXIT_CODES)]
 pub struct Cli {
@@ -31,40 +32,51 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Health at a glance: counts by state, rate windows, the oldest queued item,
-    /// failures by error code, the audit head and whether the chain verifies.
+    /// Health at a glance: what is stuck, what failed, whether the audit log holds.
     ///
-    /// Exits 1 when something needs an operator: a failed item that may have been
-    /// delivered (ambiguous), or a broken audit chain.
+    /// Counts by state, sends per destination in the current rate window against
+    /// the cap, the oldest queued item's age, items in flight, failed items by
+    /// error code, the audit head and whether the chain verifies. Exits 1 when
+    /// something needs an operator: a failed item that may have been delivered
+    /// (ambiguous), or a broken audit chain.
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
-    /// A table of items, newest activity first (no message bodies unless --show-content).
+    /// A table of items, most recently changed first.
+    ///
+    /// Message bodies are shown only with --show-content.
     #[command(after_help = EXIT_CODES)]
     List(ListArgs),
     /// One item and its full audit history.
     #[command(after_help = EXIT_CODES)]
     Show(ShowArgs),
-    /// Which item a reply answers: look an item up by the platform's message id.
+    /// Which item a reply answers: look it up by the platform's message id.
     #[command(after_help = EXIT_CODES)]
     Find(FindArgs),
-    /// Verify the audit chain and cross-check it against the state.
+    /// Verify the audit chain and cross-check it against the items.
     ///
     /// Checks every record's hash and link, that the log reaches the head
     /// outbox.json recorded, that every record belongs to a known item, and that
     /// every item's latest outcome has its record. Exits 1 naming the first bad line.
     #[command(after_help = EXIT_CODES)]
     Verify(VerifyArgs),
-    /// Send a failed item again: an operator's decision, recorded in the audit log.
+    /// Send a failed item again (recorded in the audit log).
     ///
-    /// The only way an ambiguous item (one that may have been delivered) is ever
-    /// sent again. Refuses sent items and items a worker is sending right now.
+    /// An operator's decision, and the only way an ambiguous item (one that may
+    /// have been delivered) is ever sent again. The item goes back to queued with
+    /// its attempts reset; the bot sends it on its next pass. Refuses sent items
+    /// and items a worker is sending right now.
     #[command(after_help = EXIT_CODES)]
     Requeue(OperatorArgs),
-    /// Do not send a queued item: it becomes failed with `cancelled_by_operator`,
-    /// recorded in the audit log. Refuses items a worker is sending right now.
+    /// Stop a queued item from being sent (recorded in the audit log).
+    ///
+    /// The item becomes failed with `cancelled_by_operator`. Refuses items a
+    /// worker is sending right now: they may be leaving as you type.
     #[command(after_help = EXIT_CODES)]
     Cancel(OperatorArgs),
-    /// Every item (or, with --audit, every audit record) as JSON lines or CSV.
+    /// Every item, or every audit record, as JSON lines or CSV.
+    ///
+    /// Items carry the field names of outbox.json and no bodies unless
+    /// --show-content; audit records are exported as stored.
     #[command(after_help = EXIT_CODES)]
     Export(ExportArgs),
 }
@@ -88,8 +100,9 @@ pub struct StatusArgs {
     /// The bot's per-destination rate cap, to compare each window against.
     #[arg(long, value_name = "COUNT/SECONDS", default_value = "10/60", value_parser = parse_rate_limit)]
     pub rate_limit: RateCap,
-    /// An error code the bot uses for ambiguous failures (may have been delivered),
-    /// besides `ambiguous_delivery_after_restart` and `send_panicked`. Repeatable.
+    /// An error code your bot gives ambiguous failures (may have been delivered),
+    /// besides the library's own `ambiguous_delivery_after_restart`,
+    /// `send_panicked` and `send_cancelled`. Repeatable.
     #[arg(long = "ambiguous-code", value_name = "CODE")]
     pub ambiguous_codes: Vec<String>,
     /// Print JSON instead of text.

@@ -124,15 +124,34 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
     Ok(ExitCode::SUCCESS)
 }
 
-/// The operator's login name, for the audit record when `--operator` is not given.
+/// The operator's login name, for the audit record when `--operator` is not given:
+/// `LOGNAME` or `USER` (set by login shells, `su`, `sudo` and cron), else the
+/// account that owns this process, looked up in `/etc/passwd`.
 fn login_name() -> Result<String, UsageError> {
-    ["LOGNAME", "USER", "USERNAME"]
+    ["LOGNAME", "USER"]
         .iter()
         .find_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
-        .ok_or_else(|| {
-            UsageError(
-                "cannot tell your login name (LOGNAME and USER are unset): pass --operator NAME"
-                    .to_owned(),
-            )
-        })
+        .or_else(account_name)
+        .ok_or_else(|| UsageError("cannot tell your login name: pass --operator NAME".to_owned()))
+}
+
+/// The name of the account running this process. `/proc/self` belongs to the
+/// process's effective user, which spares a libc call for `getpwuid`.
+#[cfg(unix)]
+fn account_name() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self").ok()?.uid().to_string();
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        let name = fields.next()?;
+        (fields.nth(1)? == uid && !name.is_empty()).then(|| name.to_owned())
+    })
+}
+
+#[cfg(not(unix))]
+fn account_name() -> Option<String> {
+    std::env::var("USERNAME")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
 }

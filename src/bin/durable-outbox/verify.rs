@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use durable_outbox::{AuditLog, AuditOutcome, Error, Head, ItemState, Outbox, OutboxItem};
+use durable_outbox::{
+    AuditFault, AuditLog, AuditOutcome, Error, Head, ItemState, Outbox, OutboxItem,
+};
 use serde::Serialize;
 
 use crate::args::VerifyArgs;
@@ -52,6 +54,9 @@ struct Problem {
     /// The item involved, if any.
     idempotency_key: Option<String>,
     message: String,
+    /// What else may explain it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hint: Option<&'static str>,
 }
 
 pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliResult {
@@ -73,6 +78,9 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
         }
         for problem in &result.problems {
             writeln!(out, "FAILED  {}", clean(&problem.message))?;
+            if let Some(hint) = problem.hint {
+                writeln!(out, "hint    {hint}")?;
+            }
         }
         if result.unaudited_items > 0 {
             writeln!(
@@ -156,6 +164,7 @@ fn check(
                 "the outbox changed during each of {SNAPSHOT_TRIES} attempts to read it \
                  consistently; run verify again"
             ),
+            hint: None,
         }),
         Err(e) => result.problems.push(problem_of(&e)),
     }
@@ -277,6 +286,7 @@ fn check_records(
                 line: Some(record.seq),
                 idempotency_key: Some(key.to_owned()),
                 message: format!("audit.jsonl line {}: {message}", record.seq),
+                hint: None,
             });
         }
         last.insert(
@@ -302,6 +312,7 @@ fn check_items(items: &[OutboxItem], last: &HashMap<String, Last>, result: &mut 
                 Some(line) => format!("audit.jsonl line {line}: item {key:?}: {message}"),
                 None => format!("item {key:?}: {message}"),
             },
+            hint: None,
         };
         let problem = match (item.last_audit_id(), last.get(key)) {
             (None, None) => {
@@ -363,6 +374,14 @@ fn problem_of(error: &Error) -> Problem {
         message.push_str(&cause.to_string());
         source = cause.source();
     }
+    let first_line_forged = matches!(
+        error,
+        Error::AuditBroken {
+            line: 1,
+            fault: AuditFault::HashMismatch,
+            ..
+        }
+    );
     Problem {
         line: match error {
             Error::AuditBroken { line, .. } => Some(*line),
@@ -370,6 +389,10 @@ fn problem_of(error: &Error) -> Problem {
         },
         idempotency_key: None,
         message,
+        hint: first_line_forged.then_some(
+            "a keyed (HMAC) log checked without its key, or with another key, fails at line 1: \
+             pass the bot's key with --audit-key-file",
+        ),
     }
 }
 
