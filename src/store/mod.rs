@@ -634,10 +634,25 @@ impl Store {
         // Keep at least one zero byte after the entry: it marks the end.
         let needed = cursor.offset + line.len() as u64 + 1;
         if needed > cursor.allocated {
-            let grown = needed.max(cursor.allocated + journal::GROW);
-            let zeros = vec![0u8; usize::try_from(grown - cursor.allocated).unwrap_or(usize::MAX)];
-            write_all_at(&cursor.file, &zeros, cursor.allocated)
-                .map_err(|e| uncertain("extend", e))?;
+            // Grow in large steps; on a nearly full disk, by just what this entry
+            // needs. Zeros past the end change nothing, so a failure here is clean.
+            let extend = |to: u64| {
+                let zeros = vec![0u8; usize::try_from(to - cursor.allocated).unwrap_or(usize::MAX)];
+                write_all_at(&cursor.file, &zeros, cursor.allocated)
+            };
+            let generous = needed.max(cursor.allocated + journal::GROW);
+            let grown = match extend(generous) {
+                Ok(()) => generous,
+                Err(_) => {
+                    extend(needed).map_err(|e| {
+                        (
+                            CommitFailure::Clean,
+                            Error::io(&self.journal_path, "extend", e),
+                        )
+                    })?;
+                    needed
+                }
+            };
             cursor.allocated = grown;
         }
         write_all_at(&cursor.file, &line, cursor.offset).map_err(|e| uncertain("append", e))?;

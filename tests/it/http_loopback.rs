@@ -120,10 +120,7 @@ fn a_tokio_bot_delivers_at_most_once_honours_429s_and_correlates_replies() {
         // Replies quote message ids; every confirmed delivery correlates.
         let mut correlated = 0;
         for reply in client.replies().await.unwrap() {
-            match outbox
-                .find_by_transport_ref(&reply.quotes)
-                .unwrap()
-            {
+            match outbox.find_by_transport_ref(&reply.quotes).unwrap() {
                 Some(item) => {
                     assert_eq!(item.destination(), reply.chat_id);
                     correlated += 1;

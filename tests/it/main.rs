@@ -26,12 +26,12 @@ mod disk_full;
 
 #[cfg(feature = "tokio")]
 mod async_api;
-#[cfg(feature = "tokio")]
-mod http_loopback;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
+#[cfg(feature = "tokio")]
+mod http_loopback;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
 #[cfg(all(unix, feature = "test-failpoints"))]
