@@ -112,7 +112,8 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(first) = result.problems.first() {
-        // For whoever only sees stderr (a cron mail, a pipeline).
+        // For whoever only sees stderr (a cron mail, a pipeline), after the report.
+        out.flush()?;
         let _ = writeln!(
             progress.err,
             "durable-outbox: verification failed: {}",
