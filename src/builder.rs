@@ -37,6 +37,7 @@ pub struct OutboxBuilder {
     pub(crate) max_inline_wait: Duration,
     pub(crate) drain_batch: usize,
     pub(crate) compact_on_open: bool,
+    pub(crate) history_after: Duration,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
@@ -54,6 +55,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("max_inline_wait", &self.max_inline_wait)
             .field("drain_batch", &self.drain_batch)
             .field("compact_on_open", &self.compact_on_open)
+            .field("history_after", &self.history_after)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .finish_non_exhaustive()
@@ -70,6 +72,7 @@ impl OutboxBuilder {
             max_inline_wait: Duration::from_secs(5),
             drain_batch: 16,
             compact_on_open: true,
+            history_after: Duration::from_secs(24 * 60 * 60),
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
@@ -143,6 +146,17 @@ impl OutboxBuilder {
     /// writes as little as possible; the journal is compacted later anyway.
     pub fn compact_on_open(mut self, compact: bool) -> Self {
         self.compact_on_open = compact;
+        self
+    }
+
+    /// How long a sent or failed item stays in the live state before a
+    /// compaction moves it to `history/`. Default 24 h. Never less than the
+    /// longest rate window: an item that still counts against a cap stays live.
+    /// History items are still found by `get`, `find_by_transport_ref` and
+    /// idempotent `enqueue`, and a failed one can still be requeued;
+    /// [`Outbox::list_items`] lists only the live ones.
+    pub fn history_after(mut self, age: Duration) -> Self {
+        self.history_after = age;
         self
     }
 

@@ -59,6 +59,7 @@ mod clock;
 mod error;
 mod failpoint;
 mod fsutil;
+mod history;
 mod item;
 mod lock;
 mod message;

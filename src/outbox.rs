@@ -16,6 +16,7 @@ use crate::clock::{Clock, Sleeper, earlier, format_timestamp, later};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
 use crate::fsutil;
+use crate::history::History;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
@@ -89,6 +90,7 @@ struct Config {
     backoff: Backoff,
     rates: RatePolicy,
     max_inline_wait: Duration,
+    history_after: Duration,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
 }
@@ -114,12 +116,42 @@ struct Locked {
     audit: AuditTail,
     /// The state, loaded on first use and kept current (see `store`).
     loaded: Option<Loaded>,
+    /// The history segments' indexes, loaded as far as `history_generation`.
+    history: History,
+    /// The snapshot generation the history was last refreshed for: segments
+    /// only ever appear with a compaction, which bumps the generation.
+    history_generation: Option<u64>,
+}
+
+impl Locked {
+    /// Catches up on the audit log, the state and (after a compaction elsewhere)
+    /// the history. Returns the pieces, borrowed separately.
+    fn refresh<'a>(
+        &'a mut self,
+        store: &Store,
+    ) -> Result<(&'a mut AuditTail, &'a mut Loaded, &'a mut History)> {
+        let Self {
+            audit,
+            loaded,
+            history,
+            history_generation,
+        } = self;
+        audit.catch_up()?;
+        let loaded = store.refresh(loaded)?;
+        if *history_generation != Some(loaded.state.generation) {
+            history.refresh()?;
+            *history_generation = Some(loaded.state.generation);
+        }
+        Ok((audit, loaded, history))
+    }
 }
 
 /// One read-modify-write: reads see the committed state plus this transaction's
 /// own changes; nothing is visible to anyone else until it commits.
 struct Txn<'a> {
     base: &'a Loaded,
+    /// Terminal items that left the live state; read only.
+    history: &'a History,
     /// Items changed by this transaction (whole new versions).
     overlay: BTreeMap<String, OutboxItem>,
     /// Audit records this transaction produces, sealed in order after `head`.
@@ -254,6 +286,8 @@ impl Outbox {
             Locked {
                 audit: AuditTail::new(&dir, hasher),
                 loaded: None,
+                history: History::new(&dir),
+                history_generation: None,
             },
         )?;
         #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
@@ -271,14 +305,15 @@ impl Outbox {
             }
             lock::sweep_dead_owners(&dir, &guard)?;
             let owner = OwnerLease::acquire(&dir, &guard)?;
-            let Locked { audit, loaded } = &mut *guard;
-            audit.catch_up()?;
-            let loaded = store.refresh(loaded)?;
+            let (audit, loaded, history) = guard.refresh(&store)?;
             reconcile_audit(audit, loaded, &faults)?;
             store.settle_torn(loaded)?;
             if builder.compact_on_open && loaded.has_journal_entries() {
                 // Start from a fresh snapshot: outbox.json is current after every open.
-                compact_locked(&store, audit, loaded, &faults).map_err(|(_, e)| e)?;
+                let cutoff =
+                    eviction_cutoff(builder.clock.now(), builder.history_after, &builder.rates);
+                compact_locked(&store, audit, loaded, history, cutoff, &faults)
+                    .map_err(|(_, e)| e)?;
             }
             owner
         };
@@ -296,6 +331,7 @@ impl Outbox {
                     backoff: builder.backoff,
                     rates: builder.rates,
                     max_inline_wait: builder.max_inline_wait,
+                    history_after: builder.history_after,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
                 },
@@ -367,6 +403,10 @@ impl Outbox {
         if let Some(existing) = txn.item(&message.idempotency_key) {
             return same_message(existing, &message, &hash).map(|()| existing.clone());
         }
+        // A key whose item moved to history is still taken: same answer.
+        if let Some(old) = txn.history.get(&message.idempotency_key)? {
+            return same_message(&old, &message, &hash).map(|()| old);
+        }
         let key = message.idempotency_key;
         txn.insert(OutboxItem {
             idempotency_key: key.clone(),
@@ -396,23 +436,36 @@ impl Outbox {
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
     }
 
-    /// The item with this key, if any.
+    /// The item with this key, if any, live or in history.
     ///
     /// # Errors
     ///
     /// The load errors: [`Error::Corrupt`], [`Error::InvalidRecord`],
     /// [`Error::UnsupportedVersion`], [`Error::Io`].
     pub fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
-        self.read(|loaded| loaded.state.items.get(key).cloned())
+        self.read(|loaded, history| match loaded.state.items.get(key) {
+            Some(item) => Ok(Some(item.clone())),
+            None => history.get(key),
+        })
     }
 
-    /// Every item, sorted by key.
+    /// Every live item (queued, and terminal items not yet moved to history),
+    /// sorted by key.
     ///
     /// # Errors
     ///
     /// As [`get`](Self::get).
     pub fn list_items(&self) -> Result<Vec<OutboxItem>> {
-        self.read(|loaded| loaded.state.items.values().cloned().collect())
+        self.read(|loaded, _| Ok(loaded.state.items.values().cloned().collect()))
+    }
+
+    /// How many items have moved to history.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn history_len(&self) -> Result<usize> {
+        self.read(|_, history| Ok(history.len()))
     }
 
     /// The item whose delivery returned this transport reference (the platform's
@@ -427,12 +480,15 @@ impl Outbox {
         if transport_ref.trim().is_empty() {
             return Ok(None);
         }
-        self.read(|loaded| {
-            loaded
+        self.read(|loaded, history| {
+            let live = loaded
                 .index
                 .key_for_transport_ref(transport_ref)
-                .and_then(|key| loaded.state.items.get(key))
-                .cloned()
+                .and_then(|key| loaded.state.items.get(key));
+            match live {
+                Some(item) => Ok(Some(item.clone())),
+                None => history.find_by_transport_ref(transport_ref),
+            }
         })
     }
 
@@ -604,6 +660,12 @@ impl Outbox {
     pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
+            if txn.item(key).is_none()
+                && let Some(old) = txn.history.get(key)?
+            {
+                // Back into the live state (it only changes if the action is allowed).
+                txn.insert(old);
+            }
             let item = txn.item(key).ok_or_else(|| Error::NotFound {
                 key: key.to_owned(),
             })?;
@@ -649,6 +711,12 @@ impl Outbox {
     pub fn cancel(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
+            if txn.item(key).is_none()
+                && let Some(old) = txn.history.get(key)?
+            {
+                // Back into the live state (it only changes if the action is allowed).
+                txn.insert(old);
+            }
             let item = txn.item(key).ok_or_else(|| Error::NotFound {
                 key: key.to_owned(),
             })?;
@@ -684,9 +752,7 @@ impl Outbox {
     pub fn verify_audit(&self) -> Result<AuditReport> {
         self.transact(|_| Ok(()))?;
         let mut guard = self.inner.lock.lock()?;
-        let Locked { audit, loaded } = &mut *guard;
-        audit.catch_up()?;
-        let loaded = self.inner.store.refresh(loaded)?;
+        let (audit, loaded, _) = guard.refresh(&self.inner.store)?;
         let expected = loaded
             .journal_audit
             .last()
@@ -717,11 +783,17 @@ impl Outbox {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        let Locked { audit, loaded } = &mut *guard;
-        audit.catch_up()?;
-        let loaded = inner.store.refresh(loaded)?;
+        let (audit, loaded, history) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
-        self.settle(compact_locked(&inner.store, audit, loaded, &inner.faults))
+        let cutoff = self.eviction_cutoff();
+        self.settle(compact_locked(
+            &inner.store,
+            audit,
+            loaded,
+            history,
+            cutoff,
+            &inner.faults,
+        ))
     }
 
     /// Appends any audit records a crash left pending and re-checks the log's tail.
@@ -760,14 +832,21 @@ impl Outbox {
     // ----- internals -----------------------------------------------------
 
     /// Runs `f` on the current state under the lock (no audit repair, no write).
-    fn read<T>(&self, f: impl FnOnce(&Loaded) -> T) -> Result<T> {
+    fn read<T>(&self, f: impl FnOnce(&Loaded, &History) -> Result<T>) -> Result<T> {
         let inner = &*self.inner;
         if inner.poisoned.load(Ordering::Acquire) {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        let loaded = inner.store.refresh(&mut guard.loaded)?;
-        Ok(f(loaded))
+        let (_, loaded, history) = guard.refresh(&inner.store)?;
+        f(loaded, history)
+    }
+
+    /// Terminal items last changed before this moment move to history at the
+    /// next compaction.
+    fn eviction_cutoff(&self) -> DateTime<Utc> {
+        let config = &self.inner.config;
+        eviction_cutoff(config.clock.now(), config.history_after, &config.rates)
     }
 
     /// Runs one locked read-modify-write: catch up on the audit log and the state,
@@ -779,13 +858,12 @@ impl Outbox {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        let Locked { audit, loaded } = &mut *guard;
-        audit.catch_up()?;
-        let loaded = inner.store.refresh(loaded)?;
+        let (audit, loaded, history) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
         self.guard_poison(inner.store.settle_torn(loaded))?;
         let mut txn = Txn {
             base: loaded,
+            history,
             overlay: BTreeMap::new(),
             records: Vec::new(),
             head: audit.head().clone(),
@@ -813,7 +891,15 @@ impl Outbox {
         )?;
         self.guard_poison(audit.append_records(&records, &inner.faults))?;
         if loaded.wants_compaction() {
-            self.settle(compact_locked(&inner.store, audit, loaded, &inner.faults))?;
+            let cutoff = self.eviction_cutoff();
+            self.settle(compact_locked(
+                &inner.store,
+                audit,
+                loaded,
+                history,
+                cutoff,
+                &inner.faults,
+            ))?;
         }
         Ok(value)
     }
@@ -929,15 +1015,15 @@ impl Outbox {
     /// The keys of the items due now, oldest first.
     pub(crate) fn due_keys(&self) -> Result<Vec<String>> {
         let now = self.inner.config.clock.now();
-        let mut due: Vec<(DateTime<Utc>, String)> = self.read(|loaded| {
-            loaded
+        let mut due: Vec<(DateTime<Utc>, String)> = self.read(|loaded, _| {
+            Ok(loaded
                 .state
                 .items
                 .values()
                 .filter(|item| item.state == ItemState::Queued)
                 .filter(|item| item.next_attempt_at.is_none_or(|at| at <= now))
                 .map(|item| (item.created_at, item.idempotency_key.clone()))
-                .collect()
+                .collect())
         })?;
         due.sort();
         Ok(due.into_iter().map(|(_, key)| key).collect())
@@ -959,9 +1045,17 @@ impl Outbox {
     fn decide(&self, txn: &mut Txn<'_>, key: &str) -> Result<Decision> {
         let now = txn.now;
         let Some(item) = txn.item(key) else {
-            return Err(Error::NotFound {
-                key: key.to_owned(),
-            });
+            // Only terminal items move to history, each with its outcome on record.
+            return match txn.history.get(key)? {
+                Some(old) => Ok(Decision::Done(DeliveryReceipt::for_item(
+                    &old,
+                    terminal_outcome(old.state),
+                    old.last_audit_id.clone(),
+                ))),
+                None => Err(Error::NotFound {
+                    key: key.to_owned(),
+                }),
+            };
         };
         if item.state.is_terminal() {
             let outcome = terminal_outcome(item.state);
@@ -1244,16 +1338,53 @@ fn record(
 }
 
 /// Folds the journal into a fresh snapshot once every audit record is durable in the log.
+///
+/// Terminal items last changed before `cutoff` (and no longer counting against
+/// any cap) are first written to a new history segment, durably, and left out
+/// of the new snapshot.
 fn compact_locked(
     store: &Store,
     audit: &mut AuditTail,
     loaded: &mut Loaded,
+    history: &mut History,
+    cutoff: DateTime<Utc>,
     faults: &Failpoints,
 ) -> std::result::Result<(), (CommitFailure, Error)> {
     audit
         .sync(faults)
         .map_err(|e| (CommitFailure::Uncertain, e))?;
-    store.compact(loaded, audit.head().clone(), faults)
+    let evictable: Vec<&OutboxItem> = loaded
+        .state
+        .items
+        .values()
+        .filter(|item| {
+            item.state.is_terminal()
+                && item.claim.is_none()
+                // Only items whose outcome is on record: a seed item without its
+                // terminal record stays live until `process` repairs it.
+                && item.last_audit_id.is_some()
+                && item.updated_at <= cutoff
+                && item.sent_at.is_none_or(|at| at <= cutoff)
+        })
+        .collect();
+    let evicted: HashSet<String> = evictable
+        .iter()
+        .map(|i| i.idempotency_key.clone())
+        .collect();
+    if !evictable.is_empty() {
+        history.append_segment(&evictable, faults)?;
+    }
+    store.compact(loaded, audit.head().clone(), &evicted, faults)
+}
+
+/// The moment before which terminal items may leave the live state: at least
+/// `history_after` ago, and never inside the longest rate window.
+fn eviction_cutoff(
+    now: DateTime<Utc>,
+    history_after: Duration,
+    rates: &RatePolicy,
+) -> DateTime<Utc> {
+    earlier(now, history_after.max(rates.longest_window()))
 }
 
 /// Checks that an existing item is the same message as `message`.

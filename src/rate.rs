@@ -88,6 +88,15 @@ impl RatePolicy {
             .map_or(self.per_destination, |(_, cap)| *cap)
     }
 
+    /// The longest window of any cap: sends older than this count against none.
+    pub(crate) fn longest_window(&self) -> std::time::Duration {
+        self.overrides
+            .iter()
+            .map(|(_, cap)| cap.window)
+            .chain(self.global.map(|cap| cap.window))
+            .fold(self.per_destination.window, std::cmp::Ord::max)
+    }
+
     pub(crate) fn validate(&self) -> crate::Result<()> {
         self.per_destination.validate()?;
         for (pattern, cap) in &self.overrides {

@@ -641,17 +641,13 @@ impl Store {
                 write_all_at(&cursor.file, &zeros, cursor.allocated)
             };
             let generous = needed.max(cursor.allocated + journal::GROW);
-            let grown = match extend(generous) {
-                Ok(()) => generous,
-                Err(_) => {
-                    extend(needed).map_err(|e| {
-                        (
-                            CommitFailure::Clean,
-                            Error::io(&self.journal_path, "extend", e),
-                        )
-                    })?;
-                    needed
-                }
+            let grown = if extend(generous).is_ok() {
+                generous
+            } else {
+                extend(needed).map_err(|e| {
+                    (CommitFailure::Clean, Error::io(&self.journal_path, "extend", e))
+                })?;
+                needed
             };
             cursor.allocated = grown;
         }
@@ -724,10 +720,18 @@ impl Store {
         &self,
         loaded: &mut Loaded,
         audit_head: Head,
+        evicted: &std::collections::HashSet<String>,
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
+        let mut items = std::mem::take(&mut loaded.state.items);
+        let mut moved = Vec::with_capacity(evicted.len());
+        for key in evicted {
+            if let Some(item) = items.remove(key) {
+                moved.push(item);
+            }
+        }
         let next = State {
-            items: std::mem::take(&mut loaded.state.items),
+            items,
             audit_head: Some(audit_head),
             generation: loaded.state.generation + 1,
         };
@@ -735,11 +739,22 @@ impl Store {
             fsutil::replace_atomically(&self.dir, STATE_FILE, &encode(&next), faults, "state");
         let failed = saved.err();
         let committed = !matches!(failed, Some((ReplaceFailure::BeforeRename, _)));
+        loaded.state.items = next.items;
         if committed {
             loaded.state.audit_head.clone_from(&next.audit_head);
             loaded.state.generation = next.generation;
+            for item in &moved {
+                loaded.index.remove(item);
+            }
+        } else {
+            // The snapshot still holds them: they stay live.
+            for item in moved {
+                loaded
+                    .state
+                    .items
+                    .insert(item.idempotency_key.clone(), item);
+            }
         }
-        loaded.state.items = next.items;
         if let Some((how, e)) = failed {
             return Err(match how {
                 ReplaceFailure::BeforeRename => (CommitFailure::Clean, e),
@@ -827,6 +842,22 @@ fn read_at(mut file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
 fn write_all_at(mut file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
     file.seek(SeekFrom::Start(offset))?;
     file.write_all(buf)
+}
+
+/// One item as a checksummed line (the journal's framing), for history segments.
+pub(crate) fn encode_item_line(item: &OutboxItem) -> Vec<u8> {
+    journal::encode_line(&item_to_disk(item))
+}
+
+/// Checks and parses one item line of a history segment read at `offset`.
+pub(crate) fn decode_item_line(path: &Path, offset: u64, line: &[u8]) -> Result<OutboxItem> {
+    let place = format!("byte {offset}");
+    let Line::Valid(json, _) = journal::next_line(line) else {
+        return Err(invalid(path, place, "checksum mismatch or malformed line"));
+    };
+    let raw: ItemV1 = serde_json::from_slice(json)
+        .map_err(|e| invalid(path, place.clone(), format!("invalid item: {e}")))?;
+    item_from_disk(path, &place, raw)
 }
 
 /// Serialises a state as version 2, pretty-printed, newline-terminated.

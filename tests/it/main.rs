@@ -30,6 +30,8 @@ mod async_api;
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
+#[cfg(feature = "test-failpoints")]
+mod history;
 #[cfg(feature = "tokio")]
 mod http_loopback;
 #[cfg(feature = "test-failpoints")]

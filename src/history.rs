@@ -1,0 +1,317 @@
+//! `history/`: terminal items that left the live state, in immutable segments.
+//!
+//! A sent or failed item stays in the live state (snapshot and journal) while it
+//! can still matter: inside a rate window, or younger than
+//! [`history_after`](crate::OutboxBuilder::history_after). The next compaction
+//! moves it into a new history segment, so the live state, and with it the cost
+//! of every compaction and of opening, stays proportional to recent traffic.
+//!
+//! # Files
+//!
+//! - `seg-<n>.log`: one item per line, framed like the journal
+//!   (`<16 hex> <json>\n`, the hex being the first 64 bits of the JSON's SHA-256),
+//!   with the snapshot's item fields.
+//! - `seg-<n>.idx`: the segment's index, so opening never reads the segments:
+//!   `DOIX1\n`, two little-endian `u64` counts, the key entries then the
+//!   transport-ref entries (each a `u64` hash — the first 8 bytes of the SHA-256
+//!   of the text — and a `u64` byte offset into the log, sorted), then the
+//!   SHA-256 of everything before it.
+//!
+//! Both are written to a temp file, fsynced and renamed into place (index
+//! first, then log; the log's presence is what makes a segment exist), then the
+//! directory is fsynced, and only then does the snapshot stop holding the items.
+//! A crash in between leaves an item in both places: the live copy wins, and the
+//! next move skips items the history already holds.
+//!
+//! # Memory
+//!
+//! Each history item costs 16 bytes of index in memory, plus 16 more if it has a
+//! transport ref: 32 MB for a million sent items. Lookups binary-search each
+//! segment's index (newest first) and read one line from disk.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::failpoint::Failpoints;
+use crate::fsutil::{self, ReplaceFailure};
+use crate::item::OutboxItem;
+use crate::store::CommitFailure;
+
+/// Directory of the history segments inside an outbox directory.
+pub(crate) const HISTORY_DIR: &str = "history";
+const INDEX_MAGIC: &[u8] = b"DOIX1\n";
+
+/// The stable 64-bit hash an index files a text under.
+fn text_hash(text: &str) -> u64 {
+    let digest = Sha256::digest(text.as_bytes());
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(bytes)
+}
+
+/// One immutable segment and its index, in memory.
+#[derive(Debug)]
+struct Segment {
+    number: u64,
+    log: PathBuf,
+    /// `(hash of key, offset)`, sorted.
+    keys: Vec<(u64, u64)>,
+    /// `(hash of transport ref, offset)`, sorted.
+    refs: Vec<(u64, u64)>,
+}
+
+/// All history segments of one outbox, as far as this handle has loaded them.
+#[derive(Debug)]
+pub(crate) struct History {
+    dir: PathBuf,
+    /// Oldest first.
+    segments: Vec<Segment>,
+}
+
+/// Where to look an item up.
+#[derive(Clone, Copy)]
+enum By<'a> {
+    Key(&'a str),
+    TransportRef(&'a str),
+}
+
+impl History {
+    pub(crate) fn new(outbox_dir: &Path) -> Self {
+        Self {
+            dir: outbox_dir.join(HISTORY_DIR),
+            segments: Vec::new(),
+        }
+    }
+
+    /// Number of items in history (as loaded).
+    pub(crate) fn len(&self) -> usize {
+        self.segments.iter().map(|s| s.keys.len()).sum()
+    }
+
+    /// Loads the indexes of segments this handle has not seen yet (other
+    /// processes add segments when they compact). Reads no log.
+    pub(crate) fn refresh(&mut self) -> Result<()> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io(&self.dir, "read directory", e)),
+        };
+        let known = self.segments.last().map_or(0, |s| s.number);
+        let mut fresh = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::io(&self.dir, "read directory", e))?;
+            let name = entry.file_name();
+            let Some(number) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("seg-"))
+                .and_then(|n| n.strip_suffix(".log"))
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if number > known {
+                fresh.push(number);
+            }
+        }
+        fresh.sort_unstable();
+        for number in fresh {
+            let segment = self.load_segment(number)?;
+            self.segments.push(segment);
+        }
+        Ok(())
+    }
+
+    fn log_path(&self, number: u64) -> PathBuf {
+        self.dir.join(format!("seg-{number:08}.log"))
+    }
+
+    fn index_path(&self, number: u64) -> PathBuf {
+        self.dir.join(format!("seg-{number:08}.idx"))
+    }
+
+    fn load_segment(&self, number: u64) -> Result<Segment> {
+        let path = self.index_path(number);
+        let bytes = fsutil::read_existing(&path).map_err(|e| Error::io(&path, "read", e))?;
+        let corrupt = |why: &str| Error::InvalidRecord {
+            path: path.clone(),
+            location: "index".into(),
+            reason: why.to_owned(),
+        };
+        if bytes.len() < INDEX_MAGIC.len() + 16 + 32 || !bytes.starts_with(INDEX_MAGIC) {
+            return Err(corrupt("not a history index"));
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 32);
+        if Sha256::digest(body).as_slice() != sum {
+            return Err(corrupt("checksum mismatch"));
+        }
+        let read_u64 = |at: usize| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&body[at..at + 8]);
+            u64::from_le_bytes(word)
+        };
+        let at = INDEX_MAGIC.len();
+        let (keys, refs) = (read_u64(at), read_u64(at + 8));
+        let entries = usize::try_from(keys + refs).map_err(|_| corrupt("too large"))?;
+        if body.len() != at + 16 + entries * 16 {
+            return Err(corrupt("length does not match its counts"));
+        }
+        let pairs = |from: usize, n: u64| -> Vec<(u64, u64)> {
+            (0..usize::try_from(n).unwrap_or(0))
+                .map(|i| (read_u64(from + i * 16), read_u64(from + i * 16 + 8)))
+                .collect()
+        };
+        let first = at + 16;
+        let key_entries = pairs(first, keys);
+        let ref_entries = pairs(first + key_entries.len() * 16, refs);
+        Ok(Segment {
+            number,
+            log: self.log_path(number),
+            keys: key_entries,
+            refs: ref_entries,
+        })
+    }
+
+    /// The history copy of the item with this key, if any (the newest).
+    pub(crate) fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
+        self.find(By::Key(key))
+    }
+
+    /// The history item with this transport ref, if any (the newest).
+    pub(crate) fn find_by_transport_ref(&self, transport_ref: &str) -> Result<Option<OutboxItem>> {
+        self.find(By::TransportRef(transport_ref))
+    }
+
+    fn find(&self, by: By<'_>) -> Result<Option<OutboxItem>> {
+        let (text, hash) = match by {
+            By::Key(t) | By::TransportRef(t) => (t, text_hash(t)),
+        };
+        for segment in self.segments.iter().rev() {
+            let table = match by {
+                By::Key(_) => &segment.keys,
+                By::TransportRef(_) => &segment.refs,
+            };
+            let start = table.partition_point(|(h, _)| *h < hash);
+            for (_, offset) in table[start..].iter().take_while(|(h, _)| *h == hash) {
+                let item = read_item(&segment.log, *offset)?;
+                let matches = match by {
+                    By::Key(_) => item.idempotency_key == text,
+                    By::TransportRef(_) => item.transport_ref.as_deref() == Some(text),
+                };
+                if matches {
+                    return Ok(Some(item));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Writes `items` as a new segment, durably. Items the history already
+    /// holds in the same version (a move repeated after a crash) are skipped.
+    /// Returns how many were written.
+    ///
+    /// # Errors
+    ///
+    /// As an atomic replace: a failure before a rename leaves nothing visible
+    /// ([`CommitFailure::Clean`]), one after it may have left the segment in place.
+    pub(crate) fn append_segment(
+        &mut self,
+        items: &[&OutboxItem],
+        faults: &Failpoints,
+    ) -> std::result::Result<usize, (CommitFailure, Error)> {
+        let clean = |e| (CommitFailure::Clean, e);
+        let mut fresh = Vec::with_capacity(items.len());
+        for item in items {
+            let known = self.get(&item.idempotency_key).map_err(clean)?;
+            if known.is_none_or(|old| old.last_audit_id != item.last_audit_id) {
+                fresh.push(*item);
+            }
+        }
+        if fresh.is_empty() {
+            return Ok(0);
+        }
+        crate::lock::create_private_dir(&self.dir).map_err(clean)?;
+        let number = self.segments.last().map_or(1, |s| s.number + 1);
+        let mut log = Vec::new();
+        let mut keys = Vec::with_capacity(fresh.len());
+        let mut refs = Vec::new();
+        for item in &fresh {
+            let offset = log.len() as u64;
+            log.extend_from_slice(&crate::store::encode_item_line(item));
+            keys.push((text_hash(&item.idempotency_key), offset));
+            if let Some(r) = &item.transport_ref {
+                refs.push((text_hash(r), offset));
+            }
+        }
+        keys.sort_unstable();
+        refs.sort_unstable();
+        let mut index =
+            Vec::with_capacity(INDEX_MAGIC.len() + 16 + (keys.len() + refs.len()) * 16 + 32);
+        index.extend_from_slice(INDEX_MAGIC);
+        index.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        index.extend_from_slice(&(refs.len() as u64).to_le_bytes());
+        for (hash, offset) in keys.iter().chain(&refs) {
+            index.extend_from_slice(&hash.to_le_bytes());
+            index.extend_from_slice(&offset.to_le_bytes());
+        }
+        let sum = Sha256::digest(&index);
+        index.extend_from_slice(&sum);
+        let (index_name, log_name) = (
+            format!("seg-{number:08}.idx"),
+            format!("seg-{number:08}.log"),
+        );
+        let settle = |(how, e)| match how {
+            ReplaceFailure::BeforeRename => (CommitFailure::Clean, e),
+            ReplaceFailure::AfterRename => (CommitFailure::Uncertain, e),
+        };
+        // The index has no effect without its log, so a crash between the two
+        // renames leaves only an unused index file, overwritten next time.
+        fsutil::replace_atomically(&self.dir, &index_name, &index, faults, "history_index")
+            .map_err(settle)?;
+        fsutil::replace_atomically(&self.dir, &log_name, &log, faults, "history_log")
+            .map_err(settle)?;
+        self.segments.push(Segment {
+            number,
+            log: self.log_path(number),
+            keys,
+            refs,
+        });
+        Ok(fresh.len())
+    }
+}
+
+/// Reads and checks the item line at `offset` of a segment log.
+fn read_item(log: &Path, offset: u64) -> Result<OutboxItem> {
+    let file = fsutil::open_existing(log, false).map_err(|e| Error::io(log, "open", e))?;
+    let mut line = Vec::with_capacity(1024);
+    let mut chunk = vec![0u8; 4096];
+    let mut at = offset;
+    loop {
+        let n = read_at(&file, &mut chunk, at).map_err(|e| Error::io(log, "read", e))?;
+        if n == 0 {
+            break;
+        }
+        if let Some(end) = chunk[..n].iter().position(|b| *b == b'\n') {
+            line.extend_from_slice(&chunk[..=end]);
+            break;
+        }
+        line.extend_from_slice(&chunk[..n]);
+        at += n as u64;
+    }
+    crate::store::decode_item_line(log, offset, &line)
+}
+
+#[cfg(unix)]
+fn read_at(file: &fs::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    std::os::unix::fs::FileExt::read_at(file, buf, offset)
+}
+
+#[cfg(not(unix))]
+fn read_at(mut file: &fs::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use std::io::{Read, Seek};
+    file.seek(io::SeekFrom::Start(offset))?;
+    file.read(buf)
+}
