@@ -17,8 +17,10 @@ use crate::args::VerifyArgs;
 use crate::view::{self, clean};
 use crate::{ATTENTION, CliResult};
 
-/// How often a long phase reports that it is still working.
+/// How often a long step's line is rewritten on a terminal.
 const TICK: Duration = Duration::from_secs(1);
+/// How often a long step adds a line when progress goes to a file or pipe.
+const LINE_TICK: Duration = Duration::from_secs(10);
 /// How many records the cross-check reads between two progress lines.
 const RECORDS_PER_REPORT: u64 = 100_000;
 /// How many times to look for a moment when the bot is not committing (see `snapshot`).
@@ -61,12 +63,10 @@ struct Problem {
 
 pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliResult {
     let builder = crate::builder(&args.target)?;
-    let mut progress = Progress {
-        err,
-        enabled: args.progress || io::stderr().is_terminal(),
-    };
+    let mut progress = Progress::new(err, args.progress);
     let mut result = Verification::default();
     check(&args.target.dir, builder, &mut progress, &mut result)?;
+    progress.finish()?;
     result.problems.sort_by_key(|p| (p.line.is_none(), p.line));
     result.first_bad_line = result.problems.iter().find_map(|p| p.line);
     result.verified = result.problems.is_empty();
@@ -131,7 +131,10 @@ fn check(
     result: &mut Verification,
 ) -> io::Result<()> {
     let size = std::fs::metadata(dir.join("audit.jsonl")).map_or(0, |m| m.len());
-    let label = format!("opening the outbox and checking the audit chain ({size} bytes)");
+    let label = format!(
+        "opening the outbox and checking the audit chain ({})",
+        human_size(size)
+    );
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
         Err(e) => {
@@ -206,7 +209,7 @@ fn cross_check(
     progress: &mut Progress<'_>,
     result: &mut Verification,
 ) -> io::Result<()> {
-    progress.say(&format!(
+    progress.update(&format!(
         "cross-checking {} records against {} items",
         head.seq,
         items.len()
@@ -263,7 +266,7 @@ fn check_records(
             break; // appended by the bot after the snapshot
         }
         if record.seq % RECORDS_PER_REPORT == 0 {
-            progress.say(&format!(
+            progress.update(&format!(
                 "cross-checked {} of {} records",
                 record.seq, head.seq
             ))?;
@@ -352,6 +355,21 @@ fn check_items(items: &[OutboxItem], last: &HashMap<String, Last>, result: &mut 
     }
 }
 
+/// A file size for people: `812 bytes`, `4.2 KiB`, `173.1 MiB`.
+fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
 /// The state an item is in right after a record with this outcome.
 fn state_after(outcome: AuditOutcome) -> Option<ItemState> {
     match outcome {
@@ -397,27 +415,75 @@ fn problem_of(error: &Error) -> Problem {
     }
 }
 
-/// Progress lines on stderr, for a person watching a long verification.
-struct Progress<'w> {
-    err: &'w mut dyn Write,
-    enabled: bool,
+/// How progress is shown on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shown {
+    /// Not at all (stderr is a file or pipe, and --progress was not given).
+    Off,
+    /// A line per step, and a line per [`LINE_TICK`] of a long step (--progress
+    /// into a file or pipe).
+    Lines,
+    /// One line per step, rewritten in place every [`TICK`] (stderr is a terminal).
+    Terminal,
 }
 
-impl Progress<'_> {
-    fn say(&mut self, what: &str) -> io::Result<()> {
-        if self.enabled {
-            writeln!(self.err, "verify: {what}")?;
+/// Progress on stderr, for a person watching a long verification.
+struct Progress<'w> {
+    err: &'w mut dyn Write,
+    shown: Shown,
+    /// A terminal line was written without its newline (it is being rewritten).
+    open_line: bool,
+}
+
+impl<'w> Progress<'w> {
+    fn new(err: &'w mut dyn Write, forced: bool) -> Self {
+        let shown = if io::stderr().is_terminal() {
+            Shown::Terminal
+        } else if forced {
+            Shown::Lines
+        } else {
+            Shown::Off
+        };
+        Self {
+            err,
+            shown,
+            open_line: false,
+        }
+    }
+
+    /// Starts a step, or moves a step along: rewritten in place on a terminal.
+    fn update(&mut self, what: &str) -> io::Result<()> {
+        match self.shown {
+            Shown::Off => Ok(()),
+            Shown::Lines => writeln!(self.err, "verify: {what}"),
+            Shown::Terminal => {
+                self.open_line = true;
+                write!(self.err, "\r\x1b[Kverify: {what}")?;
+                self.err.flush()
+            }
+        }
+    }
+
+    /// Ends the line a terminal update left open, before anything else is printed.
+    fn finish(&mut self) -> io::Result<()> {
+        if std::mem::take(&mut self.open_line) {
+            writeln!(self.err)?;
         }
         Ok(())
     }
 
-    /// Runs `work` on another thread and reports every [`TICK`] that it is still
-    /// running, so a long log never looks like a hang.
+    /// Runs `work` on another thread and reports, while it runs, how long it has
+    /// been running, so a long log never looks like a hang.
     fn phase<T: Send>(&mut self, label: &str, work: impl FnOnce() -> T + Send) -> io::Result<T> {
-        if !self.enabled {
+        if self.shown == Shown::Off {
             return Ok(work());
         }
-        self.say(label)?;
+        self.update(label)?;
+        let tick = if self.shown == Shown::Terminal {
+            TICK
+        } else {
+            LINE_TICK
+        };
         let started = Instant::now();
         std::thread::scope(|scope| {
             let (done, result) = mpsc::channel();
@@ -425,12 +491,11 @@ impl Progress<'_> {
                 let _ = done.send(work());
             });
             loop {
-                match result.recv_timeout(TICK) {
+                match result.recv_timeout(tick) {
                     Ok(value) => return Ok(value),
-                    Err(RecvTimeoutError::Timeout) => self.say(&format!(
-                        "{label}: still working, {}s",
-                        started.elapsed().as_secs()
-                    ))?,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.update(&format!("{label}: {}s", started.elapsed().as_secs()))?;
+                    }
                     // The worker panicked; leaving the scope re-raises its panic.
                     Err(RecvTimeoutError::Disconnected) => {
                         return Err(io::Error::other("verification stopped unexpectedly"));
@@ -438,5 +503,17 @@ impl Progress<'_> {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_at_a_glance() {
+        assert_eq!(human_size(812), "812 bytes");
+        assert_eq!(human_size(4300), "4.2 KiB");
+        assert_eq!(human_size(181_525_595), "173.1 MiB");
     }
 }
