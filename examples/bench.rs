@@ -22,6 +22,7 @@ use durable_outbox::{ItemState, NewMessage, Outbox};
 struct Args {
     workload: String,
     n: usize,
+    history: usize,
     destinations: usize,
     dir: PathBuf,
 }
@@ -30,6 +31,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         workload: "w1".into(),
         n: 1000,
+        history: 100_000,
         destinations: 50,
         dir: PathBuf::new(),
     };
@@ -39,6 +41,7 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--workload" => args.workload = value,
             "--n" => args.n = value.parse().map_err(|e| format!("--n: {e}"))?,
+            "--history" => args.history = value.parse().map_err(|e| format!("--history: {e}"))?,
             "--destinations" => {
                 args.destinations = value.parse().map_err(|e| format!("--destinations: {e}"))?;
             }
@@ -91,8 +94,17 @@ fn open(args: &Args) -> Result<Outbox, Box<dyn std::error::Error>> {
 }
 
 fn w1(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
-    let n = args.n;
     let outbox = open(args)?;
+    w1_on(&outbox, args, 0)
+}
+
+/// W1 on an open outbox whose audit log already holds `audit_before` records.
+fn w1_on(
+    outbox: &Outbox,
+    args: &Args,
+    audit_before: u64,
+) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let n = args.n;
     let start = Instant::now();
     for i in 0..n {
         outbox.enqueue(message(i, format!("chat-{}", i % args.destinations)))?;
@@ -129,7 +141,7 @@ fn w1(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
             .all(|i| i.state() == ItemState::Sent && i.attempts() == 1 && !i.dispatch_claimed())
     );
     let audit = outbox.verify_audit()?;
-    assert_eq!(audit.records, 2 * n as u64);
+    assert_eq!(audit.records, audit_before + 2 * n as u64);
     Ok(serde_json::json!({
         "impl": "durable-outbox", "workload": "w1", "n": n, "destinations": args.destinations,
         "enqueue_s": enqueue_s, "process_s": process_s, "lookup_s": lookup_s,
@@ -152,6 +164,99 @@ fn dir_bytes(dir: &std::path::Path, keep: impl Fn(&str) -> bool) -> u64 {
             .map(|m| m.len())
             .sum()
     })
+}
+
+/// Resident and peak memory of this process, in bytes (Linux), from /proc.
+fn memory() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// W1 (N = --n) on an outbox whose history already holds --history terminal
+/// items, against W1 on an empty outbox; plus open time, lookups of history
+/// items by transport ref, and memory.
+fn history(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let total = args.history;
+    // Prefill (untimed): old traffic, sent under a manual clock long ago, moved
+    // to history by compactions in chunks, as a long-running bot's would be.
+    let prefill = Instant::now();
+    {
+        let clock = durable_outbox::ManualClock::at("2025-01-01T00:00:00Z")?;
+        let outbox = Outbox::builder(&args.dir)
+            .clock(clock.clone())
+            .rate_limit(u32::MAX, Duration::from_millis(1))
+            .history_after(Duration::ZERO)
+            .drain_batch(256)
+            .open()?;
+        let chunk = 10_000;
+        let mut i = 0;
+        while i < total {
+            let end = total.min(i + chunk);
+            let mut batch = Vec::with_capacity(1000);
+            for j in i..end {
+                let mut m = message(j, format!("chat-{}", j % args.destinations));
+                m.idempotency_key = format!("hist-{j:08}");
+                batch.push(m);
+                if batch.len() == 1000 {
+                    outbox.enqueue_many(std::mem::take(&mut batch))?;
+                }
+            }
+            if !batch.is_empty() {
+                outbox.enqueue_many(batch)?;
+            }
+            outbox.process_due(|item| Ok(Some(format!("h{}", item.idempotency_key()))))?;
+            clock.advance(Duration::from_secs(1));
+            outbox.compact()?;
+            i = end;
+        }
+        assert_eq!(outbox.history_len()?, total);
+    }
+    let prefill_s = prefill.elapsed().as_secs_f64();
+
+    let start = Instant::now();
+    let outbox = open(args)?;
+    let open_s = start.elapsed().as_secs_f64();
+    let (rss_after_open, _) = memory();
+
+    let lookups = 20_000.min(total.max(1));
+    let start = Instant::now();
+    for k in 0..lookups {
+        let j = (k * 7919) % total.max(1);
+        let found = outbox.find_by_transport_ref(&format!("hhist-{j:08}"))?;
+        assert!(found.is_some(), "history item {j} not found");
+    }
+    let history_lookup_s = start.elapsed().as_secs_f64();
+
+    let loaded = w1_on(&outbox, args, 2 * total as u64)?;
+    let empty_dir = tempfile::tempdir()?;
+    let empty_args = Args {
+        dir: empty_dir.path().join("w1"),
+        workload: "w1".into(),
+        ..*args
+    };
+    let empty = w1(&empty_args)?;
+    let (rss, peak) = memory();
+    let ratio = |k: &str| {
+        (loaded[k].as_f64().unwrap_or(0.0) / empty[k].as_f64().unwrap_or(1.0) * 100.0).round()
+            / 100.0
+    };
+    Ok(serde_json::json!({
+        "impl": "durable-outbox", "workload": "history", "history_items": total, "n": args.n,
+        "prefill_s": prefill_s, "open_s": open_s,
+        "history_lookup_per_s": (lookups as f64 / history_lookup_s).round(),
+        "w1_with_history": { "enqueue_per_s": loaded["enqueue_per_s"], "process_per_s": loaded["process_per_s"], "lookup_per_s": loaded["lookup_per_s"] },
+        "w1_empty": { "enqueue_per_s": empty["enqueue_per_s"], "process_per_s": empty["process_per_s"], "lookup_per_s": empty["lookup_per_s"] },
+        "ratio_with_history_over_empty": { "enqueue": ratio("enqueue_per_s"), "process": ratio("process_per_s"), "lookup": ratio("lookup_per_s") },
+        "rss_bytes_after_open": rss_after_open, "rss_bytes_end": rss, "peak_rss_bytes": peak,
+        "history_bytes": dir_bytes(&args.dir.join("history"), |_| true),
+    }))
 }
 
 /// 50,000 messages to 50,000 destinations: batched enqueue, then one drain.
@@ -196,6 +301,7 @@ fn main() {
     let result = match args.workload.as_str() {
         "w1" => w1(&args),
         "broadcast" => broadcast(&args),
+        "history" => history(&args),
         other => Err(format!("unknown workload {other}").into()),
     };
     match result {

@@ -190,8 +190,10 @@ impl OutboxBuilder {
 
     /// Validates the settings, creates the directory if needed and opens the outbox.
     ///
-    /// Opening sweeps temp files left by crashed writers, verifies the audit chain
-    /// (moving a torn last line aside), loads `outbox.json` and replays
+    /// Opening sweeps temp files left by crashed writers, verifies the audit
+    /// records written since the last compaction (moving a torn last line aside;
+    /// see the `audit` module for when the whole chain is verified), loads
+    /// `outbox.json` and the history indexes, replays
     /// `outbox.journal` (moving a torn, unacknowledged last entry aside), re-appends
     /// audit records a crash kept out of the log, and compacts the journal into a
     /// fresh snapshot.

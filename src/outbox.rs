@@ -136,6 +136,18 @@ impl Locked {
             history,
             history_generation,
         } = self;
+        if audit.is_fresh() {
+            // First look: resume the audit log where the last compaction verified
+            // it, so opening costs the recent records, not the whole history.
+            let state = &store.refresh(loaded)?.state;
+            if let (Some(head), Some(offset)) = (&state.audit_head, state.audit_offset)
+                && !audit.resume_at(head, offset)?
+            {
+                tracing::warn!(
+                    "the audit log does not match the resume point in outbox.json; verifying it from the start"
+                );
+            }
+        }
         audit.catch_up()?;
         let loaded = store.refresh(loaded)?;
         if *history_generation != Some(loaded.state.generation) {
@@ -1374,7 +1386,13 @@ fn compact_locked(
     if !evictable.is_empty() {
         history.append_segment(&evictable, faults)?;
     }
-    store.compact(loaded, audit.head().clone(), &evicted, faults)
+    store.compact(
+        loaded,
+        audit.head().clone(),
+        audit.verified_len(),
+        &evicted,
+        faults,
+    )
 }
 
 /// The moment before which terminal items may leave the live state: at least

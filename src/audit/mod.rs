@@ -28,6 +28,16 @@
 //!     prev = h
 //! ```
 //!
+//! # When it is verified
+//!
+//! Every compaction records in `outbox.json` where the verified log ends (the
+//! head's seq, hash and byte offset). Opening checks that the record at that
+//! offset is that head, then verifies only what follows: years of history cost
+//! nothing at startup. [`Outbox::verify_audit`](crate::Outbox::verify_audit) and
+//! [`AuditLog::verify`] verify the whole log; run one regularly (the CLI's
+//! `verify`) to catch damage to old records. If the log does not match the
+//! recorded head, opening verifies it from the start and reports what is wrong.
+//!
 //! # What it proves, and what it cannot
 //!
 //! Editing, deleting, inserting or reordering records breaks the chain. Cutting off
@@ -374,6 +384,61 @@ impl AuditTail {
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Bytes of the log verified (or written) so far.
+    pub(crate) fn verified_len(&self) -> u64 {
+        self.verified_len
+    }
+
+    /// Whether nothing has been read yet.
+    pub(crate) fn is_fresh(&self) -> bool {
+        self.verified_len == 0 && self.lines == 0
+    }
+
+    /// Starts from a point a compaction recorded instead of the start of the
+    /// log: the record ending at byte `offset` must be `head` (checked), and
+    /// everything before it was verified when that compaction ran. Returns
+    /// `false` (and changes nothing) when the log does not match, so the caller
+    /// verifies from the start and reports precisely what is wrong.
+    pub(crate) fn resume_at(&mut self, head: &Head, offset: u64) -> Result<bool> {
+        if head.seq == 0 || offset == 0 {
+            return Ok(false);
+        }
+        let Ok(mut file) = fsutil::open_existing(&self.path, false) else {
+            return Ok(false);
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(&self.path, "stat", e))?
+            .len();
+        if len < offset {
+            return Ok(false);
+        }
+        // The last record before `offset`: records are at most a few KiB.
+        let window = offset.min(64 * 1024);
+        let mut tail = vec![0u8; usize::try_from(window).unwrap_or(0)];
+        file.seek(SeekFrom::Start(offset - window))
+            .and_then(|_| file.read_exact(&mut tail))
+            .map_err(|e| Error::io(&self.path, "read", e))?;
+        let Some(body) = tail.strip_suffix(b"\n") else {
+            return Ok(false);
+        };
+        let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        if start == 0 && window < offset {
+            return Ok(false);
+        }
+        let Ok(record) = serde_json::from_slice::<record::LineView<'_>>(&body[start..]) else {
+            return Ok(false);
+        };
+        if record.seq != head.seq || record.hash != head.hash {
+            return Ok(false);
+        }
+        self.verified_len = offset;
+        self.lines = head.seq;
+        self.recent.clear();
+        self.recent.push_back(head.clone());
+        Ok(true)
     }
 
     pub(crate) fn head(&self) -> &Head {

@@ -57,6 +57,8 @@ pub(crate) struct State {
     pub(crate) items: BTreeMap<String, OutboxItem>,
     /// The audit head when the snapshot was written; the log holds at least this.
     pub(crate) audit_head: Option<Head>,
+    /// Where that head record ends in the log, in bytes, when known.
+    pub(crate) audit_offset: Option<u64>,
     /// The journal generation that continues this snapshot.
     pub(crate) generation: u64,
 }
@@ -645,7 +647,10 @@ impl Store {
                 generous
             } else {
                 extend(needed).map_err(|e| {
-                    (CommitFailure::Clean, Error::io(&self.journal_path, "extend", e))
+                    (
+                        CommitFailure::Clean,
+                        Error::io(&self.journal_path, "extend", e),
+                    )
                 })?;
                 needed
             };
@@ -720,6 +725,7 @@ impl Store {
         &self,
         loaded: &mut Loaded,
         audit_head: Head,
+        audit_offset: u64,
         evicted: &std::collections::HashSet<String>,
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
@@ -733,6 +739,7 @@ impl Store {
         let next = State {
             items,
             audit_head: Some(audit_head),
+            audit_offset: Some(audit_offset),
             generation: loaded.state.generation + 1,
         };
         let saved =
@@ -742,6 +749,7 @@ impl Store {
         loaded.state.items = next.items;
         if committed {
             loaded.state.audit_head.clone_from(&next.audit_head);
+            loaded.state.audit_offset = next.audit_offset;
             loaded.state.generation = next.generation;
             for item in &moved {
                 loaded.index.remove(item);
@@ -864,7 +872,11 @@ pub(crate) fn decode_item_line(path: &Path, offset: u64, line: &[u8]) -> Result<
 pub(crate) fn encode(state: &State) -> Vec<u8> {
     let file = FileV1 {
         version: CURRENT_VERSION,
-        audit_head: state.audit_head.as_ref().map(HeadV1::from),
+        audit_head: state.audit_head.as_ref().map(|h| HeadV1 {
+            hash: h.hash.clone(),
+            offset: state.audit_offset,
+            seq: h.seq,
+        }),
         generation: state.generation,
         items: state.items.values().map(item_to_disk).collect(),
     };
@@ -913,6 +925,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
     }
     Ok(State {
         items,
+        audit_offset: file.audit_head.as_ref().and_then(|h| h.offset),
         audit_head: file.audit_head.map(|h| Head {
             seq: h.seq,
             hash: h.hash,

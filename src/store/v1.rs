@@ -8,7 +8,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::audit::Head;
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE};
 
 /// The version this release writes.
@@ -39,16 +38,11 @@ pub(crate) struct VersionProbe {
 #[serde(deny_unknown_fields)]
 pub(crate) struct HeadV1 {
     pub(crate) hash: String,
+    /// Where the head record ends in `audit.jsonl` (bytes), so opening can
+    /// resume verification there instead of re-reading the whole log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) offset: Option<u64>,
     pub(crate) seq: u64,
-}
-
-impl From<&Head> for HeadV1 {
-    fn from(head: &Head) -> Self {
-        Self {
-            hash: head.hash.clone(),
-            seq: head.seq,
-        }
-    }
 }
 
 /// One item, with the reference design's field names (alphabetical, as it writes them).

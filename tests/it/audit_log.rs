@@ -440,3 +440,44 @@ fn reopening_after_a_torn_append_repairs_the_record_from_the_journal() {
         );
     }
 }
+
+#[test]
+fn opening_resumes_verification_at_the_last_compaction_and_full_verify_still_finds_old_damage() {
+    let h = busy();
+    h.outbox.compact().unwrap(); // records the resume point in outbox.json
+    h.enqueue("after", "chat-5");
+    let mut bytes = h.audit_bytes();
+    bytes[40] ^= 0x01; // inside the first record, long verified
+    fs::write(h.path("audit.jsonl"), &bytes).unwrap();
+    let reopened = Outbox::open(h.dir.path()).expect("open checks only the recent records");
+    let (line, fault) = fault(reopened.verify_audit().unwrap_err());
+    assert_eq!(
+        (line, fault),
+        (1, AuditFault::HashMismatch),
+        "the full verification finds it"
+    );
+}
+
+#[test]
+fn a_log_that_does_not_match_the_resume_point_is_verified_from_the_start() {
+    let h = busy();
+    h.outbox.compact().unwrap();
+    // Rewrite history: a log of a different chain, as long as the original.
+    let other = busy_with_key(b"another chain");
+    let mut bytes = other;
+    bytes.resize(h.audit_bytes().len(), b'\n');
+    fs::write(h.path("audit.jsonl"), &bytes).unwrap();
+    assert!(matches!(
+        Outbox::open(h.dir.path()),
+        Err(Error::AuditBroken { .. })
+    ));
+}
+
+/// The audit bytes of `busy()`'s workload under a keyed chain.
+fn busy_with_key(key: &[u8]) -> Vec<u8> {
+    let h = Harness::with(|b| b.rate_limit(2, secs(60)).audit_key(key.to_vec()));
+    for i in 0..12 {
+        h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 3));
+    }
+    h.audit_bytes()
+}

@@ -850,7 +850,13 @@ fn a_damaged_audit_log_is_detected_or_repaired_and_never_loses_bytes() {
                 )?;
                 let outbox = open_in(dir.path()).expect("reopen");
                 let report = no_panic("verify_audit after open", || outbox.verify_audit())?;
-                ensure(report.is_ok(), || {
+                // Opening re-verifies only what was written since the last
+                // compaction (so it stays fast with years of history); damage to
+                // the part a compaction already verified is for the full
+                // verification to find, and it must.
+                let found_by_full_verify =
+                    compacted && matches!(report, Err(durable_outbox::Error::AuditBroken { .. }));
+                ensure(report.is_ok() || found_by_full_verify, || {
                     format!("audit-chain broken: the log open accepted does not verify: {report:?}")
                 })?;
                 if !compacted && intact.starts_with(&damaged) {
