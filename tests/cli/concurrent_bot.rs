@@ -13,7 +13,14 @@ use crate::harness::{Fixture, message};
 struct Bot {
     stop: Arc<AtomicBool>,
     rounds: Arc<AtomicUsize>,
-    thread: std::thread::JoinHandle<durable_outbox::Result<usize>>,
+    thread: Option<std::thread::JoinHandle<durable_outbox::Result<usize>>>,
+}
+
+impl Drop for Bot {
+    /// A failing test stops its bot too.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
 }
 
 impl Bot {
@@ -28,8 +35,7 @@ impl Bot {
             let (stop, rounds) = (stop.clone(), rounds.clone());
             std::thread::spawn(move || {
                 let mut n = 0;
-                // Bounded, in case the test never says stop.
-                while !stop.load(Ordering::Acquire) && n < 5_000 {
+                while !stop.load(Ordering::Acquire) {
                     outbox.enqueue(message(
                         &format!("bot-{n:05}"),
                         &format!("bot-chat-{}", n % 7),
@@ -45,7 +51,7 @@ impl Bot {
         Self {
             stop,
             rounds,
-            thread,
+            thread: Some(thread),
         }
     }
 
@@ -53,14 +59,16 @@ impl Bot {
     fn wait_for_rounds(&self, more: usize) {
         let target = self.rounds.load(Ordering::Acquire) + more;
         while self.rounds.load(Ordering::Acquire) < target {
-            assert!(!self.thread.is_finished(), "the bot stopped early");
+            let thread = self.thread.as_ref().expect("running");
+            assert!(!thread.is_finished(), "the bot stopped early");
             std::thread::yield_now();
         }
     }
 
-    fn stop(self) -> usize {
+    fn stop(mut self) -> usize {
         self.stop.store(true, Ordering::Release);
-        self.thread.join().unwrap().expect("the bot never failed")
+        let thread = self.thread.take().expect("running");
+        thread.join().unwrap().expect("the bot never failed")
     }
 }
 

@@ -39,6 +39,10 @@ pub enum Command {
     /// error code, the audit head and whether the chain verifies. Exits 1 when
     /// something needs an operator: a failed item that may have been delivered
     /// (ambiguous), or a broken audit chain.
+    ///
+    /// "In flight" means claimed by a worker. A claim whose worker died is
+    /// counted there too until the bot next touches the item, which then fails
+    /// as `ambiguous_delivery_after_restart` (and is never resent by itself).
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
     /// A table of items, most recently changed first.
