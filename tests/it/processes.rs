@@ -192,6 +192,8 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
     let mut kills = 0;
     let mut acked: HashSet<String> = HashSet::new();
     while Instant::now() < deadline {
+        // A new key space every 8 kills, so long runs keep enqueueing new work.
+        let space = format!("s{}", kills / 16);
         let workers: Vec<Child> = (0..2)
             .map(|_| {
                 let mut cmd = worker(&[
@@ -200,6 +202,7 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
                     log.to_str().unwrap(),
                     &next().to_string(),
                     "100000",
+                    &space,
                 ]);
                 cmd.stdout(Stdio::piped());
                 cmd.spawn().unwrap()
@@ -219,9 +222,18 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
         }
         check_invariants(dir.path(), &log, &acked, seed, kills);
     }
+    let outbox = Outbox::open(dir.path()).unwrap();
+    let ambiguous = outbox
+        .list_items()
+        .unwrap()
+        .iter()
+        .filter(|i| i.error_code() == Some(AMBIGUOUS_AFTER_RESTART))
+        .count();
     eprintln!(
-        "kill loop: {kills} kills survived, seed {seed}, {} keys acknowledged",
-        acked.len()
+        "kill loop: {kills} kills survived, seed {seed}, {} keys acknowledged, {} deliveries, \
+         {ambiguous} claims caught mid-send and failed as ambiguous (never resent)",
+        acked.len(),
+        transport_log(&log).len()
     );
     assert!(kills >= 4, "the loop ran");
 }

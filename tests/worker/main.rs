@@ -12,7 +12,8 @@
 //! - `process DIR KEY deliver LOG`: process KEY with a send that appends KEY to the
 //!   transport LOG (fsynced) before returning; prints the outcome.
 //! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
-//! - `torture DIR LOG SEED ROUNDS`: enqueue and process random keys in a loop.
+//! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
+//!   (`SPACE-0` … `SPACE-63`) in a loop.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -128,9 +129,12 @@ fn main() {
             let log = Path::new(arg(2));
             let mut rng = Rng(arg(3).parse::<u64>().unwrap_or_else(|_| fail("SEED")) | 1);
             let rounds: u64 = arg(4).parse().unwrap_or_else(|_| fail("ROUNDS"));
+            // An optional key space: drivers move it on so long runs keep
+            // enqueueing new messages instead of re-touching 64 finished ones.
+            let space = args.get(5).map_or("t", String::as_str);
             for _ in 0..rounds {
                 let i = rng.next() % 64;
-                let key = format!("t-{i}");
+                let key = format!("{space}-{i}");
                 match rng.next() % 3 {
                     0 => {
                         outbox
