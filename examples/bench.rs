@@ -166,6 +166,42 @@ fn dir_bytes(dir: &std::path::Path, keep: impl Fn(&str) -> bool) -> u64 {
     })
 }
 
+/// Old traffic: --history items sent under a manual clock long ago and moved
+/// to history by compactions in chunks, as a long-running bot's would be.
+fn prefill(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let total = args.history;
+    let clock = durable_outbox::ManualClock::at("2025-01-01T00:00:00Z")?;
+    let outbox = Outbox::builder(&args.dir)
+        .clock(clock.clone())
+        .rate_limit(u32::MAX, Duration::from_millis(1))
+        .history_after(Duration::ZERO)
+        .drain_batch(256)
+        .open()?;
+    let chunk = 10_000;
+    let mut i = 0;
+    while i < total {
+        let end = total.min(i + chunk);
+        let mut batch = Vec::with_capacity(1000);
+        for j in i..end {
+            let mut m = message(j, format!("chat-{}", j % args.destinations));
+            m.idempotency_key = format!("hist-{j:08}");
+            batch.push(m);
+            if batch.len() == 1000 {
+                outbox.enqueue_many(std::mem::take(&mut batch))?;
+            }
+        }
+        if !batch.is_empty() {
+            outbox.enqueue_many(batch)?;
+        }
+        outbox.process_due(|item| Ok(Some(format!("h{}", item.idempotency_key()))))?;
+        clock.advance(Duration::from_secs(1));
+        outbox.compact()?;
+        i = end;
+    }
+    assert_eq!(outbox.history_len()?, total);
+    Ok(serde_json::json!({ "prefilled": total }))
+}
+
 /// Resident and peak memory of this process, in bytes (Linux), from /proc.
 fn memory() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -184,39 +220,17 @@ fn memory() -> (u64, u64) {
 /// items by transport ref, and memory.
 fn history(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let total = args.history;
-    // Prefill (untimed): old traffic, sent under a manual clock long ago, moved
-    // to history by compactions in chunks, as a long-running bot's would be.
+    // Prefill (untimed) in a child process, so the measurements below run in a
+    // process that, like a restarted bot, only opened the outbox.
     let prefill = Instant::now();
-    {
-        let clock = durable_outbox::ManualClock::at("2025-01-01T00:00:00Z")?;
-        let outbox = Outbox::builder(&args.dir)
-            .clock(clock.clone())
-            .rate_limit(u32::MAX, Duration::from_millis(1))
-            .history_after(Duration::ZERO)
-            .drain_batch(256)
-            .open()?;
-        let chunk = 10_000;
-        let mut i = 0;
-        while i < total {
-            let end = total.min(i + chunk);
-            let mut batch = Vec::with_capacity(1000);
-            for j in i..end {
-                let mut m = message(j, format!("chat-{}", j % args.destinations));
-                m.idempotency_key = format!("hist-{j:08}");
-                batch.push(m);
-                if batch.len() == 1000 {
-                    outbox.enqueue_many(std::mem::take(&mut batch))?;
-                }
-            }
-            if !batch.is_empty() {
-                outbox.enqueue_many(batch)?;
-            }
-            outbox.process_due(|item| Ok(Some(format!("h{}", item.idempotency_key()))))?;
-            clock.advance(Duration::from_secs(1));
-            outbox.compact()?;
-            i = end;
-        }
-        assert_eq!(outbox.history_len()?, total);
+    let status = std::process::Command::new(std::env::current_exe()?)
+        .args(["--workload", "prefill", "--history", &total.to_string()])
+        .args(["--destinations", &args.destinations.to_string()])
+        .arg("--dir")
+        .arg(&args.dir)
+        .status()?;
+    if !status.success() {
+        return Err(format!("prefill failed: {status}").into());
     }
     let prefill_s = prefill.elapsed().as_secs_f64();
 
@@ -302,9 +316,11 @@ fn main() {
         "w1" => w1(&args),
         "broadcast" => broadcast(&args),
         "history" => history(&args),
+        "prefill" => prefill(&args).map(|_| serde_json::Value::Null),
         other => Err(format!("unknown workload {other}").into()),
     };
     match result {
+        Ok(serde_json::Value::Null) => {}
         Ok(line) => println!("{line}"),
         Err(e) => {
             eprintln!("bench: {e}");

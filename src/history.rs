@@ -58,6 +58,8 @@ fn text_hash(text: &str) -> u64 {
 struct Segment {
     number: u64,
     log: PathBuf,
+    /// The log, opened on first lookup and kept (segments never change).
+    file: std::sync::OnceLock<fs::File>,
     /// `(hash of key, offset)`, sorted.
     keys: Vec<(u64, u64)>,
     /// `(hash of transport ref, offset)`, sorted.
@@ -170,6 +172,7 @@ impl History {
         Ok(Segment {
             number,
             log: self.log_path(number),
+            file: std::sync::OnceLock::new(),
             keys: key_entries,
             refs: ref_entries,
         })
@@ -196,7 +199,7 @@ impl History {
             };
             let start = table.partition_point(|(h, _)| *h < hash);
             for (_, offset) in table[start..].iter().take_while(|(h, _)| *h == hash) {
-                let item = read_item(&segment.log, *offset)?;
+                let item = read_item(segment.file()?, &segment.log, *offset)?;
                 let matches = match by {
                     By::Key(_) => item.idempotency_key == text,
                     By::TransportRef(_) => item.transport_ref.as_deref() == Some(text),
@@ -276,6 +279,7 @@ impl History {
         self.segments.push(Segment {
             number,
             log: self.log_path(number),
+            file: std::sync::OnceLock::new(),
             keys,
             refs,
         });
@@ -283,14 +287,24 @@ impl History {
     }
 }
 
+impl Segment {
+    fn file(&self) -> Result<&fs::File> {
+        if let Some(file) = self.file.get() {
+            return Ok(file);
+        }
+        let file =
+            fsutil::open_existing(&self.log, false).map_err(|e| Error::io(&self.log, "open", e))?;
+        Ok(self.file.get_or_init(|| file))
+    }
+}
+
 /// Reads and checks the item line at `offset` of a segment log.
-fn read_item(log: &Path, offset: u64) -> Result<OutboxItem> {
-    let file = fsutil::open_existing(log, false).map_err(|e| Error::io(log, "open", e))?;
+fn read_item(file: &fs::File, log: &Path, offset: u64) -> Result<OutboxItem> {
     let mut line = Vec::with_capacity(1024);
-    let mut chunk = vec![0u8; 4096];
+    let mut chunk = vec![0u8; 2048];
     let mut at = offset;
     loop {
-        let n = read_at(&file, &mut chunk, at).map_err(|e| Error::io(log, "read", e))?;
+        let n = read_at(file, &mut chunk, at).map_err(|e| Error::io(log, "read", e))?;
         if n == 0 {
             break;
         }
