@@ -4,7 +4,7 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use durable_outbox::{NewMessage, Outbox, SendError};
+use durable_outbox::{ManualClock, NewMessage, Outbox, SendError};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -138,6 +138,33 @@ impl Fixture {
         );
         f.send("gone-1", Err(SendError::permanent("chat_not_found")));
         f.send("timeout-1", Err(SendError::ambiguous("read_timeout")));
+        f
+    }
+
+    /// Two items sent or failed on 2026-01-15 and since moved to history by a
+    /// compaction two days later (`old-sent`, ref tg-old; `old-failed`,
+    /// `chat_not_found`), and one still queued (`old-queued`).
+    pub fn aged() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::at("2026-01-15T09:00:00Z").unwrap();
+        let outbox = Outbox::builder(dir.path())
+            .clock(clock.clone())
+            .sleeper(clock.clone())
+            .open()
+            .unwrap();
+        let f = Self { dir, outbox };
+        for (key, destination) in [
+            ("old-sent", "chat-1"),
+            ("old-failed", "chat-2"),
+            ("old-queued", "chat-3"),
+        ] {
+            f.outbox.enqueue(message(key, destination)).unwrap();
+        }
+        f.send("old-sent", Ok(Some("tg-old".into())));
+        f.send("old-failed", Err(SendError::permanent("chat_not_found")));
+        clock.advance(std::time::Duration::from_secs(2 * 86_400));
+        f.outbox.compact().unwrap();
+        assert_eq!(f.outbox.history_len().unwrap(), 2, "moved to history");
         f
     }
 

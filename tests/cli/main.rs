@@ -12,6 +12,7 @@ mod harness;
 
 mod concurrent_bot;
 mod export;
+mod history;
 mod inspect;
 mod operator_actions;
 mod seed_v1;

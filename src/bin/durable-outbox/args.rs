@@ -40,6 +40,9 @@ pub enum Command {
     /// something needs an operator: a failed item that may have been delivered
     /// (ambiguous), or a broken audit chain.
     ///
+    /// Counts are of the live items; sent and failed items the library has moved
+    /// to history (after a day, by default) are only totalled.
+    ///
     /// "In flight" means claimed by a worker. A claim whose worker died is
     /// counted there too until the bot next touches the item, which then fails
     /// as `ambiguous_delivery_after_restart` (and is never resent by itself).
@@ -47,7 +50,9 @@ pub enum Command {
     Status(StatusArgs),
     /// A table of items, most recently changed first.
     ///
-    /// Message bodies are shown only with --show-content.
+    /// Lists the live items: queued ones, and sent or failed ones until the
+    /// library moves them to history (after a day, by default); add --history for
+    /// those too. Message bodies are shown only with --show-content.
     #[command(after_help = EXIT_CODES)]
     List(ListArgs),
     /// One item and its full audit history.
@@ -79,8 +84,8 @@ pub enum Command {
     Cancel(OperatorArgs),
     /// Every item, or every audit record, as JSON lines or CSV.
     ///
-    /// Items carry the field names of outbox.json and no bodies unless
-    /// --show-content; audit records are exported as stored.
+    /// Items, live and moved to history, carry the field names of outbox.json and
+    /// no bodies unless --show-content; audit records are exported as stored.
     #[command(after_help = EXIT_CODES)]
     Export(ExportArgs),
 }
@@ -132,6 +137,10 @@ pub struct ListArgs {
     /// Show at most N items (the most recently changed).
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
+    /// Also list items moved to history (sent or failed over a day ago), found
+    /// through the audit log: slower on a long log.
+    #[arg(long)]
+    pub history: bool,
     /// Include message bodies.
     #[arg(long)]
     pub show_content: bool,

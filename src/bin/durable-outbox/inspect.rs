@@ -9,6 +9,7 @@ use durable_outbox::{AuditLog, AuditRecord, ItemState, Outbox, OutboxItem};
 use serde::Serialize;
 
 use crate::args::{ExportArgs, ExportFormat, FindArgs, ListArgs, ShowArgs, StateFilter};
+use crate::history;
 use crate::view::{self, ItemView, Table, clean, detail, or_dash, short, state_label};
 use crate::{CliResult, NotFound};
 
@@ -16,8 +17,13 @@ pub fn list(args: &ListArgs, out: &mut dyn Write) -> CliResult {
     let outbox = crate::open(&args.target)?;
     let now = Utc::now();
     let since = args.since.map(|s| s.resolve(now));
-    let mut items: Vec<OutboxItem> = outbox
-        .list_items()?
+    let mut all = outbox.list_items()?;
+    let in_history = outbox.history_len()?;
+    if args.history {
+        let moved = history::items(&outbox, &all)?;
+        all.extend(moved);
+    }
+    let mut items: Vec<OutboxItem> = all
         .into_iter()
         .filter(|item| args.state.is_none_or(|s| state_matches(s, item)))
         .filter(|item| {
@@ -45,8 +51,19 @@ pub fn list(args: &ListArgs, out: &mut dyn Write) -> CliResult {
         view::write_json(out, &views)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let history_note = |out: &mut dyn Write| {
+        if in_history > 0 && !args.history {
+            writeln!(
+                out,
+                "({in_history} older items are in history: add --history to list them too)"
+            )
+        } else {
+            Ok(())
+        }
+    };
     if items.is_empty() {
         writeln!(out, "no matching items")?;
+        history_note(out)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut header = vec![
@@ -81,6 +98,7 @@ pub fn list(args: &ListArgs, out: &mut dyn Write) -> CliResult {
     if items.len() < matching {
         writeln!(out, "({} of {matching} matching items shown)", items.len())?;
     }
+    history_note(out)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -216,7 +234,10 @@ pub fn export(args: &ExportArgs, out: &mut dyn Write) -> CliResult {
     if args.audit {
         export_audit(&outbox, args.format, out)?;
     } else {
-        let items = outbox.list_items()?;
+        let mut items = outbox.list_items()?;
+        let moved = history::items(&outbox, &items)?;
+        items.extend(moved);
+        items.sort_by(|a, b| a.idempotency_key().cmp(b.idempotency_key()));
         let views = items.iter().map(|i| ItemView::new(i, args.show_content));
         match args.format {
             ExportFormat::Jsonl => {

@@ -5,6 +5,7 @@
 //! to the streams it is given. Build it with `--features cli`.
 
 mod args;
+mod history;
 mod inspect;
 mod operate;
 mod status;

@@ -22,6 +22,9 @@ struct Status {
     attention: Vec<String>,
     /// `None` when the outbox could not be opened because its audit log is broken.
     items: Option<Counts>,
+    /// Sent and failed items the library moved out of the live state (after its
+    /// `history_after`, a day by default); not counted in `items`.
+    history_items: Option<usize>,
     oldest_queued: Option<Oldest>,
     failed_by_error_code: Vec<FailedCode>,
     rate_window: Option<RateWindow>,
@@ -100,6 +103,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         healthy: true,
         attention: Vec::new(),
         items: None,
+        history_items: None,
         oldest_queued: None,
         failed_by_error_code: Vec::new(),
         rate_window: None,
@@ -115,6 +119,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         Ok(outbox) => {
             let items = outbox.list_items()?;
             summarise(&mut status, &items, now, &ambiguous, args.rate_limit);
+            status.history_items = Some(outbox.history_len()?);
             let head = outbox.audit_head()?;
             status.audit.head_seq = Some(head.seq);
             status.audit.head_hash = Some(head.hash);
@@ -306,6 +311,12 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
             out,
             "\nitems    {} total: {} queued ({} in flight, {} due now, {} waiting), {} sent, {} failed",
             c.total, c.queued, c.in_flight, c.due, c.waiting, c.sent, c.failed
+        )?;
+    }
+    if let Some(moved) = status.history_items.filter(|n| *n > 0) {
+        writeln!(
+            out,
+            "history  {moved} older sent or failed items, not counted above (list --history)"
         )?;
     }
     if let Some(oldest) = &status.oldest_queued {

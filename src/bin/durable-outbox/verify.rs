@@ -1,19 +1,18 @@
 //! `verify`: the audit chain, its head against the state, and the state against
 //! the log, with progress on long logs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, IsTerminal, Write};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use durable_outbox::{
-    AuditFault, AuditLog, AuditOutcome, Error, Head, ItemState, Outbox, OutboxItem,
-};
+use durable_outbox::{AuditFault, AuditOutcome, Error, Head, ItemState, Outbox, OutboxItem};
 use serde::Serialize;
 
 use crate::args::VerifyArgs;
+use crate::history::LogReader;
 use crate::view::{self, clean};
 use crate::{ATTENTION, CliResult};
 
@@ -67,7 +66,13 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
     let mut result = Verification::default();
     check(&args.target.dir, builder, &mut progress, &mut result)?;
     progress.finish()?;
-    result.problems.sort_by_key(|p| (p.line.is_none(), p.line));
+    result.problems.sort_by(|a, b| {
+        (a.line.is_none(), a.line, &a.idempotency_key).cmp(&(
+            b.line.is_none(),
+            b.line,
+            &b.idempotency_key,
+        ))
+    });
     result.first_bad_line = result.problems.iter().find_map(|p| p.line);
     result.verified = result.problems.is_empty();
     if args.json {
@@ -159,199 +164,272 @@ fn check(
     result
         .passed
         .push("the log reaches the head outbox.json recorded".to_owned());
-    match snapshot(&outbox) {
-        Ok(Some((items, head))) => cross_check(&outbox, &items, &head, progress, result)?,
-        Ok(None) => result.problems.push(Problem {
-            line: None,
-            idempotency_key: None,
-            message: format!(
-                "the outbox changed during each of {SNAPSHOT_TRIES} attempts to read it \
-                 consistently; run verify again"
-            ),
-            hint: None,
-        }),
-        Err(e) => result.problems.push(problem_of(&e)),
+    if let Err(e) = cross_check(&outbox, progress, result) {
+        match e {
+            Failure::Io(e) => return Err(e),
+            Failure::Outbox(e) => result.problems.push(problem_of(&e)),
+        }
     }
     Ok(())
 }
 
-/// The items and the audit head as of one moment. The library has no call that
-/// returns both atomically, and a running bot may commit between two calls, so
-/// read the head, the items, and the head again until the two heads agree: no
-/// outcome was recorded in between, so the items match the log up to that head.
-/// `None` when the bot committed during every try.
-fn snapshot(outbox: &Outbox) -> durable_outbox::Result<Option<(Vec<OutboxItem>, Head)>> {
-    for _ in 0..SNAPSHOT_TRIES {
-        let before = outbox.audit_head()?;
-        let items = outbox.list_items()?;
-        let after = outbox.audit_head()?;
-        if before == after {
-            return Ok(Some((items, after)));
-        }
+/// Why the cross-check stopped early: the output failed, or the outbox could
+/// not be read (which is a verification problem, not a crash of the tool).
+enum Failure {
+    Io(io::Error),
+    Outbox(Error),
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
     }
-    Ok(None)
 }
 
-/// The last record seen for one item.
-struct Last {
-    seq: u64,
-    audit_id: String,
-    outcome: AuditOutcome,
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Self::Outbox(e)
+    }
 }
 
-/// Every record up to `head` belongs to a known item with the same body hash and
-/// destination; every item's latest outcome is its last record, and agrees with
-/// its state.
+/// What the log says about one item.
+struct Logged {
+    /// The line (= seq) of its first record.
+    first_seq: u64,
+    content_hash: String,
+    destination: String,
+    last_seq: u64,
+    last_audit_id: String,
+    last_outcome: AuditOutcome,
+}
+
+/// Every record belongs to an item (live or in history) with the same body hash
+/// and destination, and every item's latest outcome is its last record and
+/// agrees with its state.
+///
+/// The library has no call that returns the items and the audit head at one
+/// moment, and a running bot may commit between two calls. So the log is read
+/// up to the head once (the long part), then, until two looks at the head agree,
+/// read on to the head, take the items, and look again: no outcome was recorded
+/// in between, so the items match the log up to that head.
 fn cross_check(
     outbox: &Outbox,
-    items: &[OutboxItem],
-    head: &Head,
     progress: &mut Progress<'_>,
     result: &mut Verification,
-) -> io::Result<()> {
+) -> Result<(), Failure> {
+    let mut reader = LogReader::open(outbox)?;
+    let mut logged: HashMap<String, Logged> = HashMap::new();
+    let head = outbox.audit_head()?;
     progress.update(&format!(
-        "cross-checking {} records against {} items",
-        head.seq,
-        items.len()
+        "cross-checking {} records against the items",
+        head.seq
     ))?;
-    let before = result.problems.len();
-    let Some(last) = check_records(outbox, items, head, progress, result)? else {
+    read_log(&mut reader, &head, &mut logged, progress, result)?;
+    for _ in 0..SNAPSHOT_TRIES {
+        let before = outbox.audit_head()?;
+        read_log(&mut reader, &before, &mut logged, progress, result)?;
+        let live = outbox.list_items()?;
+        let live_keys: HashSet<&str> = live.iter().map(OutboxItem::idempotency_key).collect();
+        let mut moved = Vec::new();
+        for key in logged.keys().filter(|k| !live_keys.contains(k.as_str())) {
+            moved.extend(outbox.get(key)?);
+        }
+        if outbox.audit_head()? != before {
+            continue;
+        }
+        let before_items = result.problems.len();
+        let items: HashMap<&str, &OutboxItem> = live
+            .iter()
+            .chain(&moved)
+            .map(|i| (i.idempotency_key(), i))
+            .collect();
+        check_logged(&logged, &items, result);
+        check_unlogged(&live, &logged, result);
+        let history = outbox.history_len()?;
+        if result.problems.len() == before_items {
+            result.records = Some(before.seq);
+            result.head_seq = Some(before.seq);
+            result.head_hash = Some(before.hash.clone());
+            result.items = Some(live.len() + moved.len());
+            let where_ = if history > 0 {
+                format!(
+                    " ({} live, {} of {history} in history)",
+                    live.len(),
+                    moved.len()
+                )
+            } else {
+                String::new()
+            };
+            result.passed.push(format!(
+                "{} items{where_}: every record belongs to one, and each one's latest \
+                 outcome has its record",
+                live.len() + moved.len()
+            ));
+            result
+                .passed
+                .push(format!("head seq {}, hash {}", before.seq, before.hash));
+        }
         return Ok(());
-    };
-    check_items(items, &last, result);
-    if result.problems.len() == before {
-        result.records = Some(head.seq);
-        result.head_seq = Some(head.seq);
-        result.head_hash = Some(head.hash.clone());
-        result.items = Some(items.len());
-        result.passed.push(format!(
-            "{} items: every record belongs to one, and each one's latest outcome has its record",
-            items.len()
-        ));
-        result
-            .passed
-            .push(format!("head seq {}, hash {}", head.seq, head.hash));
     }
+    result.problems.push(Problem {
+        line: None,
+        idempotency_key: None,
+        message: format!(
+            "the outbox changed during each of {SNAPSHOT_TRIES} attempts to read it \
+             consistently; run verify again"
+        ),
+        hint: None,
+    });
     Ok(())
 }
 
-/// Reads the log up to `head`, checking each record against its item. Returns the
-/// last record of each item, or `None` when the log could not be read.
-fn check_records(
-    outbox: &Outbox,
-    items: &[OutboxItem],
+/// Reads the log on to `head`, remembering what each item's records say and
+/// flagging a record that disagrees with the item's earlier ones.
+fn read_log(
+    reader: &mut LogReader,
     head: &Head,
+    logged: &mut HashMap<String, Logged>,
     progress: &mut Progress<'_>,
     result: &mut Verification,
-) -> io::Result<Option<HashMap<String, Last>>> {
-    let by_key: HashMap<&str, &OutboxItem> =
-        items.iter().map(|i| (i.idempotency_key(), i)).collect();
-    let mut last: HashMap<String, Last> = HashMap::new();
-    let records = match AuditLog::records(outbox.dir().join("audit.jsonl")) {
-        Ok(records) => records,
-        Err(e) => {
-            result.problems.push(problem_of(&e));
-            return Ok(None);
-        }
-    };
-    for record in records {
-        let record = match record {
-            Ok(record) => record,
-            Err(e) => {
-                result.problems.push(problem_of(&e));
-                return Ok(None);
-            }
-        };
-        if record.seq > head.seq {
-            break; // appended by the bot after the snapshot
-        }
-        if record.seq % RECORDS_PER_REPORT == 0 {
-            progress.update(&format!(
+) -> Result<(), Failure> {
+    let mut report = Ok(());
+    reader.read_to(head, |record| {
+        if record.seq % RECORDS_PER_REPORT == 0 && report.is_ok() {
+            report = progress.update(&format!(
                 "cross-checked {} of {} records",
                 record.seq, head.seq
-            ))?;
+            ));
         }
         // A verified chain numbers its records 1, 2, 3…: the seq is the line.
-        let key = record.idempotency_key.as_str();
-        let differs = match by_key.get(key) {
-            None => Some(format!(
-                "a record for item {key:?}, which the state does not have"
-            )),
-            Some(item) if item.content_hash() != record.content_hash => {
-                Some(format!("the content hash differs from item {key:?}'s"))
+        let seq = record.seq;
+        let key = record.idempotency_key;
+        match logged.get_mut(&key) {
+            None => {
+                logged.insert(
+                    key,
+                    Logged {
+                        first_seq: seq,
+                        content_hash: record.content_hash,
+                        destination: record.destination,
+                        last_seq: seq,
+                        last_audit_id: record.audit_id,
+                        last_outcome: record.outcome,
+                    },
+                );
             }
-            Some(item) if item.destination() != record.destination => {
-                Some(format!("the destination differs from item {key:?}'s"))
+            Some(known) => {
+                let differs = if known.content_hash != record.content_hash {
+                    Some("content hash")
+                } else if known.destination != record.destination {
+                    Some("destination")
+                } else {
+                    None
+                };
+                if let Some(field) = differs {
+                    result.problems.push(Problem {
+                        line: Some(seq),
+                        idempotency_key: Some(key.clone()),
+                        message: format!(
+                            "audit.jsonl line {seq}: item {key:?}: the {field} differs from its \
+                             record at line {}",
+                            known.first_seq
+                        ),
+                        hint: None,
+                    });
+                }
+                known.last_seq = seq;
+                known.last_audit_id = record.audit_id;
+                known.last_outcome = record.outcome;
             }
-            Some(_) => None,
-        };
-        if let Some(message) = differs {
-            result.problems.push(Problem {
-                line: Some(record.seq),
-                idempotency_key: Some(key.to_owned()),
-                message: format!("audit.jsonl line {}: {message}", record.seq),
-                hint: None,
-            });
         }
-        last.insert(
-            record.idempotency_key,
-            Last {
-                seq: record.seq,
-                audit_id: record.audit_id,
-                outcome: record.outcome,
-            },
-        );
-    }
-    Ok(Some(last))
+    })?;
+    Ok(report?)
 }
 
-/// Each item's latest outcome must be its last record, and agree with its state.
-fn check_items(items: &[OutboxItem], last: &HashMap<String, Last>, result: &mut Verification) {
-    for item in items {
-        let key = item.idempotency_key();
-        let bad = |line: Option<u64>, message: String| Problem {
-            line,
-            idempotency_key: Some(key.to_owned()),
-            message: match line {
-                Some(line) => format!("audit.jsonl line {line}: item {key:?}: {message}"),
-                None => format!("item {key:?}: {message}"),
-            },
+/// Checks each item the log names against the item itself.
+fn check_logged(
+    logged: &HashMap<String, Logged>,
+    items: &HashMap<&str, &OutboxItem>,
+    result: &mut Verification,
+) {
+    for (key, log) in logged {
+        let bad = |line: u64, message: String| Problem {
+            line: Some(line),
+            idempotency_key: Some(key.clone()),
+            message: format!("audit.jsonl line {line}: item {key:?}: {message}"),
             hint: None,
         };
-        let problem = match (item.last_audit_id(), last.get(key)) {
-            (None, None) => {
-                result.unaudited_items += 1;
-                None
-            }
-            (Some(id), None) => Some(bad(
-                None,
-                format!("its latest outcome (audit id {id}) has no record in audit.jsonl"),
+        let Some(item) = items.get(key.as_str()) else {
+            result.problems.push(bad(
+                log.first_seq,
+                "has records, but the outbox has no such item, live or in history".to_owned(),
+            ));
+            continue;
+        };
+        if item.content_hash() != log.content_hash {
+            result.problems.push(bad(
+                log.first_seq,
+                "the record's content hash differs from the item's".to_owned(),
+            ));
+        } else if item.destination() != log.destination {
+            result.problems.push(bad(
+                log.first_seq,
+                "the record's destination differs from the item's".to_owned(),
+            ));
+        }
+        match item.last_audit_id() {
+            None => result.problems.push(bad(
+                log.last_seq,
+                "has audit records but the item names none as its latest".to_owned(),
             )),
-            (None, Some(l)) => Some(bad(
-                Some(l.seq),
-                "has audit records but the state names none as its latest".to_owned(),
-            )),
-            (Some(id), Some(l)) if l.audit_id != id => Some(bad(
-                Some(l.seq),
+            Some(id) if id != log.last_audit_id => result.problems.push(bad(
+                log.last_seq,
                 format!(
-                    "its last record is audit id {}, but the state's latest outcome is audit id {id}",
-                    l.audit_id
+                    "its last record is audit id {}, but the item's latest outcome is audit id {id}",
+                    log.last_audit_id
                 ),
             )),
-            (Some(_), Some(l)) => state_after(l.outcome)
-                .filter(|expected| *expected != item.state())
-                .map(|_| {
-                    bad(
-                        Some(l.seq),
+            Some(_) => {
+                if let Some(expected) = state_after(log.last_outcome)
+                    && expected != item.state()
+                {
+                    result.problems.push(bad(
+                        log.last_seq,
                         format!(
                             "its last record says {} but the item is {}",
-                            l.outcome.as_str(),
+                            log.last_outcome.as_str(),
                             item.state()
                         ),
-                    )
-                }),
-        };
-        result.problems.extend(problem);
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Live items the log never mentions: fine for the reference design's items
+/// (it kept no log), a problem for an item that names its latest record.
+fn check_unlogged(
+    live: &[OutboxItem],
+    logged: &HashMap<String, Logged>,
+    result: &mut Verification,
+) {
+    for item in live {
+        let key = item.idempotency_key();
+        if logged.contains_key(key) {
+            continue;
+        }
+        match item.last_audit_id() {
+            None => result.unaudited_items += 1,
+            Some(id) => result.problems.push(Problem {
+                line: None,
+                idempotency_key: Some(key.to_owned()),
+                message: format!(
+                    "item {key:?}: its latest outcome (audit id {id}) has no record in audit.jsonl"
+                ),
+                hint: None,
+            }),
+        }
     }
 }
 
