@@ -26,8 +26,8 @@
 //! # Memory
 //!
 //! Each history item costs 16 bytes of index in memory, plus 16 more if it has a
-//! transport ref: 32 MB for a million sent items. Lookups binary-search each
-//! segment's index (newest first) and read one line from disk.
+//! transport ref: 32 MB for a million sent items. All segments' entries are kept
+//! merged in one sorted array, so a lookup is one binary search and one read.
 
 use std::fs;
 use std::io;
@@ -60,18 +60,44 @@ struct Segment {
     log: PathBuf,
     /// The log, opened on first lookup and kept (segments never change).
     file: std::sync::OnceLock<fs::File>,
-    /// `(hash of key, offset)`, sorted.
-    keys: Vec<(u64, u64)>,
-    /// `(hash of transport ref, offset)`, sorted.
-    refs: Vec<(u64, u64)>,
 }
 
 /// All history segments of one outbox, as far as this handle has loaded them.
 #[derive(Debug)]
 pub(crate) struct History {
     dir: PathBuf,
-    /// Oldest first.
+    /// Oldest first; their index entries live in `keys` and `refs` below.
     segments: Vec<Segment>,
+    /// Every segment's `(hash of key, location)`, merged and sorted, so a lookup
+    /// is one binary search however many segments there are. A location packs
+    /// the position in `segments` above the low 40 bits of the byte offset.
+    keys: Vec<(u64, u64)>,
+    /// The same for transport refs.
+    refs: Vec<(u64, u64)>,
+}
+
+/// Bits of a packed location that hold the byte offset (1 TiB per segment).
+const OFFSET_BITS: u32 = 40;
+
+fn pack(segment: usize, offset: u64) -> u64 {
+    ((segment as u64) << OFFSET_BITS) | (offset & ((1 << OFFSET_BITS) - 1))
+}
+
+fn unpack(location: u64) -> (usize, u64) {
+    (
+        usize::try_from(location >> OFFSET_BITS).unwrap_or(usize::MAX),
+        location & ((1 << OFFSET_BITS) - 1),
+    )
+}
+
+/// Merges `extra` (sorted) into `into` (sorted).
+fn merge_sorted(into: &mut Vec<(u64, u64)>, mut extra: Vec<(u64, u64)>) {
+    if extra.is_empty() {
+        return;
+    }
+    into.append(&mut extra);
+    // Two sorted runs: the standard library's stable sort merges them in O(n).
+    into.sort();
 }
 
 /// Where to look an item up.
@@ -86,12 +112,14 @@ impl History {
         Self {
             dir: outbox_dir.join(HISTORY_DIR),
             segments: Vec::new(),
+            keys: Vec::new(),
+            refs: Vec::new(),
         }
     }
 
     /// Number of items in history (as loaded).
     pub(crate) fn len(&self) -> usize {
-        self.segments.iter().map(|s| s.keys.len()).sum()
+        self.keys.len()
     }
 
     /// Loads the indexes of segments this handle has not seen yet (other
@@ -120,10 +148,18 @@ impl History {
             }
         }
         fresh.sort_unstable();
+        let (mut new_keys, mut new_refs) = (Vec::new(), Vec::new());
         for number in fresh {
-            let segment = self.load_segment(number)?;
+            let (segment, keys, refs) = self.load_segment(number)?;
+            let at = self.segments.len();
+            new_keys.extend(keys.into_iter().map(|(h, o)| (h, pack(at, o))));
+            new_refs.extend(refs.into_iter().map(|(h, o)| (h, pack(at, o))));
             self.segments.push(segment);
         }
+        new_keys.sort_unstable();
+        new_refs.sort_unstable();
+        merge_sorted(&mut self.keys, new_keys);
+        merge_sorted(&mut self.refs, new_refs);
         Ok(())
     }
 
@@ -135,7 +171,9 @@ impl History {
         self.dir.join(format!("seg-{number:08}.idx"))
     }
 
-    fn load_segment(&self, number: u64) -> Result<Segment> {
+    /// Reads one segment's index: the segment and its key and ref entries.
+    #[allow(clippy::type_complexity, reason = "a private loader's three results")]
+    fn load_segment(&self, number: u64) -> Result<(Segment, Vec<(u64, u64)>, Vec<(u64, u64)>)> {
         let path = self.index_path(number);
         let bytes = fsutil::read_existing(&path).map_err(|e| Error::io(&path, "read", e))?;
         let corrupt = |why: &str| Error::InvalidRecord {
@@ -169,13 +207,15 @@ impl History {
         let first = at + 16;
         let key_entries = pairs(first, keys);
         let ref_entries = pairs(first + key_entries.len() * 16, refs);
-        Ok(Segment {
-            number,
-            log: self.log_path(number),
-            file: std::sync::OnceLock::new(),
-            keys: key_entries,
-            refs: ref_entries,
-        })
+        Ok((
+            Segment {
+                number,
+                log: self.log_path(number),
+                file: std::sync::OnceLock::new(),
+            },
+            key_entries,
+            ref_entries,
+        ))
     }
 
     /// The history copy of the item with this key, if any (the newest).
@@ -189,24 +229,26 @@ impl History {
     }
 
     fn find(&self, by: By<'_>) -> Result<Option<OutboxItem>> {
-        let (text, hash) = match by {
-            By::Key(t) | By::TransportRef(t) => (t, text_hash(t)),
+        let (text, table) = match by {
+            By::Key(t) => (t, &self.keys),
+            By::TransportRef(t) => (t, &self.refs),
         };
-        for segment in self.segments.iter().rev() {
-            let table = match by {
-                By::Key(_) => &segment.keys,
-                By::TransportRef(_) => &segment.refs,
+        let hash = text_hash(text);
+        let start = table.partition_point(|(h, _)| *h < hash);
+        let end = start + table[start..].partition_point(|(h, _)| *h == hash);
+        // Newest segment first: locations sort by segment position.
+        for (_, location) in table[start..end].iter().rev() {
+            let (at, offset) = unpack(*location);
+            let Some(segment) = self.segments.get(at) else {
+                continue;
             };
-            let start = table.partition_point(|(h, _)| *h < hash);
-            for (_, offset) in table[start..].iter().take_while(|(h, _)| *h == hash) {
-                let item = read_item(segment.file()?, &segment.log, *offset)?;
-                let matches = match by {
-                    By::Key(_) => item.idempotency_key == text,
-                    By::TransportRef(_) => item.transport_ref.as_deref() == Some(text),
-                };
-                if matches {
-                    return Ok(Some(item));
-                }
+            let item = read_item(segment.file()?, &segment.log, offset)?;
+            let matches = match by {
+                By::Key(_) => item.idempotency_key == text,
+                By::TransportRef(_) => item.transport_ref.as_deref() == Some(text),
+            };
+            if matches {
+                return Ok(Some(item));
             }
         }
         Ok(None)
@@ -276,13 +318,20 @@ impl History {
             .map_err(settle)?;
         fsutil::replace_atomically(&self.dir, &log_name, &log, faults, "history_log")
             .map_err(settle)?;
+        let at = self.segments.len();
         self.segments.push(Segment {
             number,
             log: self.log_path(number),
             file: std::sync::OnceLock::new(),
-            keys,
-            refs,
         });
+        merge_sorted(
+            &mut self.keys,
+            keys.into_iter().map(|(h, o)| (h, pack(at, o))).collect(),
+        );
+        merge_sorted(
+            &mut self.refs,
+            refs.into_iter().map(|(h, o)| (h, pack(at, o))).collect(),
+        );
         Ok(fresh.len())
     }
 }
