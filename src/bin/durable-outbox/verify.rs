@@ -136,10 +136,7 @@ fn check(
     result: &mut Verification,
 ) -> io::Result<()> {
     let size = std::fs::metadata(dir.join("audit.jsonl")).map_or(0, |m| m.len());
-    let label = format!(
-        "opening the outbox and checking the audit chain ({})",
-        human_size(size)
-    );
+    let label = format!("opening the outbox (audit.jsonl is {})", human_size(size));
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
         Err(e) => {
@@ -147,9 +144,10 @@ fn check(
             return Ok(());
         }
     };
-    let report = match progress.phase("re-checking the chain against the recorded head", || {
-        outbox.verify_audit()
-    })? {
+    let report = match progress.phase(
+        "checking every record of the audit chain and the recorded head",
+        || outbox.verify_audit(),
+    )? {
         Ok(report) => report,
         Err(e) => {
             result.problems.push(problem_of(&e));
