@@ -16,13 +16,9 @@ use std::task::{Context, Poll};
 
 use crate::error::{Error, Result};
 use crate::item::OutboxItem;
-use crate::outbox::{Claimed, Outbox, SendResult};
+use crate::outbox::{Claimed, Outbox, SEND_CANCELLED, SendResult};
 use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::send::SendError;
-
-/// The error code of an item whose send future was dropped before it finished
-/// (treated as ambiguous: it may have been delivered).
-pub const SEND_CANCELLED: &str = "send_cancelled";
 
 impl Outbox {
     /// [`process`](Outbox::process) for async transports: `send` returns a future.

@@ -98,7 +98,10 @@ fn merge_sorted(into: &mut Vec<(u64, u64)>, mut extra: Vec<(u64, u64)>) {
     into.append(&mut extra);
     // Two sorted runs: the stable sort detects them and merges in O(n), where
     // an unstable sort would start over in O(n log n).
-    #[allow(clippy::stable_sort_primitive, reason = "the stable sort merges sorted runs in O(n)")]
+    #[allow(
+        clippy::stable_sort_primitive,
+        reason = "the stable sort merges sorted runs in O(n)"
+    )]
     into.sort();
 }
 

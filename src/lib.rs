@@ -70,8 +70,6 @@ mod retry;
 mod send;
 mod store;
 
-#[cfg(feature = "tokio")]
-pub use crate::asynchronous::SEND_CANCELLED;
 pub use crate::audit::{
     AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport, GENESIS_HASH, Head,
 };
@@ -84,7 +82,7 @@ pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::outbox::{
     AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
-    GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_PANICKED,
+    GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
 };
 pub use crate::rate::RateLimit;
 pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};

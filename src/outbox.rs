@@ -30,6 +30,10 @@ use crate::store::{CommitFailure, Loaded, Store, cooldown, rate_time};
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
 /// The error code of an item whose `send` panicked (treated as ambiguous).
 pub const SEND_PANICKED: &str = "send_panicked";
+/// The error code of an item whose async send future was dropped before it
+/// finished (treated as ambiguous: it may have been delivered). Set by the
+/// `tokio` feature's `process_async`; defined always so tools can recognise it.
+pub const SEND_CANCELLED: &str = "send_cancelled";
 /// The error code of an item an operator cancelled.
 pub const CANCELLED: &str = "cancelled_by_operator";
 /// The error code on a deferral because the platform asked (with `retry_after`)
