@@ -134,13 +134,23 @@ impl Locked {
         &'a mut self,
         store: &Store,
     ) -> Result<(&'a mut AuditTail, &'a mut Loaded, &'a mut History)> {
+        self.refresh_with(store, true)
+    }
+
+    /// As [`refresh`](Self::refresh); `with_audit: false` skips the audit log,
+    /// for reads that do not look at it (open has read it once already).
+    fn refresh_with<'a>(
+        &'a mut self,
+        store: &Store,
+        with_audit: bool,
+    ) -> Result<(&'a mut AuditTail, &'a mut Loaded, &'a mut History)> {
         let Self {
             audit,
             loaded,
             history,
             history_generation,
         } = self;
-        if audit.is_fresh() {
+        if with_audit && audit.is_fresh() {
             // First look: resume the audit log where the last compaction verified
             // it, so opening costs the recent records, not the whole history.
             let state = &store.refresh(loaded)?.state;
@@ -152,7 +162,9 @@ impl Locked {
                 );
             }
         }
-        audit.catch_up()?;
+        if with_audit {
+            audit.catch_up()?;
+        }
         let loaded = store.refresh(loaded)?;
         if *history_generation != Some(loaded.state.generation) {
             history.refresh()?;
@@ -472,7 +484,11 @@ impl Outbox {
     ///
     /// As [`get`](Self::get).
     pub fn list_items(&self) -> Result<Vec<OutboxItem>> {
-        self.read(|loaded, _| Ok(loaded.state.items.values().cloned().collect()))
+        self.read(|loaded, _| {
+            let mut items: Vec<OutboxItem> = loaded.state.items.values().cloned().collect();
+            items.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
+            Ok(items)
+        })
     }
 
     /// How many items have moved to history.
@@ -854,7 +870,7 @@ impl Outbox {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        let (_, loaded, history) = guard.refresh(&inner.store)?;
+        let (_, loaded, history) = guard.refresh_with(&inner.store, false)?;
         f(loaded, history)
     }
 

@@ -19,7 +19,7 @@
 mod journal;
 mod v1;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
 use std::io::{self, Read};
 #[cfg(not(unix))]
@@ -53,8 +53,9 @@ const COMPACT_SNAPSHOT_FACTOR: u64 = 2;
 /// A snapshot's contents.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct State {
-    /// Items by idempotency key (sorted, as in the file).
-    pub(crate) items: BTreeMap<String, OutboxItem>,
+    /// Items by idempotency key. A hash map: lookups stay O(1) however large
+    /// the backlog; the file and `list_items` sort by key when they need to.
+    pub(crate) items: HashMap<String, OutboxItem>,
     /// The audit head when the snapshot was written; the log holds at least this.
     pub(crate) audit_head: Option<Head>,
     /// Where that head record ends in the log, in bytes, when known.
@@ -93,7 +94,7 @@ pub(crate) fn rate_time(item: &OutboxItem) -> Option<DateTime<Utc>> {
 }
 
 impl Index {
-    fn build(items: &BTreeMap<String, OutboxItem>) -> Self {
+    fn build(items: &HashMap<String, OutboxItem>) -> Self {
         let mut index = Self::default();
         for item in items.values() {
             index.insert(item);
@@ -780,7 +781,8 @@ impl Store {
 /// end of the file. Usually one small read: nothing new since the last look.
 fn read_until_zero(file: &File, offset: u64) -> io::Result<Vec<u8>> {
     let mut buf = Vec::new();
-    let mut chunk = 4096;
+    // Small first: usually nothing is new and only the first byte matters.
+    let mut chunk = 1024;
     loop {
         let old = buf.len();
         buf.resize(old + chunk, 0);
@@ -878,7 +880,11 @@ pub(crate) fn encode(state: &State) -> Vec<u8> {
             seq: h.seq,
         }),
         generation: state.generation,
-        items: state.items.values().map(item_to_disk).collect(),
+        items: {
+            let mut sorted: Vec<&OutboxItem> = state.items.values().collect();
+            sorted.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
+            sorted.into_iter().map(item_to_disk).collect()
+        },
     };
     #[expect(clippy::expect_used, reason = "plain data always serialises")]
     let mut bytes = serde_json::to_vec_pretty(&file).expect("outbox state serialises");
@@ -911,7 +917,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
             version: file.version,
         });
     }
-    let mut items = BTreeMap::new();
+    let mut items = HashMap::with_capacity(file.items.len());
     for (index, raw) in file.items.into_iter().enumerate() {
         let item = item_from_disk(path, &format!("items[{index}]"), raw)?;
         let key = item.idempotency_key.clone();
