@@ -38,6 +38,7 @@ pub struct OutboxBuilder {
     pub(crate) drain_batch: usize,
     pub(crate) compact_on_open: bool,
     pub(crate) history_after: Duration,
+    pub(crate) retention: crate::history::Retention,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
@@ -56,6 +57,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("drain_batch", &self.drain_batch)
             .field("compact_on_open", &self.compact_on_open)
             .field("history_after", &self.history_after)
+            .field("retention", &self.retention)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .finish_non_exhaustive()
@@ -73,6 +75,7 @@ impl OutboxBuilder {
             drain_batch: 16,
             compact_on_open: true,
             history_after: Duration::from_secs(24 * 60 * 60),
+            retention: crate::history::Retention::KeepAll,
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
@@ -157,6 +160,20 @@ impl OutboxBuilder {
     /// [`Outbox::list_items`] lists only the live ones.
     pub fn history_after(mut self, age: Duration) -> Self {
         self.history_after = age;
+        self
+    }
+
+    /// How much history to keep. Default [`Retention::KeepAll`](crate::Retention::KeepAll).
+    /// Pruning removes whole segments at compaction, newest segment excepted,
+    /// each with a `pruned` audit record naming it.
+    ///
+    /// # Idempotency after pruning
+    ///
+    /// A pruned item is forgotten: enqueueing its key again creates a new item,
+    /// which will be sent. Keep history at least as long as your callers may
+    /// retry an enqueue with the same key.
+    pub fn history_retention(mut self, retention: crate::history::Retention) -> Self {
+        self.retention = retention;
         self
     }
 

@@ -12,7 +12,8 @@
 //!   (`<16 hex> <json>\n`, the hex being the first 64 bits of the JSON's SHA-256),
 //!   with the snapshot's item fields.
 //! - `seg-<n>.idx`: the segment's index, so opening never reads the segments:
-//!   `DOIX1\n`, two little-endian `u64` counts, the key entries then the
+//!   `DOIX2\n`, two little-endian `u64` counts and the newest item's last change
+//!   (microseconds since the epoch, `i64`), the key entries then the
 //!   transport-ref entries (each a `u64` hash — the first 8 bytes of the SHA-256
 //!   of the text — and a `u64` byte offset into the log, sorted), then the
 //!   SHA-256 of everything before it.
@@ -33,6 +34,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
@@ -43,7 +45,9 @@ use crate::store::CommitFailure;
 
 /// Directory of the history segments inside an outbox directory.
 pub(crate) const HISTORY_DIR: &str = "history";
-const INDEX_MAGIC: &[u8] = b"DOIX1\n";
+const INDEX_MAGIC: &[u8] = b"DOIX2\n";
+/// Bytes of the index header after the magic: key count, ref count, newest time.
+const HEADER: usize = 24;
 
 /// The stable 64-bit hash an index files a text under.
 fn text_hash(text: &str) -> u64 {
@@ -60,6 +64,12 @@ struct Segment {
     log: PathBuf,
     /// The log, opened on first lookup and kept (segments never change).
     file: std::sync::OnceLock<fs::File>,
+    /// How many items it holds.
+    items: usize,
+    /// The latest change of any of its items: retention by age goes by this.
+    newest: DateTime<Utc>,
+    /// Pruned: its entries are gone from the merged index.
+    gone: bool,
 }
 
 /// All history segments of one outbox, as far as this handle has loaded them.
@@ -136,6 +146,7 @@ impl History {
             Err(e) => return Err(Error::io(&self.dir, "read directory", e)),
         };
         let known = self.segments.last().map_or(0, |s| s.number);
+        let mut present = std::collections::HashSet::new();
         let mut fresh = Vec::new();
         for entry in entries {
             let entry = entry.map_err(|e| Error::io(&self.dir, "read directory", e))?;
@@ -148,9 +159,21 @@ impl History {
             else {
                 continue;
             };
+            present.insert(number);
             if number > known {
                 fresh.push(number);
             }
+        }
+        // Segments another process pruned.
+        let gone: Vec<usize> = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.gone && !present.contains(&s.number))
+            .map(|(at, _)| at)
+            .collect();
+        for at in gone {
+            self.forget(at);
         }
         fresh.sort_unstable();
         let (mut new_keys, mut new_refs) = (Vec::new(), Vec::new());
@@ -186,7 +209,7 @@ impl History {
             location: "index".into(),
             reason: why.to_owned(),
         };
-        if bytes.len() < INDEX_MAGIC.len() + 16 + 32 || !bytes.starts_with(INDEX_MAGIC) {
+        if bytes.len() < INDEX_MAGIC.len() + HEADER + 32 || !bytes.starts_with(INDEX_MAGIC) {
             return Err(corrupt("not a history index"));
         }
         let (body, sum) = bytes.split_at(bytes.len() - 32);
@@ -200,8 +223,10 @@ impl History {
         };
         let at = INDEX_MAGIC.len();
         let (keys, refs) = (read_u64(at), read_u64(at + 8));
+        let newest = DateTime::<Utc>::from_timestamp_micros(read_u64(at + 16) as i64)
+            .ok_or_else(|| corrupt("newest time out of range"))?;
         let entries = usize::try_from(keys + refs).map_err(|_| corrupt("too large"))?;
-        if body.len() != at + 16 + entries * 16 {
+        if body.len() != at + HEADER + entries * 16 {
             return Err(corrupt("length does not match its counts"));
         }
         let pairs = |from: usize, n: u64| -> Vec<(u64, u64)> {
@@ -209,7 +234,7 @@ impl History {
                 .map(|i| (read_u64(from + i * 16), read_u64(from + i * 16 + 8)))
                 .collect()
         };
-        let first = at + 16;
+        let first = at + HEADER;
         let key_entries = pairs(first, keys);
         let ref_entries = pairs(first + key_entries.len() * 16, refs);
         Ok((
@@ -217,6 +242,9 @@ impl History {
                 number,
                 log: self.log_path(number),
                 file: std::sync::OnceLock::new(),
+                items: key_entries.len(),
+                newest,
+                gone: false,
             },
             key_entries,
             ref_entries,
@@ -299,10 +327,12 @@ impl History {
         keys.sort_unstable();
         refs.sort_unstable();
         let mut index =
-            Vec::with_capacity(INDEX_MAGIC.len() + 16 + (keys.len() + refs.len()) * 16 + 32);
+            Vec::with_capacity(INDEX_MAGIC.len() + HEADER + (keys.len() + refs.len()) * 16 + 32);
+        let newest = fresh.iter().map(|i| i.updated_at).max().unwrap_or_default();
         index.extend_from_slice(INDEX_MAGIC);
         index.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         index.extend_from_slice(&(refs.len() as u64).to_le_bytes());
+        index.extend_from_slice(&(newest.timestamp_micros() as u64).to_le_bytes());
         for (hash, offset) in keys.iter().chain(&refs) {
             index.extend_from_slice(&hash.to_le_bytes());
             index.extend_from_slice(&offset.to_le_bytes());
@@ -328,6 +358,9 @@ impl History {
             number,
             log: self.log_path(number),
             file: std::sync::OnceLock::new(),
+            items: keys.len(),
+            newest,
+            gone: false,
         });
         merge_sorted(
             &mut self.keys,
@@ -338,6 +371,89 @@ impl History {
             refs.into_iter().map(|(h, o)| (h, pack(at, o))).collect(),
         );
         Ok(fresh.len())
+    }
+}
+
+/// How much history to keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Retention {
+    /// Keep every segment (the default).
+    #[default]
+    KeepAll,
+    /// Prune segments whose newest item last changed longer ago than this.
+    MaxAge(std::time::Duration),
+    /// Keep at most this many segments, pruning the oldest.
+    MaxSegments(usize),
+}
+
+/// A segment due for pruning.
+#[derive(Debug, Clone)]
+pub(crate) struct Prunable {
+    pub(crate) number: u64,
+    pub(crate) items: usize,
+    pub(crate) newest: DateTime<Utc>,
+}
+
+impl History {
+    /// The segments `policy` says must go at `now`, oldest first.
+    ///
+    /// The newest segment is always kept: segment numbers must never be reused,
+    /// and the newest existing one is where numbering continues.
+    pub(crate) fn prunable(&self, policy: Retention, now: DateTime<Utc>) -> Vec<Prunable> {
+        let mut live: Vec<&Segment> = self.segments.iter().filter(|s| !s.gone).collect();
+        live.pop();
+        let due: Vec<&&Segment> = match policy {
+            Retention::KeepAll => Vec::new(),
+            Retention::MaxAge(age) => {
+                let cutoff = crate::clock::earlier(now, age);
+                live.iter().filter(|s| s.newest < cutoff).collect()
+            }
+            Retention::MaxSegments(keep) => {
+                // `live` no longer counts the newest, which is always kept.
+                let excess = (live.len() + 1).saturating_sub(keep.max(1));
+                live.iter().take(excess).collect()
+            }
+        };
+        due.into_iter()
+            .map(|s| Prunable {
+                number: s.number,
+                items: s.items,
+                newest: s.newest,
+            })
+            .collect()
+    }
+
+    /// Deletes a segment (log first: without it the segment does not exist; then
+    /// its index) and forgets its entries. Call only after the prune is audited.
+    pub(crate) fn remove_segment(&mut self, number: u64) -> Result<()> {
+        let Some(at) = self
+            .segments
+            .iter()
+            .position(|s| s.number == number && !s.gone)
+        else {
+            return Ok(());
+        };
+        for path in [self.log_path(number), self.index_path(number)] {
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&path, "remove pruned segment", e)),
+            }
+        }
+        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        self.forget(at);
+        Ok(())
+    }
+
+    /// Drops a segment's entries from the merged index.
+    fn forget(&mut self, at: usize) {
+        if let Some(segment) = self.segments.get_mut(at) {
+            segment.gone = true;
+            segment.file = std::sync::OnceLock::new();
+        }
+        self.keys.retain(|(_, location)| unpack(*location).0 != at);
+        self.refs.retain(|(_, location)| unpack(*location).0 != at);
     }
 }
 

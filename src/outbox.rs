@@ -16,7 +16,7 @@ use crate::clock::{Clock, Sleeper, earlier, format_timestamp, later};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
 use crate::fsutil;
-use crate::history::History;
+use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
@@ -95,6 +95,7 @@ struct Config {
     rates: RatePolicy,
     max_inline_wait: Duration,
     history_after: Duration,
+    retention: Retention,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
 }
@@ -338,9 +339,13 @@ impl Outbox {
             store.settle_torn(loaded)?;
             if builder.compact_on_open && loaded.has_journal_entries() {
                 // Start from a fresh snapshot: outbox.json is current after every open.
-                let cutoff =
-                    eviction_cutoff(builder.clock.now(), builder.history_after, &builder.rates);
-                compact_locked(&store, audit, loaded, history, cutoff, &faults)
+                let keep = Housekeeping::new(
+                    builder.clock.now(),
+                    builder.history_after,
+                    &builder.rates,
+                    builder.retention,
+                );
+                compact_locked(&store, audit, loaded, history, &keep, &faults)
                     .map_err(|(_, e)| e)?;
             }
             owner
@@ -360,6 +365,7 @@ impl Outbox {
                     rates: builder.rates,
                     max_inline_wait: builder.max_inline_wait,
                     history_after: builder.history_after,
+                    retention: builder.retention,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
                 },
@@ -817,13 +823,13 @@ impl Outbox {
         let mut guard = inner.lock.lock()?;
         let (audit, loaded, history) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
-        let cutoff = self.eviction_cutoff();
+        let keep = self.housekeeping();
         self.settle(compact_locked(
             &inner.store,
             audit,
             loaded,
             history,
-            cutoff,
+            &keep,
             &inner.faults,
         ))
     }
@@ -874,11 +880,15 @@ impl Outbox {
         f(loaded, history)
     }
 
-    /// Terminal items last changed before this moment move to history at the
-    /// next compaction.
-    fn eviction_cutoff(&self) -> DateTime<Utc> {
+    /// What the next compaction moves to history and prunes from it.
+    fn housekeeping(&self) -> Housekeeping {
         let config = &self.inner.config;
-        eviction_cutoff(config.clock.now(), config.history_after, &config.rates)
+        Housekeeping::new(
+            config.clock.now(),
+            config.history_after,
+            &config.rates,
+            config.retention,
+        )
     }
 
     /// Runs one locked read-modify-write: catch up on the audit log and the state,
@@ -923,13 +933,13 @@ impl Outbox {
         )?;
         self.guard_poison(audit.append_records(&records, &inner.faults))?;
         if loaded.wants_compaction() {
-            let cutoff = self.eviction_cutoff();
+            let keep = self.housekeeping();
             self.settle(compact_locked(
                 &inner.store,
                 audit,
                 loaded,
                 history,
-                cutoff,
+                &keep,
                 &inner.faults,
             ))?;
         }
@@ -1379,9 +1389,10 @@ fn compact_locked(
     audit: &mut AuditTail,
     loaded: &mut Loaded,
     history: &mut History,
-    cutoff: DateTime<Utc>,
+    keep: &Housekeeping,
     faults: &Failpoints,
 ) -> std::result::Result<(), (CommitFailure, Error)> {
+    let cutoff = keep.cutoff;
     audit
         .sync(faults)
         .map_err(|e| (CommitFailure::Uncertain, e))?;
@@ -1412,7 +1423,79 @@ fn compact_locked(
         audit.verified_len(),
         &evicted,
         faults,
-    )
+    )?;
+    prune_history(store, audit, loaded, history, keep, faults)
+}
+
+/// What a compaction moves to history and what it prunes from it.
+struct Housekeeping {
+    /// Terminal items last changed before this move to history.
+    cutoff: DateTime<Utc>,
+    retention: Retention,
+    now: DateTime<Utc>,
+}
+
+impl Housekeeping {
+    fn new(
+        now: DateTime<Utc>,
+        history_after: Duration,
+        rates: &RatePolicy,
+        retention: Retention,
+    ) -> Self {
+        Self {
+            cutoff: eviction_cutoff(now, history_after, rates),
+            retention,
+            now,
+        }
+    }
+}
+
+/// Removes the history segments the retention policy no longer keeps, each
+/// after a durable `pruned` audit record naming it (journal entry, then log).
+fn prune_history(
+    store: &Store,
+    audit: &mut AuditTail,
+    loaded: &mut Loaded,
+    history: &mut History,
+    keep: &Housekeeping,
+    faults: &Failpoints,
+) -> std::result::Result<(), (CommitFailure, Error)> {
+    for segment in history.prunable(keep.retention, keep.now) {
+        let head = audit.head().clone();
+        let key = format!("history-segment-{}", segment.number);
+        let event = AuditEvent {
+            attempts: 0,
+            audit_id: hex::encode(&Sha256::digest(format!("{}{key}", head.hash).as_bytes())[..16]),
+            connector: "-".into(),
+            content_hash: "-".into(),
+            destination: "-".into(),
+            direction: "-".into(),
+            error_code: None,
+            grant_id: "-".into(),
+            idempotency_key: key,
+            lane: "-".into(),
+            outcome: AuditOutcome::Pruned,
+            note: Some(format!(
+                "retention pruned history segment {} ({} items, newest changed {})",
+                segment.number,
+                segment.items,
+                format_timestamp(segment.newest)
+            )),
+            reconciled: false,
+            recorded_at_utc: format_timestamp(keep.now),
+            risk_class: None,
+            transport_ref: None,
+        };
+        let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, audit.hasher());
+        store.commit(loaded, Vec::new(), std::slice::from_ref(&record), faults)?;
+        audit
+            .append_records(std::slice::from_ref(&record), faults)
+            .map_err(|e| (CommitFailure::Uncertain, e))?;
+        history
+            .remove_segment(segment.number)
+            .map_err(|e| (CommitFailure::Uncertain, e))?;
+    }
+    Ok(())
 }
 
 /// The moment before which terminal items may leave the live state: at least

@@ -28,6 +28,8 @@ pub enum AuditOutcome {
     Requeued,
     /// An operator cancelled a queued item.
     Cancelled,
+    /// A history segment was pruned by the retention policy; the note names it.
+    Pruned,
 }
 
 impl AuditOutcome {
@@ -41,6 +43,7 @@ impl AuditOutcome {
             Self::Retrying => "retrying",
             Self::Requeued => "requeued",
             Self::Cancelled => "cancelled",
+            Self::Pruned => "pruned",
         }
     }
 }

@@ -211,3 +211,76 @@ fn a_damaged_history_index_is_reported_not_ignored() {
         "{err}"
     );
 }
+
+/// Moves `n` sent items (keys `{prefix}-i`) into a new history segment.
+fn add_segment(h: &Harness, outbox: &Outbox, prefix: &str, n: usize) {
+    for i in 0..n {
+        let key = format!("{prefix}-{i}");
+        outbox.enqueue(msg(&key, "chat-1")).unwrap();
+        outbox.process(&key, |_| Ok(None)).unwrap();
+        h.clock.advance(secs(60));
+    }
+    h.clock.advance(DAY + secs(1));
+    outbox.compact().unwrap();
+}
+
+#[test]
+fn retention_keeps_the_newest_segments_and_audits_each_prune() {
+    let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxSegments(2)));
+    for prefix in ["s1", "s2", "s3", "s4"] {
+        add_segment(&h, &h.outbox, prefix, 2);
+    }
+    assert_eq!(
+        h.outbox.history_len().unwrap(),
+        4,
+        "two segments of two items remain"
+    );
+    assert!(h.outbox.get("s1-0").unwrap().is_none(), "pruned");
+    assert!(h.outbox.get("s2-1").unwrap().is_none(), "pruned");
+    assert!(h.outbox.get("s3-0").unwrap().is_some());
+    assert!(h.outbox.get("s4-1").unwrap().is_some());
+    let pruned: Vec<String> = durable_outbox::AuditLog::read(h.path("audit.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.outcome.as_str() == "pruned")
+        .map(|r| r.note.unwrap())
+        .collect();
+    assert_eq!(pruned.len(), 2, "{pruned:?}");
+    assert!(pruned[0].contains("segment 1 (2 items"), "{pruned:?}");
+    assert!(!h.path("history/seg-00000001.log").exists());
+    // Another handle notices the pruned segments are gone.
+    let other = h.reopen();
+    assert!(other.get("s2-0").unwrap().is_none());
+    other.verify_audit().unwrap();
+}
+
+#[test]
+fn a_pruned_key_is_forgotten_and_can_be_enqueued_again() {
+    let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxSegments(1)));
+    add_segment(&h, &h.outbox, "old", 1);
+    add_segment(&h, &h.outbox, "new", 1);
+    assert!(h.outbox.get("old-0").unwrap().is_none());
+    // The documented rule: the key is free again, and a new message is sent.
+    let again = h.outbox.enqueue(msg("old-0", "chat-1")).unwrap();
+    assert_eq!((again.state(), again.attempts()), (ItemState::Queued, 0));
+}
+
+#[test]
+fn retention_by_age_prunes_old_segments_but_never_the_newest() {
+    let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxAge(DAY * 7)));
+    add_segment(&h, &h.outbox, "a", 1);
+    h.clock.advance(DAY * 10);
+    add_segment(&h, &h.outbox, "b", 1);
+    assert!(
+        h.outbox.get("a-0").unwrap().is_none(),
+        "older than 7 days: pruned"
+    );
+    assert!(h.outbox.get("b-0").unwrap().is_some());
+    h.clock.advance(DAY * 30);
+    h.outbox.compact().unwrap();
+    assert!(
+        h.outbox.get("b-0").unwrap().is_some(),
+        "the newest segment is always kept"
+    );
+    h.outbox.verify_audit().unwrap();
+}
