@@ -39,6 +39,7 @@ pub struct OutboxBuilder {
     pub(crate) compact_on_open: bool,
     pub(crate) history_after: Duration,
     pub(crate) retention: crate::history::Retention,
+    pub(crate) audit_rotate_bytes: u64,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
@@ -58,6 +59,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("compact_on_open", &self.compact_on_open)
             .field("history_after", &self.history_after)
             .field("retention", &self.retention)
+            .field("audit_rotate_bytes", &self.audit_rotate_bytes)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .finish_non_exhaustive()
@@ -76,6 +78,7 @@ impl OutboxBuilder {
             compact_on_open: true,
             history_after: Duration::from_secs(24 * 60 * 60),
             retention: crate::history::Retention::KeepAll,
+            audit_rotate_bytes: 64 * 1024 * 1024,
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
@@ -177,6 +180,17 @@ impl OutboxBuilder {
         self
     }
 
+    /// Seal the active `audit.jsonl` as `audit-<first seq>.jsonl` at the first
+    /// compaction after it grows past this many bytes; the chain continues in a
+    /// new `audit.jsonl`. Default 64 MiB; at least 1 KiB. Sealed segments are
+    /// never deleted by the outbox: removing old audit history is an operator's
+    /// decision. [`AuditLog::verify_dir`](crate::AuditLog::verify_dir) and
+    /// [`Outbox::verify_audit`] verify across all segments.
+    pub fn audit_rotate_bytes(mut self, bytes: u64) -> Self {
+        self.audit_rotate_bytes = bytes;
+        self
+    }
+
     /// Where "now" comes from. Default: the system clock.
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.clock = Arc::new(clock);
@@ -225,6 +239,12 @@ impl OutboxBuilder {
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));
+        }
+        if self.audit_rotate_bytes < 1024 {
+            return Err(Error::invalid_config(
+                "audit_rotate_bytes",
+                "must be at least 1024",
+            ));
         }
         if !(1..=4096).contains(&self.drain_batch) {
             return Err(Error::invalid_config("drain_batch", "must be 1 to 4096"));

@@ -96,6 +96,7 @@ struct Config {
     max_inline_wait: Duration,
     history_after: Duration,
     retention: Retention,
+    audit_rotate_bytes: u64,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
 }
@@ -152,8 +153,10 @@ impl Locked {
             history_generation,
         } = self;
         if with_audit && audit.is_fresh() {
-            // First look: resume the audit log where the last compaction verified
-            // it, so opening costs the recent records, not the whole history.
+            // First look: start after the sealed segments, and resume the active
+            // log where the last compaction verified it, so opening costs the
+            // recent records, not the whole history.
+            audit.load_base()?;
             let state = &store.refresh(loaded)?.state;
             if let (Some(head), Some(offset)) = (&state.audit_head, state.audit_offset)
                 && !audit.resume_at(head, offset)?
@@ -344,6 +347,7 @@ impl Outbox {
                     builder.history_after,
                     &builder.rates,
                     builder.retention,
+                    builder.audit_rotate_bytes,
                 );
                 compact_locked(&store, audit, loaded, history, &keep, &faults)
                     .map_err(|(_, e)| e)?;
@@ -366,6 +370,7 @@ impl Outbox {
                     max_inline_wait: builder.max_inline_wait,
                     history_after: builder.history_after,
                     retention: builder.retention,
+                    audit_rotate_bytes: builder.audit_rotate_bytes,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
                 },
@@ -861,9 +866,15 @@ impl Outbox {
     ///
     /// The errors of [`AuditLog::read`](crate::AuditLog::read).
     pub fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
-        let path = self.inner.dir.join(crate::audit::AUDIT_FILE);
-        let mut records = crate::audit::AuditLog::read(path)?;
-        records.retain(|r| r.idempotency_key == key);
+        let mut records = Vec::new();
+        for path in crate::audit::chain_files(&self.inner.dir)? {
+            for record in crate::audit::AuditLog::records(&path)? {
+                let record = record?;
+                if record.idempotency_key == key {
+                    records.push(record);
+                }
+            }
+        }
         Ok(records)
     }
 
@@ -888,6 +899,7 @@ impl Outbox {
             config.history_after,
             &config.rates,
             config.retention,
+            config.audit_rotate_bytes,
         )
     }
 
@@ -1396,6 +1408,10 @@ fn compact_locked(
     audit
         .sync(faults)
         .map_err(|e| (CommitFailure::Uncertain, e))?;
+    // Seal a large audit log before the snapshot records where it resumes.
+    audit
+        .rotate_if_over(keep.audit_rotate_bytes)
+        .map_err(|e| (CommitFailure::Uncertain, e))?;
     let evictable: Vec<&OutboxItem> = loaded
         .state
         .items
@@ -1433,6 +1449,8 @@ struct Housekeeping {
     cutoff: DateTime<Utc>,
     retention: Retention,
     now: DateTime<Utc>,
+    /// Seal the active audit file once it is this large.
+    audit_rotate_bytes: u64,
 }
 
 impl Housekeeping {
@@ -1441,11 +1459,13 @@ impl Housekeeping {
         history_after: Duration,
         rates: &RatePolicy,
         retention: Retention,
+        audit_rotate_bytes: u64,
     ) -> Self {
         Self {
             cutoff: eviction_cutoff(now, history_after, rates),
             retention,
             now,
+            audit_rotate_bytes,
         }
     }
 }

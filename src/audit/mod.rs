@@ -135,6 +135,17 @@ impl AuditLog {
         verify_file(path.as_ref(), &Hasher::Plain, |_| {})
     }
 
+    /// Verifies the whole chain of an outbox directory's audit log: its sealed
+    /// segments (`audit-<first seq>.jsonl`, written when the log rotates) in
+    /// order, then the active `audit.jsonl`, each linking to the one before.
+    ///
+    /// # Errors
+    ///
+    /// As [`verify`](Self::verify), naming the file and line of the first fault.
+    pub fn verify_dir(dir: impl AsRef<Path>) -> Result<AuditReport> {
+        verify_files(&chain_files(dir.as_ref())?, &Hasher::Plain, |_| {})
+    }
+
     /// Verifies a keyed (HMAC-SHA-256) audit file with `key`.
     ///
     /// # Errors
@@ -321,8 +332,15 @@ impl Chain<'_> {
     }
 }
 
-fn verify_file(
-    path: &Path,
+fn verify_file(path: &Path, hasher: &Hasher, on_record: impl FnMut(&Head)) -> Result<AuditReport> {
+    verify_files(&[path.to_path_buf()], hasher, on_record)
+}
+
+/// Verifies one chain across files, in order: the first record of each file
+/// links to the last record of the one before. Only the last file may end in a
+/// torn line.
+fn verify_files(
+    paths: &[PathBuf],
     hasher: &Hasher,
     mut on_record: impl FnMut(&Head),
 ) -> Result<AuditReport> {
@@ -330,19 +348,68 @@ fn verify_file(
         hasher,
         head: Head::genesis(),
     };
-    let torn = for_each_line(path, |line_no, line| {
-        chain
-            .check(line)
-            .map_err(|fault| broken(path, line_no, fault))?;
-        on_record(&chain.head);
-        Ok(())
-    })?;
+    let mut records = 0;
+    let mut torn = 0;
+    for (i, path) in paths.iter().enumerate() {
+        torn = for_each_line(path, |line_no, line| {
+            chain
+                .check(line)
+                .map_err(|fault| broken(path, line_no, fault))?;
+            records += 1;
+            on_record(&chain.head);
+            Ok(())
+        })?;
+        if torn > 0 && i + 1 < paths.len() {
+            return Err(broken(
+                path,
+                records + 1,
+                AuditFault::Malformed("a sealed audit segment ends in an unfinished line".into()),
+            ));
+        }
+    }
     Ok(AuditReport {
-        records: chain.head.seq,
+        records,
         head_seq: chain.head.seq,
         head_hash: chain.head.hash,
         torn_tail_bytes: torn,
     })
+}
+
+/// Name of the sealed audit segment whose first record has seq `first`.
+fn sealed_name(first: u64) -> String {
+    format!("audit-{first:012}.jsonl")
+}
+
+/// The sealed audit segments in `dir`, oldest first: `(first seq, path)`.
+pub(crate) fn sealed_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(dir, "read directory", e)),
+    };
+    let mut sealed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(dir, "read directory", e))?;
+        let name = entry.file_name();
+        if let Some(first) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("audit-"))
+            .and_then(|n| n.strip_suffix(".jsonl"))
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            sealed.push((first, entry.path()));
+        }
+    }
+    sealed.sort();
+    Ok(sealed)
+}
+
+/// Every audit file of an outbox directory, in chain order: sealed segments,
+/// then the active `audit.jsonl`.
+pub(crate) fn chain_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = sealed_segments(dir)?.into_iter().map(|(_, p)| p).collect();
+    files.push(dir.join(AUDIT_FILE));
+    Ok(files)
 }
 
 /// The writer's view of the log: what has been verified so far and where the chain ends.
@@ -364,6 +431,24 @@ pub(crate) struct AuditTail {
     recent: VecDeque<Head>,
     /// A crash remnant after the last whole record, waiting to be set aside.
     torn: Option<Vec<u8>>,
+    /// The last record before the active file (the sealed segments' head), or genesis.
+    base: Head,
+    /// Identity of the active file this tail has read or written, to notice a
+    /// rotation by another handle.
+    file_id: Option<(u64, u64)>,
+}
+
+fn file_identity(meta: &fs::Metadata) -> (u64, u64) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        (meta.dev(), meta.ino())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = meta;
+        (0, 0)
+    }
 }
 
 impl AuditTail {
@@ -379,11 +464,68 @@ impl AuditTail {
             lines: 0,
             recent,
             torn: None,
+            base: Head::genesis(),
+            file_id: None,
         }
     }
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Before anything else is read: starts the chain at the head of the sealed
+    /// segments, if the log has rotated (their last record).
+    pub(crate) fn load_base(&mut self) -> Result<()> {
+        let Some((_, newest)) = sealed_segments(&self.dir)?.pop() else {
+            return Ok(());
+        };
+        let bytes = fsutil::read_existing(&newest).map_err(|e| Error::io(&newest, "read", e))?;
+        let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+        let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
+            broken(
+                &newest,
+                0,
+                AuditFault::Malformed(format!("last record: {e}")),
+            )
+        })?;
+        self.base = Head {
+            seq: view.seq,
+            hash: view.hash.into_owned(),
+        };
+        self.recent.clear();
+        self.recent.push_back(self.base.clone());
+        Ok(())
+    }
+
+    /// Seals the active file as `audit-<first seq>.jsonl` once it has grown past
+    /// `limit` bytes; the next record starts a new `audit.jsonl`, linked to the
+    /// last sealed one. Call under the lock, after [`sync`](Self::sync).
+    pub(crate) fn rotate_if_over(&mut self, limit: u64) -> Result<bool> {
+        if self.verified_len < limit || self.torn.is_some() || self.head().seq == self.base.seq {
+            return Ok(false);
+        }
+        let sealed = self.dir.join(sealed_name(self.base.seq + 1));
+        if sealed.exists() {
+            return Err(Error::io(
+                &sealed,
+                "seal audit segment",
+                std::io::Error::other("a sealed segment of that name exists already"),
+            ));
+        }
+        fs::rename(&self.path, &sealed).map_err(|e| Error::io(&sealed, "seal audit segment", e))?;
+        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        self.start_new_file();
+        Ok(true)
+    }
+
+    /// Forgets the active file: the chain continues in a new one.
+    fn start_new_file(&mut self) {
+        self.file = None;
+        self.file_id = None;
+        self.verified_len = 0;
+        self.lines = 0;
+        self.base = self.head().clone();
     }
 
     /// Bytes of the log verified (or written) so far.
@@ -435,7 +577,12 @@ impl AuditTail {
             return Ok(false);
         }
         self.verified_len = offset;
-        self.lines = head.seq;
+        self.file_id = Some(file_identity(
+            &file
+                .metadata()
+                .map_err(|e| Error::io(&self.path, "stat", e))?,
+        ));
+        self.lines = head.seq.saturating_sub(self.base.seq);
         self.recent.clear();
         self.recent.push_back(head.clone());
         Ok(true)
@@ -466,22 +613,61 @@ impl AuditTail {
     /// quarantines a torn tail left by a crash. O(new bytes).
     pub(crate) fn catch_up(&mut self) -> Result<()> {
         // One stat in the common case where nobody appended since we last looked.
-        let len = match fs::metadata(&self.path) {
-            Ok(meta) => meta.len(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.verified_len == 0 => {
-                return Ok(());
-            }
+        let meta = match fs::metadata(&self.path) {
+            Ok(meta) => Some(meta),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(Error::io(&self.path, "stat", e)),
         };
+        let rotated = match (self.file_id, &meta) {
+            (Some(id), Some(meta)) => id != file_identity(meta),
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if rotated {
+            // Another handle sealed the file we were following: finish reading it
+            // under its sealed name, then follow the new one from its start.
+            let sealed = self.dir.join(sealed_name(self.base.seq + 1));
+            self.absorb_from(&sealed)?;
+            if self.torn.take().is_some() {
+                return Err(broken(
+                    &sealed,
+                    self.lines + 1,
+                    AuditFault::Malformed(
+                        "a sealed audit segment ends in an unfinished line".into(),
+                    ),
+                ));
+            }
+            self.start_new_file();
+        }
+        let Some(meta) = meta else {
+            if self.verified_len == 0 {
+                return Ok(());
+            }
+            return Err(Error::io(
+                &self.path,
+                "stat",
+                std::io::ErrorKind::NotFound.into(),
+            ));
+        };
+        self.file_id.get_or_insert(file_identity(&meta));
+        let len = meta.len();
         if len == self.verified_len {
             self.torn = None;
             return Ok(());
         }
-        let mut file = fsutil::open_existing(&self.path, false)
-            .map_err(|e| Error::io(&self.path, "open", e))?;
+        self.absorb_from(&self.path.clone())
+    }
+
+    /// Reads and verifies records of `path` past `verified_len`; notes a torn tail.
+    fn absorb_from(&mut self, path: &Path) -> Result<()> {
+        let len = fs::metadata(path)
+            .map_err(|e| Error::io(path, "stat", e))?
+            .len();
+        let mut file =
+            fsutil::open_existing(path, false).map_err(|e| Error::io(path, "open", e))?;
         if len < self.verified_len {
             return Err(broken(
-                &self.path,
+                path,
                 self.lines,
                 AuditFault::Truncated {
                     expected_seq: self.head().seq,
@@ -490,10 +676,10 @@ impl AuditTail {
             ));
         }
         file.seek(SeekFrom::Start(self.verified_len))
-            .map_err(|e| Error::io(&self.path, "seek", e))?;
+            .map_err(|e| Error::io(path, "seek", e))?;
         let mut fresh = Vec::with_capacity((len - self.verified_len) as usize);
         file.read_to_end(&mut fresh)
-            .map_err(|e| Error::io(&self.path, "read", e))?;
+            .map_err(|e| Error::io(path, "read", e))?;
 
         let mut chain = Chain {
             hasher: &self.hasher,
@@ -513,7 +699,7 @@ impl AuditTail {
             let line_no = self.lines + heads.len() as u64 + 1;
             chain
                 .check(body)
-                .map_err(|fault| broken(&self.path, line_no, fault))?;
+                .map_err(|fault| broken(path, line_no, fault))?;
             heads.push(chain.head.clone());
             offset += line.len();
         }
@@ -553,7 +739,7 @@ impl AuditTail {
     /// `outbox.json` recorded (`expected`): a log cut short of it was truncated.
     pub(crate) fn verify_whole(&self, expected: Option<&Head>) -> Result<AuditReport> {
         let mut hash_at_expected = None;
-        let report = verify_file(&self.path, &self.hasher, |head| {
+        let report = verify_files(&chain_files(&self.dir)?, &self.hasher, |head| {
             if expected.is_some_and(|e| e.seq == head.seq) {
                 hash_at_expected = Some(head.hash.clone());
             }
@@ -656,6 +842,10 @@ impl AuditTail {
                 fsutil::sync_dir(&self.dir)
                     .map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
             }
+            let meta = file
+                .metadata()
+                .map_err(|e| Error::io(&self.path, "stat", e))?;
+            self.file_id = Some(file_identity(&meta));
             self.file = Some(file);
         }
         match self.file.as_mut() {

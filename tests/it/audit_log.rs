@@ -481,3 +481,106 @@ fn busy_with_key(key: &[u8]) -> Vec<u8> {
     }
     h.audit_bytes()
 }
+
+fn sealed_files(h: &Harness) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = fs::read_dir(h.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            name.starts_with("audit-") && name.ends_with(".jsonl")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_large_log_rotates_and_the_chain_continues_across_segments() {
+    let h = Harness::with(|b| b.audit_rotate_bytes(1024));
+    for i in 0..4 {
+        h.enqueue(&format!("a{i}"), "chat-1");
+    }
+    h.outbox.compact().unwrap();
+    let sealed = sealed_files(&h);
+    assert_eq!(sealed.len(), 1, "sealed once past 1 KiB");
+    assert!(sealed[0].ends_with("audit-000000000001.jsonl"));
+    let sealed_bytes = fs::read(&sealed[0]).unwrap();
+    assert!(
+        !h.path("audit.jsonl").exists(),
+        "the next record starts a new file"
+    );
+
+    // An older handle, opened before the rotation, keeps the chain whole.
+    let other = h.reopen();
+    h.enqueue("b0", "chat-1");
+    other.enqueue(msg("b1", "chat-1")).unwrap();
+    h.outbox.process("a0", |_| Ok(None)).unwrap();
+    assert_eq!(
+        fs::read(&sealed[0]).unwrap(),
+        sealed_bytes,
+        "sealed segments never change"
+    );
+
+    let first_active: serde_json::Value = serde_json::from_str(lines(&h).first().unwrap()).unwrap();
+    let last_sealed: serde_json::Value = serde_json::from_str(
+        String::from_utf8(sealed_bytes)
+            .unwrap()
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        first_active["prev_hash"], last_sealed["hash"],
+        "linked across files"
+    );
+    assert_eq!(
+        first_active["seq"],
+        last_sealed["seq"].as_u64().unwrap() + 1
+    );
+
+    let report = h.outbox.verify_audit().unwrap();
+    assert_eq!(
+        report.records, 7,
+        "4 + 2 queued and 1 sent, verified across files"
+    );
+    assert_eq!(AuditLog::verify_dir(h.dir.path()).unwrap(), report);
+    let kinds: Vec<_> = h
+        .outbox
+        .history("a0")
+        .unwrap()
+        .iter()
+        .map(|r| r.outcome.as_str())
+        .collect();
+    assert_eq!(kinds, ["queued", "sent"], "history reads every segment");
+    // A restarted handle starts after the sealed segments.
+    let restarted = Outbox::builder(h.dir.path())
+        .audit_rotate_bytes(1024)
+        .open()
+        .unwrap();
+    restarted.enqueue(msg("c0", "chat-1")).unwrap();
+    assert_eq!(restarted.verify_audit().unwrap().records, 8);
+}
+
+#[test]
+fn tampering_in_a_sealed_segment_is_found_and_located() {
+    let h = Harness::with(|b| b.audit_rotate_bytes(1024));
+    for i in 0..4 {
+        h.enqueue(&format!("a{i}"), "chat-1");
+    }
+    h.outbox.compact().unwrap();
+    h.enqueue("b0", "chat-1");
+    let sealed = sealed_files(&h).pop().unwrap();
+    let text = fs::read_to_string(&sealed)
+        .unwrap()
+        .replacen("\"attempts\":0", "\"attempts\":7", 2);
+    fs::write(&sealed, text).unwrap();
+    match h.outbox.verify_audit().unwrap_err() {
+        Error::AuditBroken { path, line, fault } => {
+            assert_eq!(path, sealed);
+            assert_eq!((line, fault), (1, AuditFault::HashMismatch));
+        }
+        other => panic!("expected AuditBroken, got {other}"),
+    }
+}
