@@ -1511,6 +1511,12 @@ fn prune_history(
         audit
             .append_records(std::slice::from_ref(&record), faults)
             .map_err(|e| (CommitFailure::Uncertain, e))?;
+        faults.check("history.prune").map_err(|e| {
+            (
+                CommitFailure::Uncertain,
+                Error::io(audit.path(), "prune", e),
+            )
+        })?;
         history
             .remove_segment(segment.number)
             .map_err(|e| (CommitFailure::Uncertain, e))?;

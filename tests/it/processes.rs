@@ -279,3 +279,121 @@ fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, 
         }
     }
 }
+
+/// Sends `keys` (each to its own chat) from this process, with settings that
+/// let the `move` worker move them to history right away.
+fn sent_items(dir: &Path, prefix: &str, n: usize) {
+    let outbox = Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_millis(1))
+        .open()
+        .unwrap();
+    for i in 0..n {
+        let key = format!("{prefix}-{i}");
+        outbox
+            .enqueue(crate::harness::msg(&key, &format!("chat-{i}")))
+            .unwrap();
+        outbox
+            .process(&key, |_| Ok(Some(format!("tr-{key}"))))
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(5));
+}
+
+#[test]
+fn a_kill_at_any_step_of_a_move_to_history_loses_and_duplicates_nothing() {
+    for point in [
+        "history_index.rename",
+        "history_log.rename",
+        "history_log.dir_fsync",
+        "state.rename",
+        "state.dir_fsync",
+        "journal_create.rename",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        sent_items(dir.path(), "k", 12);
+        let status = worker(&["move", dir.path().to_str().unwrap()])
+            .env("DURABLE_OUTBOX_FAILPOINTS", format!("{point}=kill"))
+            .status()
+            .unwrap();
+        assert!(!status.success(), "{point}: the worker was killed");
+        let outbox = Outbox::open(dir.path()).unwrap();
+        for i in 0..12 {
+            let key = format!("k-{i}");
+            let item = outbox
+                .get(&key)
+                .unwrap()
+                .unwrap_or_else(|| panic!("{point}: {key} lost"));
+            assert_eq!(
+                item.transport_ref(),
+                Some(format!("tr-{key}").as_str()),
+                "{point}"
+            );
+            let found = outbox.find_by_transport_ref(&format!("tr-{key}")).unwrap();
+            assert_eq!(
+                found.map(|i| i.idempotency_key().to_owned()),
+                Some(key),
+                "{point}"
+            );
+        }
+        drop(outbox);
+        // A move that completes afterwards leaves each item exactly once, in history.
+        let status = worker(&["move", dir.path().to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "{point}: the second move");
+        let outbox = Outbox::open(dir.path()).unwrap();
+        assert_eq!(
+            outbox.history_len().unwrap(),
+            12,
+            "{point}: moved once, not twice"
+        );
+        assert!(outbox.list_items().unwrap().is_empty(), "{point}");
+        outbox
+            .verify_audit()
+            .unwrap_or_else(|e| panic!("{point}: {e}"));
+    }
+}
+
+#[test]
+fn a_kill_in_the_middle_of_a_prune_is_finished_by_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    sent_items(dir.path(), "old", 3);
+    assert!(worker(&["move", d]).status().unwrap().success());
+    sent_items(dir.path(), "new", 3);
+    // Killed after the prune is audited, before the segment is deleted.
+    let status = worker(&["move", d, "--prune"])
+        .env("DURABLE_OUTBOX_FAILPOINTS", "history.prune=kill")
+        .status()
+        .unwrap();
+    assert!(!status.success());
+    assert!(
+        dir.path().join("history/seg-00000001.log").exists(),
+        "not deleted yet"
+    );
+    let outbox = Outbox::open(dir.path()).unwrap();
+    assert!(
+        outbox.get("new-1").unwrap().is_some(),
+        "the new items are safe"
+    );
+    outbox.verify_audit().unwrap();
+    drop(outbox);
+    assert!(worker(&["move", d, "--prune"]).status().unwrap().success());
+    assert!(
+        !dir.path().join("history/seg-00000001.log").exists(),
+        "the next prune finishes it"
+    );
+    let outbox = Outbox::open(dir.path()).unwrap();
+    assert!(outbox.get("old-0").unwrap().is_none());
+    assert!(outbox.get("new-2").unwrap().is_some());
+    let prunes = durable_outbox::AuditLog::read(dir.path().join("audit.jsonl"))
+        .unwrap()
+        .iter()
+        .filter(|r| r.outcome.as_str() == "pruned")
+        .count();
+    assert_eq!(
+        prunes, 2,
+        "the interrupted prune is recorded again when it is finished"
+    );
+    outbox.verify_audit().unwrap();
+}

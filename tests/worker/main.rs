@@ -11,6 +11,8 @@
 //!   then blocks forever (the parent kills it there).
 //! - `process DIR KEY deliver LOG`: process KEY with a send that appends KEY to the
 //!   transport LOG (fsynced) before returning; prints the outcome.
+//! - `move DIR [--prune]`: compact, moving every terminal item to history
+//!   (and pruning history down to its newest segment with `--prune`).
 //! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
 //! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
 //!   (`SPACE-0` … `SPACE-63`) in a loop.
@@ -112,6 +114,25 @@ fn main() {
             }
             .unwrap_or_else(|e| fail(&format!("process: {e}")));
             say(&format!("outcome {}", receipt.outcome.as_str()));
+        }
+        "move" => {
+            // Compact with history_after 0 and a 1 ms window: every terminal item
+            // older than a millisecond moves to history (and, with --prune, the
+            // oldest history segments are pruned down to one).
+            let mut builder = Outbox::builder(arg(1))
+                .rate_limit(u32::MAX, Duration::from_millis(1))
+                .history_after(Duration::ZERO)
+                .compact_on_open(false);
+            if args.get(2).map(String::as_str) == Some("--prune") {
+                builder = builder.history_retention(durable_outbox::Retention::MaxSegments(1));
+            }
+            let outbox = builder
+                .open()
+                .unwrap_or_else(|e| fail(&format!("open: {e}")));
+            outbox
+                .compact()
+                .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+            say("moved");
         }
         "drain" => {
             let outbox = open(arg(1));
