@@ -71,7 +71,8 @@ mod send;
 mod store;
 
 pub use crate::audit::{
-    AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport, GENESIS_HASH, Head,
+    AuditChainRecords, AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport,
+    GENESIS_HASH, Head,
 };
 pub use crate::builder::OutboxBuilder;
 pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};

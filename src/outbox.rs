@@ -867,12 +867,10 @@ impl Outbox {
     /// The errors of [`AuditLog::read`](crate::AuditLog::read).
     pub fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
         let mut records = Vec::new();
-        for path in crate::audit::chain_files(&self.inner.dir)? {
-            for record in crate::audit::AuditLog::records(&path)? {
-                let record = record?;
-                if record.idempotency_key == key {
-                    records.push(record);
-                }
+        for record in crate::audit::AuditLog::records_dir(&self.inner.dir)? {
+            let record = record?;
+            if record.idempotency_key == key {
+                records.push(record);
             }
         }
         Ok(records)

@@ -146,6 +146,20 @@ impl AuditLog {
         verify_files(&chain_files(dir.as_ref())?, &Hasher::Plain, |_| {})
     }
 
+    /// Streams every record of an outbox directory's audit log, in chain order:
+    /// the sealed segments, then the active `audit.jsonl`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the directory cannot be listed; each item as
+    /// [`records`](Self::records).
+    pub fn records_dir(dir: impl AsRef<Path>) -> Result<AuditChainRecords> {
+        Ok(AuditChainRecords {
+            files: chain_files(dir.as_ref())?.into(),
+            current: None,
+        })
+    }
+
     /// Verifies a keyed (HMAC-SHA-256) audit file with `key`.
     ///
     /// # Errors
@@ -197,6 +211,31 @@ impl AuditLog {
             line: 0,
             buffer: Vec::with_capacity(512),
         })
+    }
+}
+
+/// An iterator over every record of an outbox directory's audit log, sealed
+/// segments first; see [`AuditLog::records_dir`].
+#[derive(Debug)]
+pub struct AuditChainRecords {
+    files: std::collections::VecDeque<PathBuf>,
+    current: Option<AuditRecords>,
+}
+
+impl Iterator for AuditChainRecords {
+    type Item = Result<AuditRecord>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(record) = self.current.as_mut().and_then(Iterator::next) {
+                return Some(record);
+            }
+            let path = self.files.pop_front()?;
+            match AuditLog::records(&path) {
+                Ok(records) => self.current = Some(records),
+                Err(e) => return Some(Err(e)),
+            }
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use durable_outbox::{AuditLog, AuditRecord, Head, Outbox, OutboxItem, Result};
 /// half-written by a running bot, so reading stops exactly at the target and can
 /// later continue to a newer one.
 pub struct LogReader {
-    records: durable_outbox::AuditRecords,
+    records: durable_outbox::AuditChainRecords,
     /// The seq of the last record read (0 before the first).
     pub seq: u64,
 }
@@ -26,7 +26,7 @@ pub struct LogReader {
 impl LogReader {
     pub fn open(outbox: &Outbox) -> Result<Self> {
         Ok(Self {
-            records: AuditLog::records(outbox.dir().join("audit.jsonl"))?,
+            records: AuditLog::records_dir(outbox.dir())?,
             seq: 0,
         })
     }
