@@ -785,6 +785,75 @@ impl Outbox {
         })
     }
 
+    /// An operator's decision to delete old audit history: removes all sealed
+    /// audit segments but the newest `keep`, after a `pruned` audit record naming
+    /// `operator`, `reason` and the range. The outbox never does this by itself.
+    /// Verification then starts at `audit.anchor`, the last removed record.
+    /// Returns how many segments were removed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidField`] for a blank operator or reason; the load and write
+    /// errors of every operation.
+    pub fn remove_old_audit_segments(
+        &self,
+        keep: usize,
+        operator: &str,
+        reason: &str,
+    ) -> Result<usize> {
+        let note = operator_note(operator, reason)?;
+        let inner = &*self.inner;
+        if inner.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        let mut guard = inner.lock.lock()?;
+        let (audit, loaded, _) = guard.refresh(&inner.store)?;
+        self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
+        let sealed = crate::audit::sealed_segments(&inner.dir)?;
+        let remove = sealed.len().saturating_sub(keep);
+        if remove == 0 {
+            return Ok(0);
+        }
+        let range = format!(
+            "{} to {}",
+            sealed[0].1.display(),
+            sealed[remove - 1].1.display()
+        );
+        let head = audit.head().clone();
+        let event = AuditEvent {
+            attempts: 0,
+            audit_id: hex::encode(
+                &Sha256::digest(format!("{}audit-prune", head.hash).as_bytes())[..16],
+            ),
+            connector: "-".into(),
+            content_hash: "-".into(),
+            destination: "-".into(),
+            direction: "-".into(),
+            error_code: None,
+            grant_id: "-".into(),
+            idempotency_key: "audit-segments".into(),
+            lane: "-".into(),
+            outcome: AuditOutcome::Pruned,
+            note: Some(format!(
+                "{note} (removed {remove} sealed audit segments: {range})"
+            )),
+            reconciled: false,
+            recorded_at_utc: format_timestamp(inner.config.clock.now()),
+            risk_class: None,
+            transport_ref: None,
+        };
+        let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, audit.hasher());
+        self.settle(inner.store.commit(
+            loaded,
+            Vec::new(),
+            std::slice::from_ref(&record),
+            &inner.faults,
+        ))?;
+        self.guard_poison(audit.append_records(std::slice::from_ref(&record), &inner.faults))?;
+        let removed = self.guard_poison(audit.remove_sealed(keep, &inner.faults))?;
+        Ok(removed.len())
+    }
+
     /// Verifies the audit chain and cross-checks it against the head `outbox.json`
     /// recorded, so a truncated log is detected too.
     ///

@@ -142,8 +142,17 @@ impl AuditLog {
     /// # Errors
     ///
     /// As [`verify`](Self::verify), naming the file and line of the first fault.
+    ///
+    /// If an operator removed the oldest sealed segments, verification starts at
+    /// the anchor they left (`audit.anchor`: the last removed record's seq and hash).
     pub fn verify_dir(dir: impl AsRef<Path>) -> Result<AuditReport> {
-        verify_files(&chain_files(dir.as_ref())?, &Hasher::Plain, |_| {})
+        let dir = dir.as_ref();
+        verify_files_from(
+            read_anchor(dir)?,
+            &chain_files(dir)?,
+            &Hasher::Plain,
+            |_| {},
+        )
     }
 
     /// Streams every record of an outbox directory's audit log, in chain order:
@@ -381,11 +390,21 @@ fn verify_file(path: &Path, hasher: &Hasher, on_record: impl FnMut(&Head)) -> Re
 fn verify_files(
     paths: &[PathBuf],
     hasher: &Hasher,
+    on_record: impl FnMut(&Head),
+) -> Result<AuditReport> {
+    verify_files_from(Head::genesis(), paths, hasher, on_record)
+}
+
+/// As [`verify_files`], for a chain whose records before `start` were removed.
+fn verify_files_from(
+    start: Head,
+    paths: &[PathBuf],
+    hasher: &Hasher,
     mut on_record: impl FnMut(&Head),
 ) -> Result<AuditReport> {
     let mut chain = Chain {
         hasher,
-        head: Head::genesis(),
+        head: start,
     };
     let mut records = 0;
     let mut torn = 0;
@@ -441,6 +460,34 @@ pub(crate) fn sealed_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     }
     sealed.sort();
     Ok(sealed)
+}
+
+/// Name of the file recording where the chain starts after an operator removed
+/// old sealed segments.
+const ANCHOR_FILE: &str = "audit.anchor";
+
+/// The head the remaining log continues from: the anchor, or genesis.
+pub(crate) fn read_anchor(dir: &Path) -> Result<Head> {
+    let path = dir.join(ANCHOR_FILE);
+    match fsutil::read_existing(&path) {
+        Ok(bytes) => {
+            let value: serde_json::Value =
+                serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&path, e))?;
+            match (value["seq"].as_u64(), value["hash"].as_str()) {
+                (Some(seq), Some(hash)) => Ok(Head {
+                    seq,
+                    hash: hash.to_owned(),
+                }),
+                _ => Err(Error::InvalidRecord {
+                    path,
+                    location: "anchor".into(),
+                    reason: "needs a seq and a hash".into(),
+                }),
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Head::genesis()),
+        Err(e) => Err(Error::io(&path, "read", e)),
+    }
 }
 
 /// Every audit file of an outbox directory, in chain order: sealed segments,
@@ -516,6 +563,12 @@ impl AuditTail {
     /// segments, if the log has rotated (their last record).
     pub(crate) fn load_base(&mut self) -> Result<()> {
         let Some((_, newest)) = sealed_segments(&self.dir)?.pop() else {
+            let anchor = read_anchor(&self.dir)?;
+            if anchor.seq > 0 {
+                self.base = anchor.clone();
+                self.recent.clear();
+                self.recent.push_back(anchor);
+            }
             return Ok(());
         };
         let bytes = fsutil::read_existing(&newest).map_err(|e| Error::io(&newest, "read", e))?;
@@ -556,6 +609,50 @@ impl AuditTail {
         fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
         self.start_new_file();
         Ok(true)
+    }
+
+    /// Removes all sealed segments but the newest `keep`, after writing the
+    /// anchor (the last removed record) that verification starts from. Returns
+    /// the removed segments' paths. Call under the lock, after the removal is
+    /// audited.
+    pub(crate) fn remove_sealed(
+        &mut self,
+        keep: usize,
+        faults: &Failpoints,
+    ) -> Result<Vec<PathBuf>> {
+        let sealed = sealed_segments(&self.dir)?;
+        let remove = sealed.len().saturating_sub(keep);
+        if remove == 0 {
+            return Ok(Vec::new());
+        }
+        let last_removed = &sealed[remove - 1].1;
+        let bytes =
+            fsutil::read_existing(last_removed).map_err(|e| Error::io(last_removed, "read", e))?;
+        let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+        let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
+            broken(
+                last_removed,
+                0,
+                AuditFault::Malformed(format!("last record: {e}")),
+            )
+        })?;
+        let anchor = serde_json::json!({ "seq": view.seq, "hash": view.hash });
+        fsutil::replace_atomically(
+            &self.dir,
+            ANCHOR_FILE,
+            anchor.to_string().as_bytes(),
+            faults,
+            "audit_anchor",
+        )
+        .map_err(|(_, e)| e)?;
+        let mut removed = Vec::with_capacity(remove);
+        for (_, path) in &sealed[..remove] {
+            fs::remove_file(path).map_err(|e| Error::io(path, "remove audit segment", e))?;
+            removed.push(path.clone());
+        }
+        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        Ok(removed)
     }
 
     /// Forgets the active file: the chain continues in a new one.
@@ -778,11 +875,16 @@ impl AuditTail {
     /// `outbox.json` recorded (`expected`): a log cut short of it was truncated.
     pub(crate) fn verify_whole(&self, expected: Option<&Head>) -> Result<AuditReport> {
         let mut hash_at_expected = None;
-        let report = verify_files(&chain_files(&self.dir)?, &self.hasher, |head| {
-            if expected.is_some_and(|e| e.seq == head.seq) {
-                hash_at_expected = Some(head.hash.clone());
-            }
-        })?;
+        let report = verify_files_from(
+            read_anchor(&self.dir)?,
+            &chain_files(&self.dir)?,
+            &self.hasher,
+            |head| {
+                if expected.is_some_and(|e| e.seq == head.seq) {
+                    hash_at_expected = Some(head.hash.clone());
+                }
+            },
+        )?;
         if let Some(expected) = expected.filter(|e| e.seq > 0) {
             match hash_at_expected {
                 None => {

@@ -584,3 +584,44 @@ fn tampering_in_a_sealed_segment_is_found_and_located() {
         other => panic!("expected AuditBroken, got {other}"),
     }
 }
+
+#[test]
+fn an_operator_can_remove_old_audit_segments_and_verification_starts_at_the_anchor() {
+    let h = Harness::with(|b| b.audit_rotate_bytes(1024));
+    for round in 0..3 {
+        for i in 0..4 {
+            h.enqueue(&format!("r{round}-{i}"), "chat-1");
+        }
+        h.outbox.compact().unwrap();
+    }
+    assert_eq!(sealed_files(&h).len(), 3);
+    let removed = h
+        .outbox
+        .remove_old_audit_segments(1, "ops", "older than a year")
+        .unwrap();
+    assert_eq!(removed, 2);
+    assert_eq!(sealed_files(&h).len(), 1);
+    assert!(h.path("audit.anchor").exists());
+    let report = h.outbox.verify_audit().unwrap();
+    assert_eq!(
+        report.records, 5,
+        "4 records in the kept segment, then the pruned record"
+    );
+    assert_eq!(AuditLog::verify_dir(h.dir.path()).unwrap(), report);
+    let note = h
+        .outbox
+        .history("audit-segments")
+        .unwrap()
+        .pop()
+        .unwrap()
+        .note
+        .unwrap();
+    assert!(
+        note.starts_with("ops: older than a year (removed 2 sealed audit segments"),
+        "{note}"
+    );
+    // Tampering in what is kept is still found; a reopened handle continues the chain.
+    let reopened = h.reopen();
+    reopened.enqueue(msg("after", "chat-2")).unwrap();
+    assert_eq!(reopened.verify_audit().unwrap().records, 6);
+}
