@@ -164,15 +164,28 @@ impl Outbox {
         Fut: Future<Output = std::result::Result<Option<String>, SendError>>,
     {
         let (outbox, owned_key) = (self.clone(), key.to_owned());
-        let item = match blocking(self, move || outbox.claim(&owned_key)).await? {
-            Claimed::Done(receipt) => return Ok(Step::Done(receipt)),
-            Claimed::Send(item) => item,
+        // The claim comes back as a ticket: if this future is dropped while the
+        // claim is still being made, the ticket is dropped with the task's output
+        // and gives the claim back (the send never started, so nothing is lost).
+        let claimed = blocking(self, move || {
+            Ok(match outbox.claim(&owned_key)? {
+                Claimed::Done(receipt) => Ticket::Done(receipt),
+                Claimed::Send(item, before) => Ticket::Send(ClaimTicket {
+                    outbox: Some(outbox.clone()),
+                    key: owned_key,
+                    item,
+                    before,
+                }),
+            })
+        })
+        .await?;
+        let ticket = match claimed {
+            Ticket::Done(receipt) => return Ok(Step::Done(receipt)),
+            Ticket::Send(ticket) => ticket,
         };
-        let guard = CancelGuard {
-            outbox: Some(self.clone()),
-            key: key.to_owned(),
-        };
-        let result: SendResult = CatchUnwind(Box::pin(send(*item))).await;
+        // From here on the send may start: a drop now means "maybe delivered".
+        let (item, guard) = ticket.start_send();
+        let result: SendResult = CatchUnwind(Box::pin(send(item))).await;
         guard.disarm();
         let (outbox, owned_key) = (self.clone(), key.to_owned());
         let recorded = tokio::task::spawn_blocking(move || {
@@ -187,6 +200,51 @@ impl Outbox {
             Err(join) => return Err(pool_gone(self, &join)),
         };
         Ok(Step::Sent(receipt, retry_wait))
+    }
+}
+
+/// What the claim step hands back to the async side.
+enum Ticket {
+    Done(DeliveryReceipt),
+    Send(ClaimTicket),
+}
+
+/// A durable claim whose send has not started. Dropped unused, it releases the
+/// claim: the item is restored exactly as it was, since it never left.
+struct ClaimTicket {
+    outbox: Option<Outbox>,
+    key: String,
+    item: Box<OutboxItem>,
+    before: Box<OutboxItem>,
+}
+
+impl ClaimTicket {
+    /// Turns the ticket into a started send, guarded against cancellation.
+    fn start_send(mut self) -> (OutboxItem, CancelGuard) {
+        let outbox = self.outbox.take();
+        let key = std::mem::take(&mut self.key);
+        let item = std::mem::replace(&mut self.item, Box::new((*self.before).clone()));
+        (*item, CancelGuard { outbox, key })
+    }
+}
+
+impl Drop for ClaimTicket {
+    fn drop(&mut self) {
+        let Some(outbox) = self.outbox.take() else {
+            return;
+        };
+        let key = std::mem::take(&mut self.key);
+        let before = std::mem::replace(&mut self.before, self.item.clone());
+        let release = move || {
+            if let Err(e) = outbox.release(&key, &before) {
+                // The claim stays; the next touch fails it as ambiguous.
+                tracing::error!(key, error = %e, "could not release an unsent claim");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(release)),
+            Err(_) => release(),
+        }
     }
 }
 

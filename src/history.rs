@@ -301,6 +301,10 @@ impl History {
         faults: &Failpoints,
     ) -> std::result::Result<usize, (CommitFailure, Error)> {
         let clean = |e| (CommitFailure::Clean, e);
+        // Another handle may have written a segment this one has not loaded (its
+        // compaction failed after the segment, so the generation did not move):
+        // load it first, so numbering continues after it and its items are known.
+        self.refresh().map_err(clean)?;
         let mut fresh = Vec::with_capacity(items.len());
         for item in items {
             let known = self.get(&item.idempotency_key).map_err(clean)?;
@@ -313,6 +317,14 @@ impl History {
         }
         crate::lock::create_private_dir(&self.dir).map_err(clean)?;
         let number = self.segments.last().map_or(1, |s| s.number + 1);
+        if self.log_path(number).exists() {
+            // Never replace a segment: refresh() above loaded every existing one.
+            return Err(clean(Error::io(
+                self.log_path(number),
+                "write history segment",
+                io::Error::other("a segment of that number exists already"),
+            )));
+        }
         let mut log = Vec::new();
         let mut keys = Vec::with_capacity(fresh.len());
         let mut refs = Vec::new();

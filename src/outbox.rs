@@ -280,15 +280,19 @@ impl Txn<'_> {
 enum Decision {
     Done(DeliveryReceipt),
     /// Claimed: the item as claimed, and as it was before (to release it unchanged).
-    Send(Box<OutboxItem>, Box<OutboxItem>),
+    Send(
+        Box<OutboxItem>,
+        #[cfg_attr(not(feature = "tokio"), allow(dead_code))] Box<OutboxItem>,
+    ),
 }
 
 /// What the claim step concluded, for callers outside this module.
 pub(crate) enum Claimed {
     /// No send now; here is why.
     Done(DeliveryReceipt),
-    /// Claimed durably: send it, then record the result.
-    Send(Box<OutboxItem>),
+    /// Claimed durably: send it, then record the result. The second item is the
+    /// item as it was before the claim, to release it unchanged if it is never sent.
+    Send(Box<OutboxItem>, Box<OutboxItem>),
 }
 
 /// What `send` produced, with panics caught.
@@ -613,17 +617,25 @@ impl Outbox {
         send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
         report: &mut DrainReport,
     ) -> Result<()> {
+        let mut claimed_here = Vec::new();
         let decided = self.transact(|txn| {
-            keys.iter()
-                .map(|key| self.decide(txn, key))
-                .collect::<Result<Vec<_>>>()
+            let mut decisions = Vec::with_capacity(keys.len());
+            for key in keys {
+                let decision = self.decide(txn, key)?;
+                if matches!(decision, Decision::Send(..)) {
+                    claimed_here.push(key.clone());
+                }
+                decisions.push(decision);
+            }
+            Ok(decisions)
         });
         let decisions = match decided {
             Ok(decisions) => decisions,
             Err(e) => {
-                // Claims that did not commit are not in flight.
+                // Claims that did not commit are not in flight: only this batch's
+                // (another thread of this handle may be sending one of these keys).
                 let mut in_flight = self.in_flight();
-                for key in keys {
+                for key in &claimed_here {
                     in_flight.remove(key);
                 }
                 return Err(e);
@@ -1012,15 +1024,17 @@ impl Outbox {
         )?;
         self.guard_poison(audit.append_records(&records, &inner.faults))?;
         if loaded.wants_compaction() {
+            // The change above is durable whatever happens here: a failed
+            // compaction must not turn it into an error. A clean failure is
+            // retried at the next commit; an uncertain one poisons the handle
+            // for the calls that follow.
             let keep = self.housekeeping();
-            self.settle(compact_locked(
-                &inner.store,
-                audit,
-                loaded,
-                history,
-                &keep,
-                &inner.faults,
-            ))?;
+            let compacted =
+                compact_locked(&inner.store, audit, loaded, history, &keep, &inner.faults);
+            if let Err(e) = self.settle(compacted) {
+                tracing::warn!(error = %e, "compaction after a commit failed; the commit stands");
+                loaded.defer_compaction();
+            }
         }
         Ok(value)
     }
@@ -1062,7 +1076,7 @@ impl Outbox {
         loop {
             let item = match self.claim(key)? {
                 Claimed::Done(receipt) => return Ok(receipt),
-                Claimed::Send(item) => item,
+                Claimed::Send(item, _) => item,
             };
             let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
             let (receipt, retry_wait) = self.record_result(key, result)?;
@@ -1079,12 +1093,21 @@ impl Outbox {
     /// A claimed key is in this handle's in-flight set until
     /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
-        match self.transact(|txn| self.decide(txn, key)) {
+        let mut claimed_here = false;
+        let decided = self.transact(|txn| {
+            let decision = self.decide(txn, key)?;
+            claimed_here = matches!(decision, Decision::Send(..));
+            Ok(decision)
+        });
+        match decided {
             Ok(Decision::Done(receipt)) => Ok(Claimed::Done(receipt)),
-            Ok(Decision::Send(item, _)) => Ok(Claimed::Send(item)),
+            Ok(Decision::Send(item, before)) => Ok(Claimed::Send(item, before)),
             Err(e) => {
-                // A claim that did not commit is not in flight.
-                self.in_flight().remove(key);
+                // A claim that did not commit is not in flight. Only this call's:
+                // another thread of this handle may be sending the same key.
+                if claimed_here {
+                    self.in_flight().remove(key);
+                }
                 Err(e)
             }
         }
@@ -1126,6 +1149,24 @@ impl Outbox {
             });
             if ours {
                 fail(txn, key, code)?;
+            }
+            Ok(())
+        });
+        self.in_flight().remove(key);
+        result
+    }
+
+    /// Gives back a claim whose item was never handed to `send` (its async
+    /// caller went away before the send started): the item is restored exactly
+    /// as it was before the claim. Does nothing if the claim is no longer ours.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn release(&self, key: &str, before: &OutboxItem) -> Result<()> {
+        let result = self.transact(|txn| {
+            let ours = txn.item(key).is_some_and(|i| {
+                i.state == ItemState::Queued && i.claim_owner() == Some(self.inner.owner.id())
+            });
+            if ours {
+                txn.insert(before.clone());
             }
             Ok(())
         });

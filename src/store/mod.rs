@@ -259,6 +259,8 @@ pub(crate) struct Loaded {
     cursor: Option<Cursor>,
     /// An unacknowledged, torn entry at the cursor, waiting to be set aside.
     torn: Option<Vec<u8>>,
+    /// Journal offset before which no further automatic compaction is tried.
+    compaction_retry_at: u64,
 }
 
 impl Loaded {
@@ -285,7 +287,16 @@ impl Loaded {
     pub(crate) fn wants_compaction(&self) -> bool {
         let journal = self.cursor.as_ref().map_or(0, |c| c.offset);
         let snapshot = self.snapshot.map_or(0, |s| s.len);
-        journal > COMPACT_MIN_BYTES && journal > snapshot * COMPACT_SNAPSHOT_FACTOR
+        journal > COMPACT_MIN_BYTES
+            && journal > snapshot * COMPACT_SNAPSHOT_FACTOR
+            && journal >= self.compaction_retry_at
+    }
+
+    /// After a failed compaction, wait for another 1 MiB of journal before trying
+    /// again, rather than re-encoding the whole state at every commit.
+    pub(crate) fn defer_compaction(&mut self) {
+        let journal = self.cursor.as_ref().map_or(0, |c| c.offset);
+        self.compaction_retry_at = journal + 1024 * 1024;
     }
 
     /// Whether anything has been journalled since the snapshot.
@@ -391,6 +402,7 @@ impl Store {
             snapshot,
             cursor: None,
             torn: None,
+            compaction_retry_at: 0,
         };
         let file = match fsutil::open_existing(&self.journal_path, true) {
             Ok(file) => file,
@@ -634,6 +646,19 @@ impl Store {
                 Error::io(&self.journal_path, "append", e),
             )
         })?;
+        // Another handle may have grown the file since we last did: never write
+        // zeros below its real length, they would cover acknowledged entries.
+        let actual = cursor
+            .file
+            .metadata()
+            .map_err(|e| {
+                (
+                    CommitFailure::Clean,
+                    Error::io(&self.journal_path, "stat", e),
+                )
+            })?
+            .len();
+        cursor.allocated = cursor.allocated.max(actual);
         // Keep at least one zero byte after the entry: it marks the end.
         let needed = cursor.offset + line.len() as u64 + 1;
         if needed > cursor.allocated {
@@ -797,16 +822,15 @@ fn read_until_zero(file: &File, offset: u64) -> io::Result<Vec<u8>> {
 
 /// The bytes from a bad line on, up to a long run of zeros or the end of the
 /// file: enough to see whether whole lines follow (damage) or not (a remnant).
+/// Reads to the end of the file: a remnant must be judged on everything after
+/// it (whole entries anywhere past a zeroed region mean damage, not a tear).
+/// This is the rare path, after a bad line; the journal is bounded by compaction.
 fn read_remnant(file: &File, offset: u64, probe: &[u8]) -> io::Result<Vec<u8>> {
-    const QUIET: usize = 64 * 1024;
+    const CHUNK: usize = 1024 * 1024;
     let mut buf = probe.to_vec();
     loop {
-        let zeros_at_end = buf.iter().rev().take_while(|b| **b == 0).count();
-        if zeros_at_end >= QUIET {
-            return Ok(buf);
-        }
         let old = buf.len();
-        buf.resize(old + QUIET, 0);
+        buf.resize(old + CHUNK, 0);
         let n = read_at(file, &mut buf[old..], offset + old as u64)?;
         buf.truncate(old + n);
         if n == 0 {

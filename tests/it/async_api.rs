@@ -193,3 +193,50 @@ fn the_async_api_works_across_handles_like_the_blocking_one() {
     }));
     assert_eq!(outcome.unwrap().outcome, Outcome::Sent);
 }
+
+#[test]
+fn a_process_async_cancelled_while_claiming_gives_the_claim_back() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    // Hold the directory lock so the claim is stuck behind it, like a slow fsync.
+    let lock = std::fs::File::open(h.path("outbox.lock")).unwrap();
+    lock.lock().unwrap();
+    let rt = runtime();
+    let timed_out = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_millis(100),
+            h.outbox
+                .process_async("k", |_| async { Ok(Some("tg-1".into())) }),
+        )
+        .await
+    });
+    assert!(
+        timed_out.is_err(),
+        "the caller gave up while the claim was pending"
+    );
+    lock.unlock().unwrap();
+    // The claim commits after the caller left, then is given back untouched.
+    let mut item = h.outbox.get("k").unwrap().unwrap();
+    for _ in 0..200 {
+        std::thread::sleep(Duration::from_millis(10));
+        item = h.outbox.get("k").unwrap().unwrap();
+        if !item.dispatch_claimed() && item.attempts() == 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        (item.state(), item.attempts(), item.dispatch_claimed()),
+        (ItemState::Queued, 0, false)
+    );
+    let r = rt
+        .block_on(
+            h.outbox
+                .process_async("k", |_| async { Ok(Some("tg-2".into())) }),
+        )
+        .unwrap();
+    assert_eq!(
+        r.outcome,
+        Outcome::Sent,
+        "never sent before, so it goes now"
+    );
+}

@@ -20,6 +20,8 @@ mod operator_actions;
 mod rate_caps;
 mod retries;
 mod seed_compat;
+#[cfg(feature = "test-failpoints")]
+mod stale_handles;
 
 #[cfg(unix)]
 mod disk_full;
