@@ -280,10 +280,7 @@ impl Txn<'_> {
 enum Decision {
     Done(DeliveryReceipt),
     /// Claimed: the item as claimed, and as it was before (to release it unchanged).
-    Send(
-        Box<OutboxItem>,
-        #[cfg_attr(not(feature = "tokio"), allow(dead_code))] Box<OutboxItem>,
-    ),
+    Send(Box<OutboxItem>, Box<OutboxItem>),
 }
 
 /// What the claim step concluded, for callers outside this module.
@@ -292,7 +289,10 @@ pub(crate) enum Claimed {
     Done(DeliveryReceipt),
     /// Claimed durably: send it, then record the result. The second item is the
     /// item as it was before the claim, to release it unchanged if it is never sent.
-    Send(Box<OutboxItem>, Box<OutboxItem>),
+    Send(
+        Box<OutboxItem>,
+        #[cfg_attr(not(feature = "tokio"), allow(dead_code))] Box<OutboxItem>,
+    ),
 }
 
 /// What `send` produced, with panics caught.
