@@ -225,8 +225,12 @@ impl History {
         let (keys, refs) = (read_u64(at), read_u64(at + 8));
         let newest = DateTime::<Utc>::from_timestamp_micros(read_u64(at + 16) as i64)
             .ok_or_else(|| corrupt("newest time out of range"))?;
-        let entries = usize::try_from(keys + refs).map_err(|_| corrupt("too large"))?;
-        if body.len() != at + HEADER + entries * 16 {
+        let expected = keys
+            .checked_add(refs)
+            .and_then(|n| n.checked_mul(16))
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_add(at + HEADER));
+        if expected != Some(body.len()) {
             return Err(corrupt("length does not match its counts"));
         }
         let pairs = |from: usize, n: u64| -> Vec<(u64, u64)> {

@@ -742,6 +742,7 @@ impl Outbox {
             item.attempts = 0;
             item.error_code = None;
             item.next_attempt_at = None;
+            item.cooldown_until = None;
             record(txn, key, AuditOutcome::Requeued, Some(&note), false)?;
             txn.item(key).cloned().ok_or_else(|| Error::NotFound {
                 key: key.to_owned(),
@@ -866,8 +867,10 @@ impl Outbox {
         Ok(removed.len())
     }
 
-    /// Verifies the audit chain and cross-checks it against the head `outbox.json`
-    /// recorded, so a truncated log is detected too.
+    /// Verifies the whole audit chain (every sealed segment and the active log)
+    /// and cross-checks it against the head the state recorded, so a truncated
+    /// log is detected too. Like every call, it first re-appends records a crash
+    /// kept out of the log (from the journal, byte for byte).
     ///
     /// # Errors
     ///

@@ -429,8 +429,24 @@ impl Store {
             return Ok(loaded);
         }
         let generation = match journal::next_line(&header) {
-            // Created atomically, so a bad header was never acknowledged either.
-            Line::Invalid { .. } => return Ok(loaded),
+            // Created atomically, so a bad header alone was never acknowledged;
+            // but a bad header with entries after it is damage, not a tear.
+            Line::Invalid { len, .. } => {
+                let mut rest = Vec::new();
+                (&file)
+                    .read_to_end(&mut rest)
+                    .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+                let mut after = header[len.min(header.len())..].to_vec();
+                after.extend_from_slice(&rest);
+                if journal::is_remnant(false, &after) {
+                    return Ok(loaded);
+                }
+                return Err(invalid(
+                    &self.journal_path,
+                    "line 1".into(),
+                    "the header is damaged but entries follow it",
+                ));
+            }
             Line::Valid(json, len) => {
                 let head: HeaderV1 = serde_json::from_slice(json).map_err(|e| {
                     invalid(

@@ -242,3 +242,22 @@ fn opening_without_compaction_leaves_snapshot_and_journal_as_they_are() {
     let _compacting = h.reopen();
     assert_ne!(h.state_bytes(), snapshot, "the default open compacts");
 }
+
+#[test]
+fn a_damaged_journal_header_with_entries_after_it_is_reported_not_replaced() {
+    let h = Harness::new();
+    h.enqueue("a", "chat-1");
+    let mut bytes = std::fs::read(h.path("outbox.journal")).unwrap();
+    bytes[3] ^= 0x01; // inside the header's checksum
+    std::fs::write(h.path("outbox.journal"), &bytes).unwrap();
+    let err = Outbox::open(h.dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, durable_outbox::Error::InvalidRecord { location, .. } if location == "line 1"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(h.path("outbox.journal")).unwrap(),
+        bytes,
+        "left as it was"
+    );
+}
