@@ -218,6 +218,19 @@ impl Txn<'_> {
         }
     }
 
+    /// The item with this key, brought back from history into this transaction
+    /// if it had moved there (it is written back only if the transaction commits).
+    fn live_item(&mut self, key: &str) -> Result<&OutboxItem> {
+        if self.item(key).is_none()
+            && let Some(old) = self.history.get(key)?
+        {
+            self.insert(old);
+        }
+        self.item(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })
+    }
+
     fn insert(&mut self, item: OutboxItem) {
         self.overlay.insert(item.idempotency_key.clone(), item);
     }
@@ -715,15 +728,7 @@ impl Outbox {
     pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
-            if txn.item(key).is_none()
-                && let Some(old) = txn.history.get(key)?
-            {
-                // Back into the live state (it only changes if the action is allowed).
-                txn.insert(old);
-            }
-            let item = txn.item(key).ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
-            })?;
+            let item = txn.live_item(key)?;
             let refuse = |why: &str| Error::InvalidTransition {
                 key: key.to_owned(),
                 action: "requeued",
@@ -767,15 +772,7 @@ impl Outbox {
     pub fn cancel(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
-            if txn.item(key).is_none()
-                && let Some(old) = txn.history.get(key)?
-            {
-                // Back into the live state (it only changes if the action is allowed).
-                txn.insert(old);
-            }
-            let item = txn.item(key).ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
-            })?;
+            let item = txn.live_item(key)?;
             let refuse = |why: &str| Error::InvalidTransition {
                 key: key.to_owned(),
                 action: "cancelled",
@@ -833,28 +830,12 @@ impl Outbox {
             sealed[remove - 1].1.display()
         );
         let head = audit.head().clone();
-        let event = AuditEvent {
-            attempts: 0,
-            audit_id: hex::encode(
-                &Sha256::digest(format!("{}audit-prune", head.hash).as_bytes())[..16],
-            ),
-            connector: "-".into(),
-            content_hash: "-".into(),
-            destination: "-".into(),
-            direction: "-".into(),
-            error_code: None,
-            grant_id: "-".into(),
-            idempotency_key: "audit-segments".into(),
-            lane: "-".into(),
-            outcome: AuditOutcome::Pruned,
-            note: Some(format!(
-                "{note} (removed {remove} sealed audit segments: {range})"
-            )),
-            reconciled: false,
-            recorded_at_utc: format_timestamp(inner.config.clock.now()),
-            risk_class: None,
-            transport_ref: None,
-        };
+        let event = system_event(
+            &head,
+            "audit-segments",
+            format!("{note} (removed {remove} sealed audit segments: {range})"),
+            inner.config.clock.now(),
+        );
         let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, audit.hasher());
         self.settle(inner.store.commit(
             loaded,
@@ -1554,6 +1535,29 @@ fn compact_locked(
     prune_history(store, audit, loaded, history, keep, faults)
 }
 
+/// An audit event about the outbox itself rather than one message (a prune):
+/// `subject` stands where an item's key would, item fields are `-`.
+fn system_event(head: &Head, subject: &str, note: String, now: DateTime<Utc>) -> AuditEvent {
+    AuditEvent {
+        attempts: 0,
+        audit_id: hex::encode(&Sha256::digest(format!("{}{subject}", head.hash).as_bytes())[..16]),
+        connector: "-".into(),
+        content_hash: "-".into(),
+        destination: "-".into(),
+        direction: "-".into(),
+        error_code: None,
+        grant_id: "-".into(),
+        idempotency_key: subject.to_owned(),
+        lane: "-".into(),
+        outcome: AuditOutcome::Pruned,
+        note: Some(note),
+        reconciled: false,
+        recorded_at_utc: format_timestamp(now),
+        risk_class: None,
+        transport_ref: None,
+    }
+}
+
 /// What a compaction moves to history and what it prunes from it.
 struct Housekeeping {
     /// Terminal items last changed before this move to history.
@@ -1593,30 +1597,14 @@ fn prune_history(
 ) -> std::result::Result<(), (CommitFailure, Error)> {
     for segment in history.prunable(keep.retention, keep.now) {
         let head = audit.head().clone();
-        let key = format!("history-segment-{}", segment.number);
-        let event = AuditEvent {
-            attempts: 0,
-            audit_id: hex::encode(&Sha256::digest(format!("{}{key}", head.hash).as_bytes())[..16]),
-            connector: "-".into(),
-            content_hash: "-".into(),
-            destination: "-".into(),
-            direction: "-".into(),
-            error_code: None,
-            grant_id: "-".into(),
-            idempotency_key: key,
-            lane: "-".into(),
-            outcome: AuditOutcome::Pruned,
-            note: Some(format!(
-                "retention pruned history segment {} ({} items, newest changed {})",
-                segment.number,
-                segment.items,
-                format_timestamp(segment.newest)
-            )),
-            reconciled: false,
-            recorded_at_utc: format_timestamp(keep.now),
-            risk_class: None,
-            transport_ref: None,
-        };
+        let note = format!(
+            "retention pruned history segment {} ({} items, newest changed {})",
+            segment.number,
+            segment.items,
+            format_timestamp(segment.newest)
+        );
+        let subject = format!("history-segment-{}", segment.number);
+        let event = system_event(&head, &subject, note, keep.now);
         let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, audit.hasher());
         store.commit(loaded, Vec::new(), std::slice::from_ref(&record), faults)?;
         audit
