@@ -390,6 +390,63 @@ impl History {
     }
 }
 
+/// Every item in history, segment by segment, oldest segment first; see
+/// [`Outbox::history_items`](crate::Outbox::history_items).
+#[derive(Debug)]
+pub struct HistoryItems {
+    logs: std::collections::VecDeque<PathBuf>,
+    current: Option<(PathBuf, io::BufReader<fs::File>, u64)>,
+}
+
+impl Iterator for HistoryItems {
+    type Item = Result<OutboxItem>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        use std::io::BufRead;
+        loop {
+            if let Some((path, reader, offset)) = self.current.as_mut() {
+                let mut line = Vec::new();
+                match reader.read_until(b'\n', &mut line) {
+                    Err(e) => {
+                        let path = path.clone();
+                        self.current = None;
+                        return Some(Err(Error::io(&path, "read", e)));
+                    }
+                    Ok(0) => self.current = None,
+                    Ok(n) => {
+                        let at = *offset;
+                        *offset += n as u64;
+                        return Some(crate::store::decode_item_line(path, at, &line));
+                    }
+                }
+            }
+            let path = self.logs.pop_front()?;
+            match fsutil::open_existing(&path, false) {
+                Ok(file) => self.current = Some((path, io::BufReader::new(file), 0)),
+                // Pruned since the listing was taken: nothing left to read there.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Some(Err(Error::io(&path, "open", e))),
+            }
+        }
+    }
+}
+
+impl History {
+    /// A reader over every segment present now (segments never change, so it
+    /// needs no lock while it reads).
+    pub(crate) fn items(&self) -> HistoryItems {
+        HistoryItems {
+            logs: self
+                .segments
+                .iter()
+                .filter(|s| !s.gone)
+                .map(|s| s.log.clone())
+                .collect(),
+            current: None,
+        }
+    }
+}
+
 /// How much history to keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]

@@ -79,7 +79,7 @@ pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
 pub use crate::error::{AuditFault, Error, Result};
 #[cfg(feature = "test-failpoints")]
 pub use crate::failpoint::FailAction;
-pub use crate::history::Retention;
+pub use crate::history::{HistoryItems, Retention};
 pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::outbox::{

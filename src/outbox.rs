@@ -519,6 +519,19 @@ impl Outbox {
         })
     }
 
+    /// Every item that has moved to history, oldest segment first, read from
+    /// disk as you iterate (a million items never sit in memory). An item
+    /// requeued out of history and moved back later appears once per move; `get`
+    /// returns the live or newest copy.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get) for taking the listing; each item may be an
+    /// [`Error::Io`] or [`Error::InvalidRecord`] for a damaged segment.
+    pub fn history_items(&self) -> Result<crate::history::HistoryItems> {
+        self.read(|_, history| Ok(history.items()))
+    }
+
     /// How many items have moved to history.
     ///
     /// # Errors

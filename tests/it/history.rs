@@ -72,6 +72,20 @@ fn old_terminal_items_move_to_history_and_stay_findable() {
 }
 
 #[test]
+fn history_items_lists_every_moved_item_from_disk() {
+    let h = with_old_traffic(4);
+    h.outbox.compact().unwrap();
+    let mut keys: Vec<String> = h
+        .outbox
+        .history_items()
+        .unwrap()
+        .map(|item| item.unwrap().idempotency_key().to_owned())
+        .collect();
+    keys.sort();
+    assert_eq!(keys, ["old-0", "old-1", "old-2", "old-3", "old-failed"]);
+}
+
+#[test]
 fn a_history_item_is_never_sent_again_and_its_key_stays_taken() {
     let h = with_old_traffic(2);
     h.outbox.compact().unwrap();
