@@ -1,11 +1,8 @@
 //! Items the library has moved out of the live state into `history/`.
 //!
 //! After `history_after` (a day by default) sent and failed items leave the
-//! live state: `Outbox::list_items` no longer lists them, though `get` still
-//! finds each one by key. The library has no call that lists them, so the tool
-//! learns their keys from the audit log, where every item that was ever touched
-//! has a record, and fetches each with `get`. An item the Python reference wrote
-//! and nobody touched since has no record, so it cannot be listed this way.
+//! live state: `Outbox::list_items` no longer lists them, `Outbox::history_items`
+//! streams them from the history segments, and `get` still finds each one by key.
 
 use std::collections::HashSet;
 
@@ -45,27 +42,19 @@ impl LogReader {
     }
 }
 
-/// Every item that has left the live state and has an audit record, in key order.
-/// `live` are the live items (their keys are skipped).
+/// Every item that has left the live state, in key order. `live` are the live
+/// items (their keys are skipped: the live copy is the current one). An item that
+/// moved to history more than once (requeued in between) is listed as its newest copy.
 pub fn items(outbox: &Outbox, live: &[OutboxItem]) -> Result<Vec<OutboxItem>> {
-    if outbox.history_len()? == 0 {
-        return Ok(Vec::new());
-    }
     let live: HashSet<&str> = live.iter().map(OutboxItem::idempotency_key).collect();
-    let mut keys: HashSet<String> = HashSet::new();
-    let head = outbox.audit_head()?;
-    LogReader::open(outbox)?.read_to(&head, |record| {
-        if !live.contains(record.idempotency_key.as_str()) {
-            keys.insert(record.idempotency_key);
-        }
-    })?;
-    let mut keys: Vec<String> = keys.into_iter().collect();
-    keys.sort_unstable();
-    let mut items = Vec::with_capacity(keys.len());
-    for key in keys {
-        if let Some(item) = outbox.get(&key)? {
-            items.push(item);
+    let mut newest: std::collections::BTreeMap<String, OutboxItem> =
+        std::collections::BTreeMap::new();
+    for item in outbox.history_items()? {
+        let item = item?;
+        if !live.contains(item.idempotency_key()) {
+            // Segments come oldest first: a later copy replaces an earlier one.
+            newest.insert(item.idempotency_key().to_owned(), item);
         }
     }
-    Ok(items)
+    Ok(newest.into_values().collect())
 }
