@@ -462,6 +462,25 @@ pub(crate) fn sealed_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(sealed)
 }
 
+/// The seq and hash of the last record of a sealed segment (whole, fsynced).
+fn last_head(path: &Path) -> Result<Head> {
+    let bytes = fsutil::read_existing(path).map_err(|e| Error::io(path, "read", e))?;
+    let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+    let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    let line = body[..start].iter().filter(|b| **b == b'\n').count() as u64 + 1;
+    let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
+        broken(
+            path,
+            line,
+            AuditFault::Malformed(format!("last record: {e}")),
+        )
+    })?;
+    Ok(Head {
+        seq: view.seq,
+        hash: view.hash.into_owned(),
+    })
+}
+
 /// Name of the file recording where the chain starts after an operator removed
 /// old sealed segments.
 const ANCHOR_FILE: &str = "audit.anchor";
@@ -571,20 +590,7 @@ impl AuditTail {
             }
             return Ok(());
         };
-        let bytes = fsutil::read_existing(&newest).map_err(|e| Error::io(&newest, "read", e))?;
-        let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
-        let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
-        let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
-            broken(
-                &newest,
-                0,
-                AuditFault::Malformed(format!("last record: {e}")),
-            )
-        })?;
-        self.base = Head {
-            seq: view.seq,
-            hash: view.hash.into_owned(),
-        };
+        self.base = last_head(&newest)?;
         self.recent.clear();
         self.recent.push_back(self.base.clone());
         Ok(())
@@ -626,18 +632,8 @@ impl AuditTail {
             return Ok(Vec::new());
         }
         let last_removed = &sealed[remove - 1].1;
-        let bytes =
-            fsutil::read_existing(last_removed).map_err(|e| Error::io(last_removed, "read", e))?;
-        let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
-        let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
-        let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
-            broken(
-                last_removed,
-                0,
-                AuditFault::Malformed(format!("last record: {e}")),
-            )
-        })?;
-        let anchor = serde_json::json!({ "seq": view.seq, "hash": view.hash });
+        let last = last_head(last_removed)?;
+        let anchor = serde_json::json!({ "seq": last.seq, "hash": last.hash });
         fsutil::replace_atomically(
             &self.dir,
             ANCHOR_FILE,
