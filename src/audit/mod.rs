@@ -467,7 +467,8 @@ fn last_head(path: &Path) -> Result<Head> {
     let bytes = fsutil::read_existing(path).map_err(|e| Error::io(path, "read", e))?;
     let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
     let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
-    let line = body[..start].iter().filter(|b| **b == b'\n').count() as u64 + 1;
+    // Lines before the record, plus one: the split yields one more piece than newlines.
+    let line = body[..start].split(|b| *b == b'\n').count() as u64;
     let view: record::LineView<'_> = serde_json::from_slice(&body[start..]).map_err(|e| {
         broken(
             path,
