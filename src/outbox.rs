@@ -842,11 +842,17 @@ impl Outbox {
             sealed[0].1.display(),
             sealed[remove - 1].1.display()
         );
+        // The anchor the removal leaves, named in its (keyed) record so that in
+        // keyed mode the anchor is only accepted with this record in the chain.
+        let anchor = crate::audit::last_head(&sealed[remove - 1].1)?;
         let head = audit.head().clone();
         let event = system_event(
             &head,
-            "audit-segments",
-            format!("{note} (removed {remove} sealed audit segments: {range})"),
+            crate::audit::REMOVAL_SUBJECT,
+            format!(
+                "{note} (removed {remove} sealed audit segments: {range}; {})",
+                crate::audit::removal_note(&anchor)
+            ),
             inner.config.clock.now(),
         );
         let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, audit.hasher());
@@ -1542,6 +1548,7 @@ fn compact_locked(
         loaded,
         audit.head().clone(),
         audit.verified_len(),
+        audit.hasher(),
         &evicted,
         faults,
     )?;
@@ -1708,6 +1715,17 @@ fn sanitize(text: &str, max: usize) -> String {
 /// process died between its journal fsync and its audit append). The records are
 /// re-appended byte for byte, so the log ends up exactly as if nothing had happened.
 fn reconcile_audit(audit: &mut AuditTail, loaded: &Loaded, faults: &Failpoints) -> Result<()> {
+    // In keyed mode the recorded head is authenticated: without the key it
+    // cannot be moved back over a cut-off tail.
+    if let Some(recorded) = &loaded.state.audit_head {
+        crate::audit::check_head_mac(
+            audit.hasher(),
+            recorded,
+            loaded.state.generation,
+            loaded.state.audit_mac.as_deref(),
+            &loaded_path(audit),
+        )?;
+    }
     let head = audit.head().clone();
     let snapshot = loaded
         .state

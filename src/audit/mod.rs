@@ -53,6 +53,7 @@
 //! the log, and the chain continues from the last whole record. Damage anywhere
 //! else is an error, and the file is never modified.
 
+mod anchor;
 mod record;
 
 use std::collections::VecDeque;
@@ -60,6 +61,7 @@ use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+pub(crate) use anchor::{ANCHOR_FILE, REMOVAL_SUBJECT, check_head_mac, head_mac, removal_note};
 pub(crate) use record::{AuditEvent, Hasher};
 pub use record::{AuditOutcome, AuditRecord, GENESIS_HASH};
 
@@ -148,7 +150,7 @@ impl AuditLog {
     pub fn verify_dir(dir: impl AsRef<Path>) -> Result<AuditReport> {
         let dir = dir.as_ref();
         verify_files_from(
-            read_anchor(dir)?,
+            anchor::read_anchor(dir, &Hasher::Plain)?.head,
             &chain_files(dir)?,
             &Hasher::Plain,
             |_| {},
@@ -463,7 +465,7 @@ pub(crate) fn sealed_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// The seq and hash of the last record of a sealed segment (whole, fsynced).
-fn last_head(path: &Path) -> Result<Head> {
+pub(crate) fn last_head(path: &Path) -> Result<Head> {
     let bytes = fsutil::read_existing(path).map_err(|e| Error::io(path, "read", e))?;
     let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
     let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
@@ -480,34 +482,6 @@ fn last_head(path: &Path) -> Result<Head> {
         seq: view.seq,
         hash: view.hash.into_owned(),
     })
-}
-
-/// Name of the file recording where the chain starts after an operator removed
-/// old sealed segments.
-const ANCHOR_FILE: &str = "audit.anchor";
-
-/// The head the remaining log continues from: the anchor, or genesis.
-pub(crate) fn read_anchor(dir: &Path) -> Result<Head> {
-    let path = dir.join(ANCHOR_FILE);
-    match fsutil::read_existing(&path) {
-        Ok(bytes) => {
-            let value: serde_json::Value =
-                serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&path, e))?;
-            match (value["seq"].as_u64(), value["hash"].as_str()) {
-                (Some(seq), Some(hash)) => Ok(Head {
-                    seq,
-                    hash: hash.to_owned(),
-                }),
-                _ => Err(Error::InvalidRecord {
-                    path,
-                    location: "anchor".into(),
-                    reason: "needs a seq and a hash".into(),
-                }),
-            }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Head::genesis()),
-        Err(e) => Err(Error::io(&path, "read", e)),
-    }
 }
 
 /// Every audit file of an outbox directory, in chain order: sealed segments,
@@ -582,8 +556,10 @@ impl AuditTail {
     /// Before anything else is read: starts the chain at the head of the sealed
     /// segments, if the log has rotated (their last record).
     pub(crate) fn load_base(&mut self) -> Result<()> {
+        // Read (and in keyed mode authenticated) even when sealed segments
+        // follow it, so a planted anchor is refused at open.
+        let anchor = anchor::read_anchor(&self.dir, &self.hasher)?.head;
         let Some((_, newest)) = sealed_segments(&self.dir)?.pop() else {
-            let anchor = read_anchor(&self.dir)?;
             if anchor.seq > 0 {
                 self.base = anchor.clone();
                 self.recent.clear();
@@ -634,11 +610,12 @@ impl AuditTail {
         }
         let last_removed = &sealed[remove - 1].1;
         let last = last_head(last_removed)?;
-        let anchor = serde_json::json!({ "seq": last.seq, "hash": last.hash });
+        // The record just appended audits this removal and names this anchor.
+        let anchor = anchor::encode_anchor(&last, self.head().seq, &self.hasher);
         fsutil::replace_atomically(
             &self.dir,
             ANCHOR_FILE,
-            anchor.to_string().as_bytes(),
+            &anchor,
             faults,
             "audit_anchor",
         )
@@ -872,16 +849,14 @@ impl AuditTail {
     /// `outbox.json` recorded (`expected`): a log cut short of it was truncated.
     pub(crate) fn verify_whole(&self, expected: Option<&Head>) -> Result<AuditReport> {
         let mut hash_at_expected = None;
-        let report = verify_files_from(
-            read_anchor(&self.dir)?,
-            &chain_files(&self.dir)?,
-            &self.hasher,
-            |head| {
-                if expected.is_some_and(|e| e.seq == head.seq) {
-                    hash_at_expected = Some(head.hash.clone());
-                }
-            },
-        )?;
+        let anchor = anchor::read_anchor(&self.dir, &self.hasher)?;
+        let files = chain_files(&self.dir)?;
+        let report = verify_files_from(anchor.head.clone(), &files, &self.hasher, |head| {
+            if expected.is_some_and(|e| e.seq == head.seq) {
+                hash_at_expected = Some(head.hash.clone());
+            }
+        })?;
+        anchor::check_removal_record(&self.dir, &anchor, &files, &self.hasher)?;
         if let Some(expected) = expected.filter(|e| e.seq > 0) {
             match hash_at_expected {
                 None => {

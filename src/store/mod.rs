@@ -60,6 +60,8 @@ pub(crate) struct State {
     pub(crate) audit_head: Option<Head>,
     /// Where that head record ends in the log, in bytes, when known.
     pub(crate) audit_offset: Option<u64>,
+    /// The head's MAC, in keyed mode (checked by the caller, who has the key).
+    pub(crate) audit_mac: Option<String>,
     /// The journal generation that continues this snapshot.
     pub(crate) generation: u64,
 }
@@ -768,6 +770,7 @@ impl Store {
         loaded: &mut Loaded,
         audit_head: Head,
         audit_offset: u64,
+        hasher: &crate::audit::Hasher,
         evicted: &std::collections::HashSet<String>,
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
@@ -778,11 +781,13 @@ impl Store {
                 moved.push(item);
             }
         }
+        let generation = loaded.state.generation + 1;
         let next = State {
             items,
+            audit_mac: crate::audit::head_mac(hasher, &audit_head, generation),
             audit_head: Some(audit_head),
             audit_offset: Some(audit_offset),
-            generation: loaded.state.generation + 1,
+            generation,
         };
         let saved =
             fsutil::replace_atomically(&self.dir, STATE_FILE, &encode(&next), faults, "state");
@@ -792,6 +797,7 @@ impl Store {
         if committed {
             loaded.state.audit_head.clone_from(&next.audit_head);
             loaded.state.audit_offset = next.audit_offset;
+            loaded.state.audit_mac.clone_from(&next.audit_mac);
             loaded.state.generation = next.generation;
             for item in &moved {
                 loaded.index.remove(item);
@@ -916,6 +922,7 @@ pub(crate) fn encode(state: &State) -> Vec<u8> {
         version: CURRENT_VERSION,
         audit_head: state.audit_head.as_ref().map(|h| HeadV1 {
             hash: h.hash.clone(),
+            mac: state.audit_mac.clone(),
             offset: state.audit_offset,
             seq: h.seq,
         }),
@@ -972,6 +979,7 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
     Ok(State {
         items,
         audit_offset: file.audit_head.as_ref().and_then(|h| h.offset),
+        audit_mac: file.audit_head.as_ref().and_then(|h| h.mac.clone()),
         audit_head: file.audit_head.map(|h| Head {
             seq: h.seq,
             hash: h.hash,

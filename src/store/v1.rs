@@ -1,7 +1,7 @@
 //! The on-disk format of `outbox.json`, kept apart from the API types.
 //!
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
-//! optional fields: `audit_head` and `generation` at the top
+//! optional fields: `audit_head` (with `mac` in keyed mode) and `generation` at the top
 //! level, and `claim_owner`, `claimed_at_utc`, `cooldown_until_utc`, `last_audit_id`
 //! on items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
@@ -38,6 +38,11 @@ pub(crate) struct VersionProbe {
 #[serde(deny_unknown_fields)]
 pub(crate) struct HeadV1 {
     pub(crate) hash: String,
+    /// Keyed audit logs only: HMAC-SHA-256 under the audit key over the head's
+    /// seq and hash and the file's generation (see `audit::anchor`), so the
+    /// head cannot be moved back over a cut-off tail without the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) mac: Option<String>,
     /// Where the head record ends in `audit.jsonl` (bytes), so opening can
     /// resume verification there instead of re-reading the whole log.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -18,6 +18,8 @@ mod hostile_input;
 mod model_check;
 mod operator_actions;
 mod rate_caps;
+#[cfg(unix)]
+mod security;
 mod retries;
 mod seed_compat;
 #[cfg(feature = "test-failpoints")]
