@@ -43,6 +43,7 @@ pub struct OutboxBuilder {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
+    pub(crate) trust: crate::trust::Trust,
     #[cfg(feature = "test-failpoints")]
     pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
 }
@@ -62,6 +63,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("audit_rotate_bytes", &self.audit_rotate_bytes)
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
+            .field("shared_group", &self.trust.shared_group)
             .finish_non_exhaustive()
     }
 }
@@ -82,6 +84,7 @@ impl OutboxBuilder {
             clock: Arc::new(SystemClock),
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
+            trust: crate::trust::Trust::default(),
             #[cfg(feature = "test-failpoints")]
             failpoints: Vec::new(),
         }
@@ -212,6 +215,29 @@ impl OutboxBuilder {
         self
     }
 
+    /// Trusts the members of group `gid` with this outbox, for deployments that
+    /// share the directory with a group on purpose (say a deploy tool made it
+    /// `2770 bot:outbox`).
+    ///
+    /// By default opening refuses ([`Error::Untrusted`]) an outbox directory, or
+    /// any state file in it, that is owned by someone other than the effective
+    /// user or root, or that group or others can write: whoever can write them
+    /// can read every message body and have their own messages sent as yours.
+    /// With this setting a directory or file whose group is `gid` may also be
+    /// group-writable and owned by another member of the group. Writable by
+    /// others is still refused, a symlink in place of a state file is still
+    /// refused, and the outbox still creates its own files readable by their
+    /// owner only. Default: no group is trusted.
+    ///
+    /// # Security
+    ///
+    /// Every member of the group can then plant messages and read bodies: trust
+    /// the group as you trust the bot's own user.
+    pub fn shared_group(mut self, gid: u32) -> Self {
+        self.trust.shared_group = Some(gid);
+        self
+    }
+
     /// Arms a test failpoint on this outbox (feature `test-failpoints` only).
     #[cfg(feature = "test-failpoints")]
     pub fn failpoint(mut self, name: &str, action: crate::failpoint::FailAction) -> Self {
@@ -234,8 +260,10 @@ impl OutboxBuilder {
     /// [`Error::InvalidConfig`] for a bad setting; [`Error::Corrupt`],
     /// [`Error::InvalidRecord`] or [`Error::UnsupportedVersion`] for a damaged
     /// `outbox.json` or `outbox.journal`; [`Error::AuditBroken`] for a damaged audit
-    /// log (no damaged file is modified); [`Error::Io`] when the directory or files
-    /// are inaccessible.
+    /// log (no damaged file is modified); [`Error::Untrusted`] when the directory
+    /// or a state file in it is another user's, writable by group or others, or a
+    /// symlink (see [`shared_group`](Self::shared_group)); [`Error::Io`] when the
+    /// directory or files are inaccessible.
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));

@@ -115,6 +115,24 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// The outbox directory or one of its state files could have been prepared or
+    /// changed by another user: it is owned by someone other than the effective
+    /// user (or root), writable by group or others, or a symlink. Nothing was
+    /// read from it or written to it. See the README's "Security model".
+    #[error("{path}: refusing to use it: {reason} (owner uid {owner}, mode {mode:04o}); to fix: {fix}")]
+    Untrusted {
+        /// The directory or file.
+        path: PathBuf,
+        /// Its owner's uid.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+        /// What is wrong, e.g. `writable by others`.
+        reason: String,
+        /// What to do about it, e.g. a `chmod` or `chown` command.
+        fix: String,
+    },
+
     /// An earlier durability failure (a failed fsync after data reached the kernel)
     /// left the on-disk state uncertain; this handle refuses further writes.
     /// Open the outbox again to re-read what is really on disk.

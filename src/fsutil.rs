@@ -106,6 +106,41 @@ const O_NOFOLLOW: i32 = 0o400_000;
 #[cfg(all(unix, not(any(target_os = "linux", target_os = "android"))))]
 const O_NOFOLLOW: i32 = 0x0100;
 
+/// Makes sure `path`, a directory the outbox keeps inside its own (`owners/`,
+/// `history/`), is a real directory, creating it (mode 0700) if missing. A
+/// symlink or a file in its place is refused, never followed: a planted link
+/// must not make the outbox write bodies or lock files somewhere else.
+pub(crate) fn private_subdir(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => return Ok(()),
+        Ok(_) => {
+            return Err(Error::io(
+                path,
+                "open directory",
+                io::Error::other("not a directory (a symlink or a file is in the way)"),
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(path, "stat", e)),
+    }
+    let mut builder = fs::DirBuilder::new();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    // Not recursive: the parent is the outbox directory, which exists, and a
+    // link planted between the check above and here makes this fail.
+    match builder.create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match fs::symlink_metadata(path) {
+            Ok(meta) if meta.is_dir() => Ok(()),
+            _ => Err(Error::io(path, "create directory", e)),
+        },
+        Err(e) => Err(Error::io(path, "create directory", e)),
+    }
+}
+
 /// fsyncs a directory so that renames and creations inside it are durable.
 pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     #[cfg(unix)]

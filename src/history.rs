@@ -319,7 +319,7 @@ impl History {
         if fresh.is_empty() {
             return Ok(0);
         }
-        crate::lock::create_private_dir(&self.dir).map_err(clean)?;
+        fsutil::private_subdir(&self.dir).map_err(clean)?;
         let number = self.segments.last().map_or(1, |s| s.number + 1);
         if self.log_path(number).exists() {
             // Never replace a segment: refresh() above loaded every existing one.

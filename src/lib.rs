@@ -69,6 +69,7 @@ mod receipt;
 mod retry;
 mod send;
 mod store;
+mod trust;
 
 pub use crate::audit::{
     AuditChainRecords, AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport,

@@ -185,19 +185,7 @@ pub(crate) fn owner_is_alive(dir: &Path, owner: &str) -> bool {
 /// refused: a planted link must not make us create or delete files elsewhere.
 pub(crate) fn owners_dir(dir: &Path) -> Result<PathBuf> {
     let owners = dir.join(OWNERS_DIR);
-    match fs::symlink_metadata(&owners) {
-        Ok(meta) if meta.is_dir() => return Ok(owners),
-        Ok(_) => {
-            return Err(Error::io(
-                &owners,
-                "open owners directory",
-                io::Error::other("not a directory (a symlink or a file is in the way)"),
-            ));
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io(&owners, "stat", e)),
-    }
-    create_private_dir(&owners)?;
+    fsutil::private_subdir(&owners)?;
     Ok(owners)
 }
 

@@ -329,6 +329,7 @@ impl Outbox {
     pub(crate) fn open_with(builder: OutboxBuilder) -> Result<Self> {
         let dir = builder.dir;
         lock::create_private_dir(&dir)?;
+        crate::trust::check_outbox_dir(&dir, builder.trust)?;
         let hasher = builder.audit_key.map_or(Hasher::Plain, Hasher::Keyed);
         let lock = DirLock::open(
             &dir,
