@@ -15,6 +15,8 @@ mod export;
 mod history;
 mod inspect;
 mod operator_actions;
+#[cfg(unix)]
+mod security;
 mod seed_v1;
 mod status;
 mod usage;

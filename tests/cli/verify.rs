@@ -119,6 +119,13 @@ fn a_keyed_log_verifies_with_its_key_file_and_hints_without_it() {
         .unwrap();
     let key_file = dir.path().join("audit.key");
     std::fs::write(&key_file, key).unwrap();
+    // Private, as the tool requires of a key file (see `security`).
+    #[cfg(unix)]
+    std::fs::set_permissions(
+        &key_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let run = |extra: &[&str]| {
         let mut args = vec!["verify", dir.path().to_str().unwrap()];
         args.extend_from_slice(extra);

@@ -97,8 +97,13 @@ pub struct Target {
     #[arg(value_name = "DIR")]
     pub dir: PathBuf,
     /// A file holding the audit HMAC key, for bots that set `audit_key` (its exact bytes).
+    /// It must not be readable by group or others (chmod 600), as ssh requires of
+    /// private keys: whoever can read the key can forge the audit log.
     #[arg(long, value_name = "FILE")]
     pub audit_key_file: Option<PathBuf>,
+    /// Use the --audit-key-file even if group or others can read it.
+    #[arg(long, requires = "audit_key_file")]
+    pub allow_readable_key_file: bool,
 }
 
 /// `status`.
@@ -192,6 +197,13 @@ pub struct VerifyArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// An audit head recorded earlier somewhere this host cannot write (from
+    /// `status --json` or `verify --json`): the log must still hold that record
+    /// with that hash. Catches what nothing on the host can: the log cut back to
+    /// an earlier point together with the state, or every file restored from
+    /// an older copy.
+    #[arg(long, value_name = "SEQ:HASH", value_parser = parse_head)]
+    pub expect_head: Option<durable_outbox::Head>,
 }
 
 /// `requeue` and `cancel`.
@@ -295,6 +307,24 @@ fn parse_rate_limit(text: &str) -> Result<RateCap, String> {
     Ok(RateCap {
         count,
         window: Duration::from_secs(seconds),
+    })
+}
+
+/// Parses `SEQ:HASH`, the hash being 64 lowercase hex digits.
+fn parse_head(text: &str) -> Result<durable_outbox::Head, String> {
+    let expected = || format!("expected SEQ:HASH such as 42:<64 hex digits>, got {text:?}");
+    let (seq, hash) = text.split_once(':').ok_or_else(expected)?;
+    let seq: u64 = seq.trim().parse().map_err(|_| expected())?;
+    let hash = hash.trim();
+    if seq == 0
+        || hash.len() != 64
+        || !hash.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(expected());
+    }
+    Ok(durable_outbox::Head {
+        seq,
+        hash: hash.to_owned(),
     })
 }
 

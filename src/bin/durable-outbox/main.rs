@@ -207,16 +207,37 @@ pub fn builder(target: &Target) -> Result<OutboxBuilder, Box<dyn Error>> {
 ///
 /// # Errors
 ///
-/// [`UsageError`] when the file cannot be read or is empty.
+/// [`UsageError`] when the file cannot be read or is empty, or when group or
+/// others can read it and `--allow-readable-key-file` was not given.
 pub fn audit_key(target: &Target) -> Result<Option<Vec<u8>>, Box<dyn Error>> {
     let Some(path) = &target.audit_key_file else {
         return Ok(None);
     };
-    match std::fs::read(path) {
-        Ok(key) if key.is_empty() => Err(usage(path, "the audit key file is empty")),
-        Ok(key) => Ok(Some(key)),
-        Err(e) => Err(usage(path, &format!("cannot read the audit key file: {e}"))),
+    let unreadable = |e: io::Error| usage(path, &format!("cannot read the audit key file: {e}"));
+    // The mode is taken from the open file, so it is the file that is read.
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = file.metadata().map_err(unreadable)?.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 && !target.allow_readable_key_file {
+            return Err(usage(
+                path,
+                &format!(
+                    "the audit key file is accessible by group or others (mode {mode:04o}): \
+                     whoever can read the key can forge the audit log; \
+                     run `chmod 600 {}`, or pass --allow-readable-key-file",
+                    path.display()
+                ),
+            ));
+        }
     }
+    let mut key = Vec::new();
+    io::Read::read_to_end(&mut file, &mut key).map_err(unreadable)?;
+    if key.is_empty() {
+        return Err(usage(path, "the audit key file is empty"));
+    }
+    Ok(Some(key))
 }
 
 fn usage(path: &Path, why: &str) -> Box<dyn Error> {

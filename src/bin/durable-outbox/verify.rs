@@ -65,6 +65,12 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
     let mut progress = Progress::new(err, args.progress);
     let mut result = Verification::default();
     check(&args.target.dir, builder, &mut progress, &mut result)?;
+    if let Some(expected) = &args.expect_head
+        && result.problems.is_empty()
+    {
+        progress.update(&format!("looking for the expected head, seq {}", expected.seq))?;
+        check_expected_head(&args.target.dir, expected, &mut result);
+    }
     progress.finish()?;
     result.problems.sort_by(|a, b| {
         (a.line.is_none(), a.line, &a.idempotency_key).cmp(&(
@@ -169,6 +175,66 @@ fn check(
         }
     }
     Ok(())
+}
+
+/// `--expect-head`: the (verified) log still holds the record an operator
+/// copied off the host earlier, with the same hash.
+fn check_expected_head(dir: &Path, expected: &Head, result: &mut Verification) {
+    let mut last = 0;
+    let mut found = None;
+    let records = match durable_outbox::AuditLog::records_dir(dir) {
+        Ok(records) => records,
+        Err(e) => {
+            result.problems.push(problem_of(&e));
+            return;
+        }
+    };
+    let mut oldest = None;
+    for record in records {
+        match record {
+            Ok(record) => {
+                oldest.get_or_insert(record.seq);
+                last = record.seq;
+                if record.seq == expected.seq {
+                    found = Some(record.hash);
+                    break;
+                }
+            }
+            Err(e) => {
+                result.problems.push(problem_of(&e));
+                return;
+            }
+        }
+    }
+    let message = match found {
+        Some(hash) if hash == expected.hash => {
+            result.passed.push(format!(
+                "the log holds the expected head, seq {} with its hash",
+                expected.seq
+            ));
+            return;
+        }
+        Some(hash) => format!(
+            "audit record seq {} has hash {hash}, not the expected {}: the log was rewritten",
+            expected.seq, expected.hash
+        ),
+        None if oldest.is_some_and(|first| first > expected.seq) => format!(
+            "audit record seq {} is no longer in the log (old segments were removed): \
+             record a newer head to check against",
+            expected.seq
+        ),
+        None => format!(
+            "the log ends at seq {last}, before the expected head seq {}: \
+             its tail was cut, or the outbox was restored from an earlier copy",
+            expected.seq
+        ),
+    };
+    result.problems.push(Problem {
+        line: None,
+        idempotency_key: None,
+        message,
+        hint: None,
+    });
 }
 
 /// Why the cross-check stopped early: the output failed, or the outbox could
