@@ -119,7 +119,9 @@ pub enum Error {
     /// changed by another user: it is owned by someone other than the effective
     /// user (or root), writable by group or others, or a symlink. Nothing was
     /// read from it or written to it. See the README's "Security model".
-    #[error("{path}: refusing to use it: {reason} (owner uid {owner}, mode {mode:04o}); to fix: {fix}")]
+    #[error(
+        "{path}: refusing to use it: {reason} (owner uid {owner}, mode {mode:04o}); to fix: {fix}"
+    )]
     Untrusted {
         /// The directory or file.
         path: PathBuf,

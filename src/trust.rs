@@ -40,7 +40,10 @@ fn is_state_name(name: &str) -> bool {
             | crate::history::HISTORY_DIR
             | crate::audit::AUDIT_FILE
             | crate::audit::ANCHOR_FILE
-    ) || (name.starts_with("audit-") && name.ends_with(".jsonl"))
+    ) || name
+        .strip_prefix("audit-")
+        .and_then(|n| n.strip_suffix(".jsonl"))
+        .is_some()
 }
 
 /// Checks the outbox directory `dir` and every state file in it (and in
@@ -90,8 +93,7 @@ fn check(path: &Path, meta: &fs::Metadata, trust: Trust) -> Result<()> {
     };
     if meta.file_type().is_symlink() {
         return refuse(
-            "it is a symbolic link, and the outbox never follows links inside its directory"
-                .into(),
+            "it is a symbolic link, and the outbox never follows links inside its directory".into(),
             format!("remove it (`rm {shown}`); the outbox creates its own files"),
         );
     }
@@ -105,10 +107,7 @@ fn check(path: &Path, meta: &fs::Metadata, trust: Trust) -> Result<()> {
         );
     }
     if mode & 0o002 != 0 {
-        return refuse(
-            "others can write it".into(),
-            format!("`chmod o-w {shown}`"),
-        );
+        return refuse("others can write it".into(), format!("`chmod o-w {shown}`"));
     }
     if mode & 0o020 != 0 && !shared {
         return refuse(
@@ -130,8 +129,9 @@ fn check(path: &Path, meta: &fs::Metadata, _trust: Trust) -> Result<()> {
             path: path.to_path_buf(),
             owner: 0,
             mode: 0,
-            reason: "it is a symbolic link, and the outbox never follows links inside its directory"
-                .into(),
+            reason:
+                "it is a symbolic link, and the outbox never follows links inside its directory"
+                    .into(),
             fix: "remove it; the outbox creates its own files".into(),
         });
     }

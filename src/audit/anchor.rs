@@ -81,8 +81,7 @@ fn head_text(head: &Head, generation: u64) -> String {
 /// Compares two MACs in time independent of where they differ.
 fn same_mac(a: &str, b: &str) -> bool {
     a.len() == b.len()
-        && a
-            .bytes()
+        && a.bytes()
             .zip(b.bytes())
             .fold(0u8, |diff, (x, y)| diff | (x ^ y))
             == 0
@@ -90,7 +89,10 @@ fn same_mac(a: &str, b: &str) -> bool {
 
 /// The words a removal record's note ends with, naming the anchor it leaves.
 pub(crate) fn removal_note(anchor: &Head) -> String {
-    format!("the chain now starts after seq {} hash {}", anchor.seq, anchor.hash)
+    format!(
+        "the chain now starts after seq {} hash {}",
+        anchor.seq, anchor.hash
+    )
 }
 
 /// The bytes of `audit.anchor` for a removal that ends at `head`, audited by
@@ -202,7 +204,9 @@ pub(crate) fn check_removal_record(
     Err(Error::InvalidRecord {
         path,
         location: "removed_at_seq".into(),
-        reason: format!("the chain has no audit record seq {seq}, the removal that left this anchor"),
+        reason: format!(
+            "the chain has no audit record seq {seq}, the removal that left this anchor"
+        ),
     })
 }
 

@@ -46,6 +46,17 @@
 //! detected without an outside anchor: use keyed mode, or copy
 //! [`AuditReport::head_hash`] somewhere the host cannot rewrite.
 //!
+//! In keyed mode the ends of the chain are authenticated too (see the `anchor`
+//! module): `audit.anchor`, where the chain starts after old segments were
+//! removed, carries a MAC and must be named by the keyed removal record, and the
+//! head `outbox.json` records carries a MAC bound to the snapshot's generation.
+//! Without the key neither end can be moved. What even the key cannot show is a
+//! complete earlier copy of every file put back, or the newest records cut
+//! together with the journal entries that hold them (what was recorded since the
+//! last compaction): for those, keep the head off the host
+//! ([`Outbox::audit_head`](crate::Outbox::audit_head), the CLI's `verify
+//! --expect-head`).
+//!
 //! # Crashes
 //!
 //! Appends are not atomic: a crash can leave a partial last line (or zeros). Such a
@@ -612,14 +623,8 @@ impl AuditTail {
         let last = last_head(last_removed)?;
         // The record just appended audits this removal and names this anchor.
         let anchor = anchor::encode_anchor(&last, self.head().seq, &self.hasher);
-        fsutil::replace_atomically(
-            &self.dir,
-            ANCHOR_FILE,
-            &anchor,
-            faults,
-            "audit_anchor",
-        )
-        .map_err(|(_, e)| e)?;
+        fsutil::replace_atomically(&self.dir, ANCHOR_FILE, &anchor, faults, "audit_anchor")
+            .map_err(|(_, e)| e)?;
         let mut removed = Vec::with_capacity(remove);
         for (_, path) in &sealed[..remove] {
             fs::remove_file(path).map_err(|e| Error::io(path, "remove audit segment", e))?;

@@ -51,9 +51,12 @@ fn a_private_key_file_is_used_and_the_override_is_explicit() {
         .exits(0)
         .says("verified");
     fs::set_permissions(&key_file, fs::Permissions::from_mode(0o644)).unwrap();
-    verify(&dir, &["--audit-key-file", key, "--allow-readable-key-file"])
-        .exits(0)
-        .says("verified");
+    verify(
+        &dir,
+        &["--audit-key-file", key, "--allow-readable-key-file"],
+    )
+    .exits(0)
+    .says("verified");
 }
 
 #[test]
@@ -96,9 +99,10 @@ fn a_head_kept_off_host_catches_an_outbox_restored_from_an_earlier_copy() {
         args.extend_from_slice(extra);
         crate::harness::cli(args)
     };
-    verify(&["--expect-head", &expect])
-        .exits(0)
-        .says(&format!("the log holds the expected head, seq {}", head.seq));
+    verify(&["--expect-head", &expect]).exits(0).says(&format!(
+        "the log holds the expected head, seq {}",
+        head.seq
+    ));
 
     // Every file put back as it was: consistent, so only the outside copy tells.
     for (path, bytes) in &earlier {

@@ -18,9 +18,9 @@ mod hostile_input;
 mod model_check;
 mod operator_actions;
 mod rate_caps;
+mod retries;
 #[cfg(unix)]
 mod security;
-mod retries;
 mod seed_compat;
 #[cfg(feature = "test-failpoints")]
 mod stale_handles;

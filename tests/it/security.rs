@@ -80,7 +80,10 @@ fn an_existing_directory_another_user_owns_is_refused_and_left_untouched() {
     }
     let (owner, mode, reason, fix) = untrusted(Outbox::open(&dir), &dir);
     assert_eq!((owner, mode), (STRANGER, 0o755));
-    assert!(reason.contains(&format!("owned by uid {STRANGER}")), "{reason}");
+    assert!(
+        reason.contains(&format!("owned by uid {STRANGER}")),
+        "{reason}"
+    );
     assert!(fix.contains("chown"), "{fix}");
     assert!(listing(&dir).is_empty(), "nothing was created in it");
 }
@@ -95,7 +98,11 @@ fn a_world_writable_journal_planted_in_the_directory_is_refused_before_anything_
     assert_eq!(mode, 0o666);
     assert!(reason.contains("others can write it"), "{reason}");
     assert!(fix.contains("chmod o-w"), "{fix}");
-    assert_eq!(listing(dir.path()), ["outbox.journal"], "no lock, no owner file");
+    assert_eq!(
+        listing(dir.path()),
+        ["outbox.journal"],
+        "no lock, no owner file"
+    );
     let message = Outbox::open(dir.path()).unwrap_err().to_string();
     assert!(message.contains("outbox.journal"), "{message}");
 }
@@ -108,7 +115,12 @@ fn a_state_and_audit_log_another_user_planted_are_refused() {
     planted.enqueue("theirs", "chat-victim");
     planted.outbox.compact().unwrap();
     let state = planted.path("outbox.json");
-    for name in ["outbox.json", "audit.jsonl", "outbox.journal", "outbox.lock"] {
+    for name in [
+        "outbox.json",
+        "audit.jsonl",
+        "outbox.journal",
+        "outbox.lock",
+    ] {
         if !give_to_stranger(&planted.path(name)) {
             return;
         }
@@ -122,7 +134,12 @@ fn a_state_and_audit_log_another_user_planted_are_refused() {
         other => panic!("expected Untrusted, got {:?}", other.map(|_| ())),
     }
     // Given back, the same files open: the check is about ownership only.
-    for name in ["outbox.json", "audit.jsonl", "outbox.journal", "outbox.lock"] {
+    for name in [
+        "outbox.json",
+        "audit.jsonl",
+        "outbox.journal",
+        "outbox.lock",
+    ] {
         std::os::unix::fs::lchown(planted.path(name), Some(0), None).unwrap();
     }
     assert!(state.exists());
@@ -173,7 +190,10 @@ fn a_group_writable_directory_opens_only_when_that_group_is_trusted() {
         Outbox::builder(dir.path()).shared_group(gid + 1).open(),
         dir.path(),
     );
-    let outbox = Outbox::builder(dir.path()).shared_group(gid).open().unwrap();
+    let outbox = Outbox::builder(dir.path())
+        .shared_group(gid)
+        .open()
+        .unwrap();
     outbox.enqueue(msg("k", "chat-1")).unwrap();
     drop(outbox);
 
@@ -236,7 +256,10 @@ fn a_history_symlink_planted_before_open_is_refused() {
     symlink(elsewhere.path(), &link).unwrap();
     let (_, _, reason, _) = untrusted(builder(h.dir.path(), &h.clock).open(), &link);
     assert!(reason.contains("symbolic link"), "{reason}");
-    assert!(listing(elsewhere.path()).is_empty(), "no body was written there");
+    assert!(
+        listing(elsewhere.path()).is_empty(),
+        "no body was written there"
+    );
 }
 
 #[test]
@@ -249,7 +272,10 @@ fn a_history_symlink_planted_while_open_is_not_followed() {
         matches!(&err, Error::Io { path, .. } if path.ends_with("history")),
         "{err}"
     );
-    assert!(listing(elsewhere.path()).is_empty(), "no body was written there");
+    assert!(
+        listing(elsewhere.path()).is_empty(),
+        "no body was written there"
+    );
     // The item stays live and findable.
     assert!(h.outbox.get("old").unwrap().is_some());
 }
@@ -290,7 +316,11 @@ fn edit_state(h: &Harness, drop_key: Option<&str>, edit: impl FnOnce(&mut serde_
             .retain(|item| item["idempotency_key"] != key);
     }
     edit(&mut state["audit_head"]);
-    fs::write(h.path("outbox.json"), serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    fs::write(
+        h.path("outbox.json"),
+        serde_json::to_vec_pretty(&state).unwrap(),
+    )
+    .unwrap();
 }
 
 fn keyed(h: &Harness) -> durable_outbox::Result<Outbox> {
@@ -406,7 +436,9 @@ fn a_head_copied_from_an_older_snapshot_does_not_fit_a_newer_one() {
     // keeping the newer generation so the journal still matches.
     let lines = audit_lines(&h);
     write_lines(&h.path("audit.jsonl"), &lines[..3]);
-    edit_state(&h, Some("fourth"), |head| *head = older["audit_head"].clone());
+    edit_state(&h, Some("fourth"), |head| {
+        *head = older["audit_head"].clone();
+    });
     let err = open_and_verify(&h).unwrap_err();
     assert!(err.to_string().contains("MAC does not match"), "{err}");
 }

@@ -318,7 +318,9 @@ fn parse_head(text: &str) -> Result<durable_outbox::Head, String> {
     let hash = hash.trim();
     if seq == 0
         || hash.len() != 64
-        || !hash.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        || !hash
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     {
         return Err(expected());
     }

@@ -68,7 +68,10 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
     if let Some(expected) = &args.expect_head
         && result.problems.is_empty()
     {
-        progress.update(&format!("looking for the expected head, seq {}", expected.seq))?;
+        progress.update(&format!(
+            "looking for the expected head, seq {}",
+            expected.seq
+        ))?;
         check_expected_head(&args.target.dir, expected, &mut result);
     }
     progress.finish()?;
