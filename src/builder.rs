@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::rate::{RateLimit, RatePolicy};
 use crate::retry::Backoff;
+use crate::settings::Stored;
 
 /// Configures and opens an [`Outbox`].
 ///
@@ -44,6 +45,10 @@ pub struct OutboxBuilder {
     pub(crate) sleeper: Arc<dyn Sleeper>,
     pub(crate) audit_key: Option<Vec<u8>>,
     pub(crate) trust: crate::trust::Trust,
+    /// The shared settings the caller set explicitly (the rest are defaults).
+    pub(crate) explicit: Stored,
+    /// Whether `explicit` replaces what the outbox stores.
+    pub(crate) update_settings: bool,
     #[cfg(feature = "test-failpoints")]
     pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
 }
@@ -85,29 +90,37 @@ impl OutboxBuilder {
             sleeper: Arc::new(ThreadSleeper),
             audit_key: None,
             trust: crate::trust::Trust::default(),
+            explicit: Stored::default(),
+            update_settings: false,
             #[cfg(feature = "test-failpoints")]
             failpoints: Vec::new(),
         }
     }
 
     /// Attempts (claims) allowed per item before a retryable failure becomes
-    /// terminal. Default 3. Must be at least 1.
+    /// terminal. Default 3. Must be at least 1. A stored setting (see
+    /// [`update_settings`](Self::update_settings)).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
+        self.explicit.max_attempts = Some(attempts);
         self
     }
 
-    /// The wait after a retryable failure. Default: 250 ms, then 500 ms.
+    /// The wait after a retryable failure. Default: 250 ms, then 500 ms. A
+    /// stored setting (see [`update_settings`](Self::update_settings)).
     pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.explicit.backoff = Some(backoff.clone());
         self.backoff = backoff;
         self
     }
 
     /// At most `count` sends per destination in any sliding `window`, for
     /// destinations no [`rate_limit_for`](Self::rate_limit_for) pattern matches.
-    /// Default: 10 per 60 s. Both must be positive.
+    /// Default: 10 per 60 s. Both must be positive. A stored setting (see
+    /// [`update_settings`](Self::update_settings)).
     pub fn rate_limit(mut self, count: u32, window: Duration) -> Self {
         self.rates.per_destination = RateLimit { count, window };
+        self.explicit.rate_limit = Some(self.rates.per_destination);
         self
     }
 
@@ -115,19 +128,23 @@ impl OutboxBuilder {
     /// `*` matches any run of characters: e.g. Telegram group chats have negative
     /// ids, and a group takes at most 20 messages a minute
     /// (`.rate_limit_for("-*", 20, Duration::from_secs(60))`). The first matching
-    /// pattern, in the order given, wins. Default: none.
+    /// pattern, in the order given, wins. Default: none. A stored setting: the
+    /// whole list is one (see [`update_settings`](Self::update_settings)).
     pub fn rate_limit_for(mut self, pattern: &str, count: u32, window: Duration) -> Self {
         self.rates
             .overrides
             .push((pattern.to_owned(), RateLimit { count, window }));
+        self.explicit.rate_limit_for = Some(self.rates.overrides.clone());
         self
     }
 
     /// At most `count` sends across all destinations in any sliding `window`
     /// (Telegram: about 30 a second for a bot). An item held back by it is
     /// deferred with [`GLOBAL_RATE_CAPPED`](crate::GLOBAL_RATE_CAPPED). Default: none.
+    /// A stored setting (see [`update_settings`](Self::update_settings)).
     pub fn global_rate_limit(mut self, count: u32, window: Duration) -> Self {
         self.rates.global = Some(RateLimit { count, window });
+        self.explicit.global_rate_limit = self.rates.global;
         self
     }
 
@@ -163,9 +180,11 @@ impl OutboxBuilder {
     /// longest rate window: an item that still counts against a cap stays live.
     /// History items are still found by `get`, `find_by_transport_ref` and
     /// idempotent `enqueue`, and a failed one can still be requeued;
-    /// [`Outbox::list_items`] lists only the live ones.
+    /// [`Outbox::list_items`] lists only the live ones. A stored setting (see
+    /// [`update_settings`](Self::update_settings)).
     pub fn history_after(mut self, age: Duration) -> Self {
         self.history_after = age;
+        self.explicit.history_after = Some(age);
         self
     }
 
@@ -178,8 +197,11 @@ impl OutboxBuilder {
     /// A pruned item is forgotten: enqueueing its key again creates a new item,
     /// which will be sent. Keep history at least as long as your callers may
     /// retry an enqueue with the same key.
+    ///
+    /// A stored setting (see [`update_settings`](Self::update_settings)).
     pub fn history_retention(mut self, retention: crate::history::Retention) -> Self {
         self.retention = retention;
+        self.explicit.history_retention = Some(retention);
         self
     }
 
@@ -191,6 +213,33 @@ impl OutboxBuilder {
     /// [`Outbox::verify_audit`] verify across all segments.
     pub fn audit_rotate_bytes(mut self, bytes: u64) -> Self {
         self.audit_rotate_bytes = bytes;
+        self
+    }
+
+    /// Makes the stored settings set on this builder replace the ones the outbox
+    /// stores, with a `settings` audit record naming each change. Default: off.
+    ///
+    /// # Stored settings
+    ///
+    /// The settings that shape state every process shares — [`rate_limit`](Self::rate_limit),
+    /// [`rate_limit_for`](Self::rate_limit_for), [`global_rate_limit`](Self::global_rate_limit),
+    /// [`history_after`](Self::history_after), [`history_retention`](Self::history_retention),
+    /// [`max_attempts`](Self::max_attempts) and [`backoff`](Self::backoff) — live in the
+    /// outbox directory, so every handle, the operator CLI and a maintenance job
+    /// opened with defaults work with the same caps:
+    ///
+    /// - The handle that creates an outbox stores all of its values.
+    /// - Opening an existing outbox uses what it stores. A value set on the builder
+    ///   that differs is ignored with a warning (it must never silently weaken a
+    ///   cap another process relies on), unless this flag is set.
+    /// - An outbox created by an older release stores nothing at first: each
+    ///   setting is stored, with an audit record, the first time a handle sets it
+    ///   explicitly; until then every handle uses its own value.
+    ///
+    /// Only the values set on this builder are written; the others stay as stored.
+    /// [`Outbox::settings`] shows what is in force.
+    pub fn update_settings(mut self) -> Self {
+        self.update_settings = true;
         self
     }
 

@@ -93,6 +93,10 @@ pub struct OutboxItem {
     /// Until when the platform asked not to send to this item's destination at
     /// all (a `retry_after` on a retryable failure, e.g. HTTP 429).
     pub(crate) cooldown_until: Option<DateTime<Utc>>,
+    /// The claim time of this item's latest send whose outcome is unknown (an
+    /// ambiguous failure): it may have reached the platform, so it counts
+    /// against the destination's caps as a send, whatever happens to the item.
+    pub(crate) maybe_sent_at: Option<DateTime<Utc>>,
 }
 
 impl OutboxItem {
@@ -177,6 +181,14 @@ impl OutboxItem {
     /// last retryable failure's `retry_after`), if that is still recorded.
     pub fn cooldown_until(&self) -> Option<DateTime<Utc>> {
         self.cooldown_until
+    }
+
+    /// When this item's latest send that may or may not have reached the
+    /// platform (an ambiguous failure: a dead worker's claim, a panic, a
+    /// cancelled future, [`SendError::ambiguous`](crate::SendError::ambiguous))
+    /// was claimed. It counts against the destination's rate caps as a send.
+    pub fn maybe_sent_at(&self) -> Option<DateTime<Utc>> {
+        self.maybe_sent_at
     }
 
     /// The owner id written into the claim, if any.

@@ -68,6 +68,7 @@ mod rate;
 mod receipt;
 mod retry;
 mod send;
+mod settings;
 mod store;
 mod trust;
 
@@ -87,10 +88,11 @@ pub use crate::outbox::{
     AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
     GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
 };
-pub use crate::rate::RateLimit;
+pub use crate::rate::{DestinationWindow, RateLimit};
 pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 pub use crate::retry::Backoff;
 pub use crate::send::{FailureClass, SendError};
+pub use crate::settings::Settings;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

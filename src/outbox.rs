@@ -20,11 +20,11 @@ use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
-use crate::rate::RatePolicy;
+use crate::rate::{DestinationWindow, RateLimit, RatePolicy};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
-use crate::retry::Backoff;
 use crate::send::{FailureClass, SendError};
-use crate::store::{CommitFailure, Loaded, Store, cooldown, rate_time};
+use crate::settings::{self, Settings};
+use crate::store::{CommitFailure, Loaded, Store, rate_times};
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -89,13 +89,11 @@ impl std::fmt::Debug for Outbox {
 }
 
 struct Config {
-    max_attempts: u32,
+    /// This handle's builder values of the stored settings: what a setting the
+    /// outbox does not store falls back to (see `settings`).
+    defaults: Settings,
     drain_batch: usize,
-    backoff: Backoff,
-    rates: RatePolicy,
     max_inline_wait: Duration,
-    history_after: Duration,
-    retention: Retention,
     audit_rotate_bytes: u64,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
@@ -113,6 +111,9 @@ struct Inner {
     in_flight: Mutex<HashSet<String>>,
     /// Set after a durability failure whose outcome on disk is unknown.
     poisoned: AtomicBool,
+    /// The settings this handle stores with its first change, when it opened a
+    /// new outbox (unless another handle stored its own first).
+    initial_settings: Option<crate::settings::Stored>,
     config: Config,
     faults: Failpoints,
 }
@@ -191,6 +192,8 @@ struct Txn<'a> {
     head: Head,
     hasher: &'a Hasher,
     now: DateTime<Utc>,
+    /// The settings in force: stored ones over this handle's.
+    settings: Settings,
 }
 
 impl Txn<'_> {
@@ -239,19 +242,16 @@ impl Txn<'_> {
         !self.overlay.is_empty() || !self.records.is_empty()
     }
 
-    /// The latest platform cooldown on `destination` still in force at `now`.
+    /// The latest platform cooldown on `destination` still in force at `now`:
+    /// the destination's own (whatever became of the items that received it),
+    /// or one this transaction just received.
     fn destination_cooldown(&self, destination: &str, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        let committed = self
-            .base
-            .index
-            .latest_cooldown(destination)
-            .find(|(_, key)| !self.overlay.contains_key(*key))
-            .map(|(until, _)| until);
+        let committed = self.base.state.cooldowns.get(destination).copied();
         let pending = self
             .overlay
             .values()
             .filter(|i| i.destination == destination)
-            .filter_map(cooldown)
+            .filter_map(|i| i.cooldown_until)
             .max();
         committed.max(pending).filter(|until| *until > now)
     }
@@ -265,7 +265,7 @@ impl Txn<'_> {
             .filter(|(_, key)| !self.overlay.contains_key(*key))
             .map(|(at, _)| at)
             .collect();
-        times.extend(self.overlay.values().filter_map(rate_time));
+        times.extend(self.overlay.values().flat_map(rate_times));
         times
     }
 
@@ -283,7 +283,7 @@ impl Txn<'_> {
             self.overlay
                 .values()
                 .filter(|i| i.destination == destination)
-                .filter_map(rate_time),
+                .flat_map(rate_times),
         );
         times
     }
@@ -326,11 +326,14 @@ impl Outbox {
         OutboxBuilder::new(dir.as_ref().to_path_buf())
     }
 
-    pub(crate) fn open_with(builder: OutboxBuilder) -> Result<Self> {
-        let dir = builder.dir;
+    pub(crate) fn open_with(mut builder: OutboxBuilder) -> Result<Self> {
+        let dir = builder.dir.clone();
         lock::create_private_dir(&dir)?;
         crate::trust::check_outbox_dir(&dir, builder.trust)?;
-        let hasher = builder.audit_key.map_or(Hasher::Plain, Hasher::Keyed);
+        let hasher = builder
+            .audit_key
+            .take()
+            .map_or(Hasher::Plain, Hasher::Keyed);
         let lock = DirLock::open(
             &dir,
             Locked {
@@ -348,6 +351,14 @@ impl Outbox {
         }
         let _ = &mut faults;
         let store = Store::new(&dir);
+        let defaults = Settings {
+            rates: builder.rates.clone(),
+            history_after: builder.history_after,
+            retention: builder.retention,
+            max_attempts: builder.max_attempts,
+            backoff: builder.backoff.clone(),
+            stored: Vec::new(),
+        };
         let owner = {
             let mut guard = lock.lock()?;
             for stale in fsutil::sweep_temp_files(&dir)? {
@@ -358,20 +369,21 @@ impl Outbox {
             let (audit, loaded, history) = guard.refresh(&store)?;
             reconcile_audit(audit, loaded, &faults)?;
             store.settle_torn(loaded)?;
-            if builder.compact_on_open && loaded.has_journal_entries() {
+            let compact = builder.compact_on_open && loaded.has_journal_entries();
+            let initial = settle_settings(&store, audit, loaded, &defaults, &builder, &faults)?;
+            if compact {
                 // Start from a fresh snapshot: outbox.json is current after every open.
                 let keep = Housekeeping::new(
                     builder.clock.now(),
-                    builder.history_after,
-                    &builder.rates,
-                    builder.retention,
+                    &defaults.with_stored(&loaded.state.settings),
                     builder.audit_rotate_bytes,
                 );
                 compact_locked(&store, audit, loaded, history, &keep, &faults)
                     .map_err(|(_, e)| e)?;
             }
-            owner
+            (owner, initial)
         };
+        let (owner, initial_settings) = owner;
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,
@@ -380,14 +392,11 @@ impl Outbox {
                 owner,
                 in_flight: Mutex::new(HashSet::new()),
                 poisoned: AtomicBool::new(false),
+                initial_settings,
                 config: Config {
-                    max_attempts: builder.max_attempts,
+                    defaults,
                     drain_batch: builder.drain_batch,
-                    backoff: builder.backoff,
-                    rates: builder.rates,
                     max_inline_wait: builder.max_inline_wait,
-                    history_after: builder.history_after,
-                    retention: builder.retention,
                     audit_rotate_bytes: builder.audit_rotate_bytes,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
@@ -488,6 +497,7 @@ impl Outbox {
             transport_ref: None,
             last_audit_id: None,
             cooldown_until: None,
+            maybe_sent_at: None,
         });
         record(txn, &key, AuditOutcome::Queued, None, false)?;
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
@@ -913,7 +923,7 @@ impl Outbox {
         let mut guard = inner.lock.lock()?;
         let (audit, loaded, history) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
-        let keep = self.housekeeping();
+        let keep = self.housekeeping(loaded);
         self.settle(compact_locked(
             &inner.store,
             audit,
@@ -945,6 +955,87 @@ impl Outbox {
         Ok(guard.audit.head().clone())
     }
 
+    /// The settings in force: what the outbox stores (see
+    /// [`OutboxBuilder::update_settings`]), and this handle's builder values for
+    /// anything it does not store.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn settings(&self) -> Result<Settings> {
+        self.read(|loaded, _| {
+            Ok(self
+                .inner
+                .config
+                .defaults
+                .with_stored(&loaded.state.settings))
+        })
+    }
+
+    /// Every destination with something in its rate window, something queued,
+    /// or a platform cooldown, measured now against the cap in force for it (or
+    /// against `what_if` instead), sorted by destination. Sends count as the
+    /// outbox counts them: sends, sends in progress and sends that may have
+    /// left (ambiguous failures), from their send or claim time.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn rate_windows(&self, what_if: Option<RateLimit>) -> Result<Vec<DestinationWindow>> {
+        let now = self.inner.config.clock.now();
+        self.read(|loaded, _| {
+            let settings = self
+                .inner
+                .config
+                .defaults
+                .with_stored(&loaded.state.settings);
+            let longest = what_if.map_or_else(|| settings.rates.longest_window(), |cap| cap.window);
+            let mut queued: BTreeMap<&str, usize> = BTreeMap::new();
+            for item in loaded.state.items.values() {
+                if item.state == ItemState::Queued {
+                    *queued.entry(item.destination.as_str()).or_default() += 1;
+                }
+            }
+            for destination in loaded.index.destinations_since(earlier(now, longest)) {
+                queued.entry(destination).or_default();
+            }
+            for (destination, until) in &loaded.state.cooldowns {
+                if *until > now {
+                    queued.entry(destination.as_str()).or_default();
+                }
+            }
+            Ok(queued
+                .into_iter()
+                .filter_map(|(destination, queued)| {
+                    let cap = what_if.unwrap_or_else(|| settings.rate_limit_for(destination));
+                    let cutoff = earlier(now, cap.window);
+                    let times: Vec<DateTime<Utc>> = loaded
+                        .index
+                        .rate_times_since(destination, cutoff)
+                        .map(|(at, _)| at)
+                        .filter(|at| *at > cutoff)
+                        .collect();
+                    let cooldown_until = loaded
+                        .state
+                        .cooldowns
+                        .get(destination)
+                        .copied()
+                        .filter(|until| *until > now);
+                    (queued > 0 || !times.is_empty() || cooldown_until.is_some()).then(|| {
+                        DestinationWindow {
+                            destination: destination.to_owned(),
+                            cap,
+                            sends_in_window: times.len(),
+                            next_free_slot: cap.next_free_slot(now, times.iter().copied()),
+                            queued,
+                            cooldown_until,
+                        }
+                    })
+                })
+                .collect())
+        })
+    }
+
     /// Every audit record for one item, oldest first.
     ///
     /// # Errors
@@ -974,14 +1065,13 @@ impl Outbox {
         f(loaded, history)
     }
 
-    /// What the next compaction moves to history and prunes from it.
-    fn housekeeping(&self) -> Housekeeping {
+    /// What the next compaction moves to history and prunes from it, by the
+    /// settings the outbox stores (whatever this handle was opened with).
+    fn housekeeping(&self, loaded: &Loaded) -> Housekeeping {
         let config = &self.inner.config;
         Housekeeping::new(
             config.clock.now(),
-            config.history_after,
-            &config.rates,
-            config.retention,
+            &config.defaults.with_stored(&loaded.state.settings),
             config.audit_rotate_bytes,
         )
     }
@@ -1006,6 +1096,7 @@ impl Outbox {
             head: audit.head().clone(),
             hasher: audit.hasher(),
             now: inner.config.clock.now(),
+            settings: inner.config.defaults.with_stored(&loaded.state.settings),
         };
         let value = f(&mut txn)?;
         if !txn.changed() {
@@ -1014,8 +1105,14 @@ impl Outbox {
         let Txn {
             overlay, records, ..
         } = txn;
-        self.settle(inner.store.commit(
+        // The first change to a new outbox also stores its initial settings.
+        let initial = inner
+            .initial_settings
+            .clone()
+            .filter(|_| loaded.state.settings.is_empty());
+        self.settle(inner.store.commit_settings(
             loaded,
+            initial,
             overlay.into_values().collect(),
             &records,
             &inner.faults,
@@ -1032,7 +1129,7 @@ impl Outbox {
             // compaction must not turn it into an error. A clean failure is
             // retried at the next commit; an uncertain one poisons the handle
             // for the calls that follow.
-            let keep = self.housekeeping();
+            let keep = self.housekeeping(loaded);
             let compacted =
                 compact_locked(&inner.store, audit, loaded, history, &keep, &inner.faults);
             if let Err(e) = self.settle(compacted) {
@@ -1152,7 +1249,7 @@ impl Outbox {
                 i.state == ItemState::Queued && i.claim_owner() == Some(self.inner.owner.id())
             });
             if ours {
-                fail(txn, key, code)?;
+                fail_ambiguous(txn, key, code)?;
             }
             Ok(())
         });
@@ -1251,9 +1348,9 @@ impl Outbox {
                 key,
                 "found a claim whose worker is gone; failing it as ambiguous"
             );
-            return fail(txn, key, AMBIGUOUS_AFTER_RESTART);
+            return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
         }
-        if item.attempts >= self.inner.config.max_attempts {
+        if item.attempts >= txn.settings.max_attempts {
             return fail(txn, key, ATTEMPTS_EXHAUSTED);
         }
         if let Some(at) = item.next_attempt_at
@@ -1306,7 +1403,7 @@ impl Outbox {
         destination: &str,
         now: DateTime<Utc>,
     ) -> Option<(DateTime<Utc>, &'static str)> {
-        let rates = &self.inner.config.rates;
+        let rates = &txn.settings.rates;
         let cap = rates.for_destination(destination);
         let times = txn.destination_times(destination, earlier(now, cap.window));
         let per_destination = cap.next_free_slot(now, times).map(|at| (at, RATE_CAPPED));
@@ -1375,10 +1472,9 @@ impl Outbox {
             }
             Ok(Err(error)) => {
                 let code = sanitize(error.code(), limits::TRANSPORT_REF);
-                if error.class() == FailureClass::Retryable
-                    && attempts < self.inner.config.max_attempts
+                if error.class() == FailureClass::Retryable && attempts < txn.settings.max_attempts
                 {
-                    let backoff = self.inner.config.backoff.delay(attempts, key);
+                    let backoff = txn.settings.backoff.delay(attempts, key);
                     let wait = error
                         .retry_after_hint()
                         .map_or(backoff, |hint| hint.max(backoff));
@@ -1393,11 +1489,13 @@ impl Outbox {
                         receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
                         Some(wait),
                     ))
+                } else if error.class() == FailureClass::Ambiguous {
+                    Ok((done(fail_ambiguous(txn, key, &code)?), None))
                 } else {
                     Ok((done(fail(txn, key, &code)?), None))
                 }
             }
-            Err(_panic) => Ok((done(fail(txn, key, SEND_PANICKED)?), None)),
+            Err(_panic) => Ok((done(fail_ambiguous(txn, key, SEND_PANICKED)?), None)),
         }
     }
 }
@@ -1437,6 +1535,17 @@ fn fail(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
         Outcome::Failed,
         Some(audit_id),
     )?))
+}
+
+/// Fails a claimed item whose send may have reached the platform: its claim
+/// time is kept as `maybe_sent_at`, so it counts against the destination's caps
+/// as a send from then on, across restarts and whatever becomes of the item.
+fn fail_ambiguous(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
+    let item = txn.item_mut(key)?;
+    let claimed_at = item.claim.as_ref().and_then(|c| c.at);
+    // A claim from the reference design has no time: its last change is the claim.
+    item.maybe_sent_at = Some(claimed_at.unwrap_or(item.updated_at));
+    fail(txn, key, code)
 }
 
 /// Checks an operator's name and reason and joins them into an audit note.
@@ -1517,6 +1626,8 @@ fn compact_locked(
     faults: &Failpoints,
 ) -> std::result::Result<(), (CommitFailure, Error)> {
     let cutoff = keep.cutoff;
+    // A cooldown whose moment has passed holds nothing back: not worth keeping.
+    loaded.state.cooldowns.retain(|_, until| *until > keep.now);
     audit
         .sync(faults)
         .map_err(|e| (CommitFailure::Uncertain, e))?;
@@ -1535,7 +1646,8 @@ fn compact_locked(
                 // terminal record stays live until `process` repairs it.
                 && item.last_audit_id.is_some()
                 && item.updated_at <= cutoff
-                && item.sent_at.is_none_or(|at| at <= cutoff)
+                // Nothing that still counts against a cap leaves the live state.
+                && rate_times(item).all(|at| at <= cutoff)
         })
         .collect();
     let evicted: HashSet<String> = evictable
@@ -1559,6 +1671,17 @@ fn compact_locked(
 /// An audit event about the outbox itself rather than one message (a prune):
 /// `subject` stands where an item's key would, item fields are `-`.
 fn system_event(head: &Head, subject: &str, note: String, now: DateTime<Utc>) -> AuditEvent {
+    system_event_of(AuditOutcome::Pruned, head, subject, note, now)
+}
+
+/// An audit event about the outbox itself with this outcome.
+fn system_event_of(
+    outcome: AuditOutcome,
+    head: &Head,
+    subject: &str,
+    note: String,
+    now: DateTime<Utc>,
+) -> AuditEvent {
     AuditEvent {
         attempts: 0,
         audit_id: hex::encode(&Sha256::digest(format!("{}{subject}", head.hash).as_bytes())[..16]),
@@ -1570,7 +1693,7 @@ fn system_event(head: &Head, subject: &str, note: String, now: DateTime<Utc>) ->
         grant_id: "-".into(),
         idempotency_key: subject.to_owned(),
         lane: "-".into(),
-        outcome: AuditOutcome::Pruned,
+        outcome,
         note: Some(note),
         reconciled: false,
         recorded_at_utc: format_timestamp(now),
@@ -1590,16 +1713,10 @@ struct Housekeeping {
 }
 
 impl Housekeeping {
-    fn new(
-        now: DateTime<Utc>,
-        history_after: Duration,
-        rates: &RatePolicy,
-        retention: Retention,
-        audit_rotate_bytes: u64,
-    ) -> Self {
+    fn new(now: DateTime<Utc>, settings: &Settings, audit_rotate_bytes: u64) -> Self {
         Self {
-            cutoff: eviction_cutoff(now, history_after, rates),
-            retention,
+            cutoff: eviction_cutoff(now, settings.history_after, &settings.rates),
+            retention: settings.retention,
             now,
             audit_rotate_bytes,
         }
@@ -1709,6 +1826,71 @@ fn sanitize(text: &str, max: usize) -> String {
         clean.truncate(cut);
     }
     clean
+}
+
+/// Applies the settings rules (see `settings`) for a handle opening with
+/// `builder`: stores or updates what the caller set explicitly (with a
+/// `settings` audit record), and warns about builder values the stored ones
+/// override. For a new outbox, returns the initial settings, which go with the
+/// handle's first change (opening writes nothing more than it did).
+fn settle_settings(
+    store: &Store,
+    audit: &mut AuditTail,
+    loaded: &mut Loaded,
+    defaults: &Settings,
+    builder: &OutboxBuilder,
+    faults: &Failpoints,
+) -> Result<Option<crate::settings::Stored>> {
+    let new_outbox = loaded.state.items.is_empty()
+        && !loaded.has_journal_entries()
+        && loaded.state.generation == 0
+        && audit.head().seq == 0;
+    let plan = settings::plan(
+        &loaded.state.settings,
+        defaults,
+        &builder.explicit,
+        builder.update_settings,
+        new_outbox,
+    );
+    for ignored in &plan.ignored {
+        tracing::warn!(
+            dir = %builder.dir.display(),
+            "{ignored}: the stored value is in force (open with `update_settings()` to change it)"
+        );
+    }
+    let Some(next) = plan.store else {
+        return Ok(None);
+    };
+    let records = match plan.note {
+        None => return Ok(Some(next)),
+        Some(note) => {
+            let head = audit.head().clone();
+            let how = if builder.update_settings {
+                "updated by a handle opened with update_settings"
+            } else {
+                "stored on first explicit use"
+            };
+            let event = system_event_of(
+                AuditOutcome::Settings,
+                &head,
+                "settings",
+                format!("{note} ({how})"),
+                builder.clock.now(),
+            );
+            vec![AuditRecord::seal(
+                &event,
+                head.seq + 1,
+                &head.hash,
+                false,
+                audit.hasher(),
+            )]
+        }
+    };
+    store
+        .commit_settings(loaded, Some(next), Vec::new(), &records, faults)
+        .map_err(|(_, e)| e)?;
+    audit.append_records(&records, faults)?;
+    Ok(None)
 }
 
 /// Cross-checks the audit log against the state and appends the records the

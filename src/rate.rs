@@ -69,6 +69,27 @@ impl RateLimit {
     }
 }
 
+/// One destination's rate window as [`Outbox::rate_windows`](crate::Outbox::rate_windows)
+/// measured it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DestinationWindow {
+    /// The destination.
+    pub destination: String,
+    /// The cap it was measured against.
+    pub cap: RateLimit,
+    /// Sends in the window ending now: sends, sends in progress, and sends that
+    /// may have left (ambiguous failures).
+    pub sends_in_window: usize,
+    /// When the window has room again, if it is full now.
+    pub next_free_slot: Option<DateTime<Utc>>,
+    /// Items queued for it.
+    pub queued: usize,
+    /// Until when the platform asked not to send to it (`retry_after`), if that
+    /// is still ahead.
+    pub cooldown_until: Option<DateTime<Utc>>,
+}
+
 /// The caps the outbox enforces: a default per destination, overrides for
 /// destinations matching a pattern, and an optional cap across all destinations.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

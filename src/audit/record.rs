@@ -30,6 +30,9 @@ pub enum AuditOutcome {
     Cancelled,
     /// A history segment was pruned by the retention policy; the note names it.
     Pruned,
+    /// The outbox's stored settings changed; the note names each change
+    /// (`rate_limit 10/60s -> 1/3600s`). The key is `settings`.
+    Settings,
 }
 
 impl AuditOutcome {
@@ -44,6 +47,7 @@ impl AuditOutcome {
             Self::Requeued => "requeued",
             Self::Cancelled => "cancelled",
             Self::Pruned => "pruned",
+            Self::Settings => "settings",
         }
     }
 }

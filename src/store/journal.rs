@@ -3,8 +3,8 @@
 //! Every line is `<16 hex> <json>\n`, where the hex is the first 64 bits of the
 //! SHA-256 of the JSON bytes. The first line is a [`HeaderV1`] naming the snapshot
 //! generation the journal continues; every later line is an [`EntryV1`]: the full
-//! new versions of the items one transaction changed, and the exact audit records
-//! it produced. Entries are numbered from 1 without gaps.
+//! new versions of the items one transaction changed, the exact audit records
+//! it produced, and, when it changed them, the whole new stored settings. Entries are numbered from 1 without gaps.
 //!
 //! The file is preallocated with zeros (and extended in large zero-filled steps),
 //! and entries overwrite the zeros in place: an fsync then flushes only data, not
@@ -20,7 +20,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::v1::ItemV1;
+use super::v1::{ItemV1, SettingsV1};
 use crate::audit::AuditRecord;
 
 /// Name of the journal inside an outbox directory.
@@ -44,6 +44,9 @@ pub(crate) struct EntryV1 {
     pub(crate) seq: u64,
     pub(crate) items: Vec<ItemV1>,
     pub(crate) audit: Vec<AuditRecord>,
+    /// The whole stored settings after this transaction, when it changed them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) settings: Option<SettingsV1>,
 }
 
 /// Encodes one checksummed line.

@@ -33,13 +33,20 @@ use crate::clock::{format_timestamp, parse_timestamp};
 use crate::error::{Error, Result};
 use crate::failpoint::Failpoints;
 use crate::fsutil::{self, ReplaceFailure};
+use crate::history::Retention;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::content_hash;
+use crate::outbox::{AMBIGUOUS_AFTER_RESTART, SEND_CANCELLED, SEND_PANICKED};
+use crate::rate::RateLimit;
+use crate::retry::Backoff;
+use crate::settings::Stored;
 
 pub(crate) use journal::JOURNAL_FILE;
 use journal::{EntryV1, HeaderV1, JOURNAL_VERSION, Line};
 pub(crate) use v1::CURRENT_VERSION;
-use v1::{FileV1, HeadV1, ItemV1, VersionProbe};
+use v1::{
+    BackoffV1, CapV1, FileV1, HeadV1, ItemV1, PatternCapV1, RetentionV1, SettingsV1, VersionProbe,
+};
 
 /// Name of the snapshot inside an outbox directory.
 pub(crate) const STATE_FILE: &str = "outbox.json";
@@ -64,6 +71,13 @@ pub(crate) struct State {
     pub(crate) audit_mac: Option<String>,
     /// The journal generation that continues this snapshot.
     pub(crate) generation: u64,
+    /// The settings every handle shares (see `settings`).
+    pub(crate) settings: Stored,
+    /// Per destination, the latest moment a platform's `retry_after` asked
+    /// sends to wait for. It belongs to the destination: whatever happens to
+    /// the item that received it later (cancel, requeue, a move to history)
+    /// does not lift it. Folded in from every item applied (`Loaded::apply`).
+    pub(crate) cooldowns: HashMap<String, DateTime<Utc>>,
 }
 
 /// Secondary indexes over the items, kept in step with every change.
@@ -75,24 +89,33 @@ pub(crate) struct Index {
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
     /// The same times across all destinations, for the global cap.
     all_rate_times: BTreeSet<(DateTime<Utc>, String)>,
-    /// Per destination, the cooldowns queued items carry (platform `retry_after`s).
-    cooldowns: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
 }
 
-/// The cooldown a queued item imposes on its destination, if any.
-pub(crate) fn cooldown(item: &OutboxItem) -> Option<DateTime<Utc>> {
-    (item.state == ItemState::Queued)
-        .then_some(item.cooldown_until)
-        .flatten()
-}
+/// The error codes this crate gives ambiguous failures. An item failed with one
+/// by a release that did not record `maybe_sent_at` counts from its last change.
+const AMBIGUOUS_CODES: [&str; 3] = [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED, SEND_CANCELLED];
 
-/// The time an item counts against its destination's rate cap, if it does.
-pub(crate) fn rate_time(item: &OutboxItem) -> Option<DateTime<Utc>> {
-    match (item.state, &item.claim) {
+/// The times an item counts against its destination's rate caps: its send, a
+/// send in progress (from its claim), and a send that may have reached the
+/// platform (an ambiguous failure, from its claim), in whatever state the item
+/// is now. At most two.
+pub(crate) fn rate_times(item: &OutboxItem) -> impl Iterator<Item = DateTime<Utc>> + use<> {
+    let current = match (item.state, &item.claim) {
         (ItemState::Sent, _) => item.sent_at,
         (ItemState::Queued, Some(claim)) => claim.at.or(Some(item.updated_at)),
         _ => None,
-    }
+    };
+    let legacy_ambiguous = item.state == ItemState::Failed
+        && item
+            .error_code
+            .as_deref()
+            .is_some_and(|code| AMBIGUOUS_CODES.contains(&code));
+    let maybe = item
+        .maybe_sent_at
+        .or_else(|| legacy_ambiguous.then_some(item.updated_at));
+    current
+        .into_iter()
+        .chain(maybe.filter(|at| Some(*at) != current))
 }
 
 impl Index {
@@ -112,18 +135,12 @@ impl Index {
                 .or_default()
                 .insert(key.clone());
         }
-        if let Some(at) = rate_time(item) {
+        for at in rate_times(item) {
             self.rate_times
                 .entry(item.destination.clone())
                 .or_default()
                 .insert((at, key.clone()));
             self.all_rate_times.insert((at, key.clone()));
-        }
-        if let Some(until) = cooldown(item) {
-            self.cooldowns
-                .entry(item.destination.clone())
-                .or_default()
-                .insert((until, key.clone()));
         }
     }
 
@@ -137,23 +154,13 @@ impl Index {
                 self.by_transport_ref.remove(r);
             }
         }
-        if let Some(at) = rate_time(item) {
+        for at in rate_times(item) {
             self.all_rate_times.remove(&(at, key.clone()));
-        }
-        if let Some(until) = cooldown(item)
-            && let Some(set) = self.cooldowns.get_mut(&item.destination)
-        {
-            set.remove(&(until, key.clone()));
-            if set.is_empty() {
-                self.cooldowns.remove(&item.destination);
-            }
-        }
-        if let Some(at) = rate_time(item)
-            && let Some(times) = self.rate_times.get_mut(&item.destination)
-        {
-            times.remove(&(at, key.clone()));
-            if times.is_empty() {
-                self.rate_times.remove(&item.destination);
+            if let Some(times) = self.rate_times.get_mut(&item.destination) {
+                times.remove(&(at, key.clone()));
+                if times.is_empty() {
+                    self.rate_times.remove(&item.destination);
+                }
             }
         }
     }
@@ -166,16 +173,12 @@ impl Index {
             .map(String::as_str)
     }
 
-    /// The latest cooldown on `destination` (with its key), if any is recorded.
-    pub(crate) fn latest_cooldown(
-        &self,
-        destination: &str,
-    ) -> impl Iterator<Item = (DateTime<Utc>, &str)> {
-        self.cooldowns
-            .get(destination)
-            .into_iter()
-            .flat_map(|set| set.iter().rev())
-            .map(|(at, key)| (*at, key.as_str()))
+    /// Every destination with a send or claim at or after `since`.
+    pub(crate) fn destinations_since(&self, since: DateTime<Utc>) -> impl Iterator<Item = &str> {
+        self.rate_times
+            .iter()
+            .filter(move |(_, times)| times.last().is_some_and(|(at, _)| *at >= since))
+            .map(|(destination, _)| destination.as_str())
     }
 
     /// The rate-counting times of every destination at or after `since`, with keys.
@@ -311,7 +314,16 @@ impl Loaded {
             self.index.remove(old);
         }
         self.index.insert(&item);
+        fold_cooldown(&mut self.state.cooldowns, &item);
         self.state.items.insert(item.idempotency_key.clone(), item);
+    }
+}
+
+/// Raises the item's destination's cooldown to the item's, if that is later.
+fn fold_cooldown(cooldowns: &mut HashMap<String, DateTime<Utc>>, item: &OutboxItem) {
+    if let Some(until) = item.cooldown_until {
+        let current = cooldowns.entry(item.destination.clone()).or_insert(until);
+        *current = (*current).max(until);
     }
 }
 
@@ -534,7 +546,11 @@ impl Store {
                             raw,
                         )?);
                     }
-                    entries.push((items, entry.audit, len));
+                    let settings = entry
+                        .settings
+                        .map(|raw| settings_from_disk(&self.journal_path, &at, raw))
+                        .transpose()?;
+                    entries.push((items, entry.audit, settings, len));
                     pos += len;
                 }
                 Line::Invalid { len, terminated } => {
@@ -552,9 +568,12 @@ impl Store {
             }
         }
         let torn_at = start + pos as u64;
-        for (items, audit, len) in entries {
+        for (items, audit, settings, len) in entries {
             for item in items {
                 loaded.apply(item);
+            }
+            if let Some(settings) = settings {
+                loaded.state.settings = settings;
             }
             loaded.journal_audit.extend(audit);
             let Some(cursor) = loaded.cursor.as_mut() else {
@@ -638,6 +657,19 @@ impl Store {
         audit: &[AuditRecord],
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
+        self.commit_settings(loaded, None, items, audit, faults)
+    }
+
+    /// As [`commit`](Self::commit), storing new settings too when `settings`
+    /// is `Some` (the whole stored set: it replaces the current one).
+    pub(crate) fn commit_settings(
+        &self,
+        loaded: &mut Loaded,
+        settings: Option<Stored>,
+        items: Vec<OutboxItem>,
+        audit: &[AuditRecord],
+        faults: &Failpoints,
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
         if loaded.cursor.is_none() {
             self.start_journal(loaded, loaded.state.generation, faults)?;
         }
@@ -650,6 +682,7 @@ impl Store {
             seq: cursor.next_seq,
             items: items.iter().map(item_to_disk).collect(),
             audit: audit.to_vec(),
+            settings: settings.as_ref().map(settings_to_disk),
         };
         let line = journal::encode_line(&entry);
         let uncertain = |op: &'static str, e: io::Error| {
@@ -709,6 +742,9 @@ impl Store {
         cursor.next_seq += 1;
         for item in items {
             loaded.apply(item);
+        }
+        if let Some(settings) = settings {
+            loaded.state.settings = settings;
         }
         loaded.journal_audit.extend(entry.audit);
         Ok(())
@@ -788,6 +824,8 @@ impl Store {
             audit_head: Some(audit_head),
             audit_offset: Some(audit_offset),
             generation,
+            settings: loaded.state.settings.clone(),
+            cooldowns: loaded.state.cooldowns.clone(),
         };
         let saved =
             fsutil::replace_atomically(&self.dir, STATE_FILE, &encode(&next), faults, "state");
@@ -927,6 +965,12 @@ pub(crate) fn encode(state: &State) -> Vec<u8> {
             seq: h.seq,
         }),
         generation: state.generation,
+        settings: (!state.settings.is_empty()).then(|| settings_to_disk(&state.settings)),
+        cooldowns: state
+            .cooldowns
+            .iter()
+            .map(|(destination, until)| (destination.clone(), format_timestamp(*until)))
+            .collect(),
         items: {
             let mut sorted: Vec<&OutboxItem> = state.items.values().collect();
             sorted.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
@@ -976,8 +1020,30 @@ pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<State> {
             ));
         }
     }
+    let settings = file
+        .settings
+        .map(|raw| settings_from_disk(path, "settings", raw))
+        .transpose()?
+        .unwrap_or_default();
+    let mut cooldowns = HashMap::with_capacity(file.cooldowns.len());
+    for (destination, until) in file.cooldowns {
+        let at = parse_timestamp(&until).ok_or_else(|| {
+            invalid(
+                path,
+                format!("cooldowns[{destination:?}]"),
+                format!("{until:?} is not an RFC 3339 time"),
+            )
+        })?;
+        cooldowns.insert(destination, at);
+    }
+    // A cooldown an older release kept only on its item belongs to the destination.
+    for item in items.values() {
+        fold_cooldown(&mut cooldowns, item);
+    }
     Ok(State {
         items,
+        settings,
+        cooldowns,
         audit_offset: file.audit_head.as_ref().and_then(|h| h.offset),
         audit_mac: file.audit_head.as_ref().and_then(|h| h.mac.clone()),
         audit_head: file.audit_head.map(|h| Head {
@@ -1015,6 +1081,7 @@ fn item_to_disk(item: &OutboxItem) -> ItemV1 {
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
         last_audit_id: item.last_audit_id.clone(),
+        maybe_sent_at_utc: time(item.maybe_sent_at),
         next_attempt_at_utc: time(item.next_attempt_at),
         risk_class: item.risk_class.clone(),
         sent_at_utc: time(item.sent_at),
@@ -1074,6 +1141,7 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
         None
     };
     let cooldown_until = optional_time("cooldown_until_utc", &raw.cooldown_until_utc)?;
+    let maybe_sent_at = optional_time("maybe_sent_at_utc", &raw.maybe_sent_at_utc)?;
     Ok(OutboxItem {
         created_at: required_time("created_at_utc", &raw.created_at_utc)?,
         updated_at: required_time("updated_at_utc", &raw.updated_at_utc)?,
@@ -1095,7 +1163,97 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
         transport_ref: raw.transport_ref,
         last_audit_id: raw.last_audit_id,
         cooldown_until,
+        maybe_sent_at,
     })
+}
+
+fn settings_to_disk(stored: &Stored) -> SettingsV1 {
+    let cap = |cap: &RateLimit| CapV1 {
+        count: cap.count,
+        window: cap.window,
+    };
+    SettingsV1 {
+        rate_limit: stored.rate_limit.as_ref().map(cap),
+        rate_limit_for: stored.rate_limit_for.as_ref().map(|overrides| {
+            overrides
+                .iter()
+                .map(|(pattern, cap)| PatternCapV1 {
+                    pattern: pattern.clone(),
+                    count: cap.count,
+                    window: cap.window,
+                })
+                .collect()
+        }),
+        global_rate_limit: stored.global_rate_limit.as_ref().map(cap),
+        history_after: stored.history_after,
+        history_retention: stored.history_retention.map(|retention| match retention {
+            Retention::KeepAll => RetentionV1::KeepAll,
+            Retention::MaxAge(age) => RetentionV1::MaxAge(age),
+            Retention::MaxSegments(n) => RetentionV1::MaxSegments(n as u64),
+        }),
+        max_attempts: stored.max_attempts,
+        backoff: stored.backoff.as_ref().map(|backoff| match backoff {
+            Backoff::Fixed(delays) => BackoffV1::Fixed(delays.clone()),
+            Backoff::Exponential { base, cap, jitter } => BackoffV1::Exponential {
+                base: *base,
+                cap: *cap,
+                jitter: *jitter,
+            },
+        }),
+    }
+}
+
+/// Converts and validates stored settings read at `place` in `path`.
+fn settings_from_disk(path: &Path, place: &str, raw: SettingsV1) -> Result<Stored> {
+    let cap = |cap: CapV1| RateLimit {
+        count: cap.count,
+        window: cap.window,
+    };
+    let stored = Stored {
+        rate_limit: raw.rate_limit.map(cap),
+        rate_limit_for: raw.rate_limit_for.map(|overrides| {
+            overrides
+                .into_iter()
+                .map(|o| {
+                    (
+                        o.pattern,
+                        RateLimit {
+                            count: o.count,
+                            window: o.window,
+                        },
+                    )
+                })
+                .collect()
+        }),
+        global_rate_limit: raw.global_rate_limit.map(cap),
+        history_after: raw.history_after,
+        history_retention: raw
+            .history_retention
+            .map(|retention| match retention {
+                RetentionV1::KeepAll => Ok(Retention::KeepAll),
+                RetentionV1::MaxAge(age) => Ok(Retention::MaxAge(age)),
+                RetentionV1::MaxSegments(n) => {
+                    usize::try_from(n).map(Retention::MaxSegments).map_err(|_| {
+                        invalid(path, format!("{place} history_retention"), "out of range")
+                    })
+                }
+            })
+            .transpose()?,
+        max_attempts: raw.max_attempts,
+        backoff: raw.backoff.map(|backoff| match backoff {
+            BackoffV1::Fixed(delays) => Backoff::Fixed(delays),
+            BackoffV1::Exponential { base, cap, jitter } => {
+                Backoff::Exponential { base, cap, jitter }
+            }
+        }),
+    };
+    stored.validate().map_err(|e| match e {
+        Error::InvalidConfig { setting, reason } => {
+            invalid(path, format!("{place} {setting}"), reason)
+        }
+        other => other,
+    })?;
+    Ok(stored)
 }
 
 #[cfg(test)]

@@ -1,10 +1,13 @@
 //! The on-disk format of `outbox.json`, kept apart from the API types.
 //!
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
-//! optional fields: `audit_head` (with `mac` in keyed mode) and `generation` at the top
-//! level, and `claim_owner`, `claimed_at_utc`, `cooldown_until_utc`, `last_audit_id`
-//! on items. This crate reads
+//! optional fields: `audit_head` (with `mac` in keyed mode), `generation`, `settings`
+//! and `cooldowns` at the top level, and `claim_owner`, `claimed_at_utc`,
+//! `cooldown_until_utc`, `last_audit_id`, `maybe_sent_at_utc` on items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -24,7 +27,73 @@ pub(crate) struct FileV1 {
     /// generation); bumped by every compaction.
     #[serde(default)]
     pub(crate) generation: u64,
+    /// The stored settings (see `settings`); absent before they were stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) settings: Option<SettingsV1>,
+    /// Per destination, the moment a platform's `retry_after` lets sends resume
+    /// (only moments still ahead when the snapshot was written).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) cooldowns: BTreeMap<String, String>,
     pub(crate) items: Vec<ItemV1>,
+}
+
+/// The stored settings. Every field is optional: a setting nobody stored yet is
+/// absent. Durations are `{"secs": u64, "nanos": u32}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SettingsV1 {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rate_limit: Option<CapV1>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rate_limit_for: Option<Vec<PatternCapV1>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) global_rate_limit: Option<CapV1>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) history_after: Option<Duration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) history_retention: Option<RetentionV1>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) max_attempts: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) backoff: Option<BackoffV1>,
+}
+
+/// A rate cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CapV1 {
+    pub(crate) count: u32,
+    pub(crate) window: Duration,
+}
+
+/// A rate cap for destinations matching a pattern.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PatternCapV1 {
+    pub(crate) pattern: String,
+    pub(crate) count: u32,
+    pub(crate) window: Duration,
+}
+
+/// History retention: `"keep_all"`, `{"max_age": duration}` or `{"max_segments": n}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub(crate) enum RetentionV1 {
+    KeepAll,
+    MaxAge(Duration),
+    MaxSegments(u64),
+}
+
+/// Backoff: `{"fixed": [durations]}` or `{"exponential": {"base", "cap", "jitter"}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub(crate) enum BackoffV1 {
+    Fixed(Vec<Duration>),
+    Exponential {
+        base: Duration,
+        cap: Duration,
+        jitter: bool,
+    },
 }
 
 /// Only the version, for a helpful error when the rest does not parse.
@@ -77,6 +146,10 @@ pub(crate) struct ItemV1 {
     pub(crate) lane: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) last_audit_id: Option<String>,
+    /// The claim time of a send that may have reached the platform (an ambiguous
+    /// failure): it counts against the destination's caps like a send.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) maybe_sent_at_utc: Option<String>,
     #[serde(default)]
     pub(crate) next_attempt_at_utc: Option<String>,
     #[serde(default)]

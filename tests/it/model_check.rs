@@ -195,6 +195,9 @@ struct ModelItem {
     transport_ref: Option<String>,
     /// Set by a retryable failure with `retry_after`: holds the whole destination.
     cooldown_until: Option<DateTime<Utc>>,
+    /// The claim time of a send that failed as ambiguous: it may have left, so
+    /// it counts against the cap whatever the item's state.
+    maybe_sent_at: Option<DateTime<Utc>>,
 }
 
 /// The comparable part of one audit record.
@@ -315,6 +318,9 @@ struct Model {
     now: DateTime<Utc>,
     items: BTreeMap<String, ModelItem>,
     audit: Vec<AuditLine>,
+    /// Per destination, the latest `retry_after` moment: it belongs to the
+    /// destination, whatever becomes of the item that received it.
+    cooldowns: BTreeMap<usize, DateTime<Utc>>,
 }
 
 impl Model {
@@ -346,6 +352,14 @@ impl Model {
         }
     }
 
+    /// Fails a claimed item whose send may have left: it keeps counting as a
+    /// send from its claim time.
+    fn fail_ambiguous(&mut self, key: &str, code: &str) -> Expected {
+        let item = self.item(key);
+        item.maybe_sent_at = item.claimed_at;
+        self.fail(key, code)
+    }
+
     fn fail(&mut self, key: &str, code: &str) -> Expected {
         let item = self.item(key);
         item.state = ItemState::Failed;
@@ -365,10 +379,13 @@ impl Model {
             .items
             .values()
             .filter(|i| i.destination == destination)
-            .filter_map(|i| match i.state {
-                ItemState::Sent => i.sent_at,
-                ItemState::Queued => i.claimed_at,
-                ItemState::Failed => None,
+            .flat_map(|i| {
+                let current = match i.state {
+                    ItemState::Sent => i.sent_at,
+                    ItemState::Queued => i.claimed_at,
+                    ItemState::Failed => None,
+                };
+                current.into_iter().chain(i.maybe_sent_at)
             })
             .filter(|t| *t > self.now - window)
             .collect();
@@ -380,14 +397,12 @@ impl Model {
         Some(recent[recent.len() - count] + window)
     }
 
-    /// A platform's `retry_after` holds its whole destination: the latest
-    /// cooldown a queued item of `destination` carries, while it is in force.
+    /// A platform's `retry_after` holds its whole destination until its
+    /// moment, whatever happens to the item that received it.
     fn cooldown(&self, destination: usize) -> Option<DateTime<Utc>> {
-        self.items
-            .values()
-            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
-            .filter_map(|i| i.cooldown_until)
-            .max()
+        self.cooldowns
+            .get(&destination)
+            .copied()
             .filter(|until| *until > self.now)
     }
 
@@ -422,7 +437,7 @@ impl Model {
             ItemState::Sent => Some(self.expect(key, Outcome::Sent, true)),
             ItemState::Failed => Some(self.expect(key, Outcome::Failed, true)),
             ItemState::Queued if item.claimed_at.is_some() => {
-                Some(self.fail(key, AMBIGUOUS_AFTER_RESTART))
+                Some(self.fail_ambiguous(key, AMBIGUOUS_AFTER_RESTART))
             }
             ItemState::Queued if item.attempts >= self.settings.max_attempts => {
                 Some(self.fail(key, ATTEMPTS_EXHAUSTED))
@@ -468,10 +483,11 @@ impl Model {
                 self.record(key, "sent");
                 return (self.expect(key, Outcome::Sent, true), None);
             }
-            Reply::Panic => return (self.fail(key, SEND_PANICKED), None),
+            Reply::Panic => return (self.fail_ambiguous(key, SEND_PANICKED), None),
+            Reply::Ambiguous(code) => return (self.fail_ambiguous(key, &sanitized(code)), None),
             Reply::Retryable(code) => (code, 0, true),
             Reply::RetryAfter(code, ms) => (code, *ms, true),
-            Reply::Permanent(code) | Reply::Ambiguous(code) => (code, 0, false),
+            Reply::Permanent(code) => (code, 0, false),
         };
         let item = self.item(key);
         if !(retryable && item.attempts < max_attempts) {
@@ -482,6 +498,12 @@ impl Model {
         let wait = backoff.max(hint);
         item.claimed_at = None;
         item.cooldown_until = matches!(reply, Reply::RetryAfter(..)).then(|| now + millis(hint));
+        if let Some(until) = item.cooldown_until {
+            let destination = item.destination;
+            let held = self.cooldowns.entry(destination).or_insert(until);
+            *held = (*held).max(until);
+        }
+        let item = self.item(key);
         item.error_code = Some(sanitized(code));
         item.next_attempt_at = Some(now + millis(wait));
         self.record(key, "retrying");
@@ -635,6 +657,7 @@ fn open(dir: &std::path::Path, clock: &ManualClock, settings: Settings) -> Outbo
         )
         .max_inline_wait(Duration::from_millis(settings.max_inline_wait_ms))
         .drain_batch(settings.drain_batch)
+        .update_settings()
         .open()
         .expect("open the outbox")
 }
@@ -721,6 +744,7 @@ impl Run {
                 now,
                 items: BTreeMap::new(),
                 audit: Vec::new(),
+                cooldowns: BTreeMap::new(),
             },
         }
     }
@@ -759,13 +783,28 @@ impl Run {
                 self.model.now += millis(*ms);
             }
             Op::Restart { max_attempts } => {
+                // The restart stores its new max_attempts (`update_settings`): a
+                // change of a stored setting is audited. An outbox that has
+                // recorded nothing yet stores its settings with its first change.
+                let changed = *max_attempts != self.settings.max_attempts;
+                let stored = !self.model.audit.is_empty();
                 self.settings.max_attempts = *max_attempts;
                 self.model.settings.max_attempts = *max_attempts;
                 self.restart();
-                // Opening may compact the snapshot, but it never records an outcome.
-                ensure(self.files().1 == files_before.1, || {
-                    "a clean restart changed audit.jsonl".into()
-                })?;
+                if changed && stored {
+                    self.model.audit.push(AuditLine {
+                        outcome: "settings",
+                        key: "settings".into(),
+                        attempts: 0,
+                        error_code: None,
+                        transport_ref: None,
+                    });
+                } else {
+                    // Opening may compact the snapshot, but it never records an outcome.
+                    ensure(self.files().1 == files_before.1, || {
+                        "a clean restart changed audit.jsonl".into()
+                    })?;
+                }
             }
             Op::CrashMidSend {
                 key,
@@ -837,6 +876,7 @@ impl Run {
                             error_code: None,
                             transport_ref: None,
                             cooldown_until: None,
+                            maybe_sent_at: None,
                         },
                     );
                     self.model.record(key, "queued");

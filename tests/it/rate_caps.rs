@@ -218,3 +218,257 @@ fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
         Outcome::Sent
     );
 }
+
+// ----- the window counts sends, not enqueues -------------------------------
+
+#[test]
+fn the_window_counts_from_the_send_not_from_the_enqueue() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    // `a` waits 50 s in the queue, then goes out.
+    h.clock.advance(secs(50));
+    let sent_at = h.clock.now();
+    assert_eq!(
+        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    // 70 s after the enqueue but only 20 s after the send: the window is full.
+    h.clock.advance(secs(20));
+    let b = h
+        .outbox
+        .process("b", |_| panic!("counted from created_at"))
+        .unwrap();
+    assert_eq!(b.outcome, Outcome::Deferred);
+    assert_eq!(b.error_code.as_deref(), Some(RATE_CAPPED));
+    assert_eq!(
+        b.next_attempt_at,
+        Some(sent_at + chrono::Duration::seconds(60))
+    );
+}
+
+#[test]
+fn an_old_item_sent_now_holds_the_global_window_now() {
+    let h = Harness::with(|b| b.global_rate_limit(1, secs(10)));
+    h.enqueue("old", "chat-1");
+    h.clock.advance(secs(3600));
+    h.enqueue("new", "chat-2");
+    let sent_at = h.clock.now();
+    h.outbox.process("old", |_| Ok(None)).unwrap();
+    h.clock.advance(secs(5));
+    let new = h
+        .outbox
+        .process("new", |_| panic!("counted from created_at"))
+        .unwrap();
+    assert_eq!(new.outcome, Outcome::Deferred);
+    assert_eq!(
+        new.next_attempt_at,
+        Some(sent_at + chrono::Duration::seconds(10))
+    );
+}
+
+#[test]
+fn a_drained_backlog_counts_its_send_times_after_a_restart() {
+    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
+    for key in ["a", "b"] {
+        h.enqueue(key, "chat-1");
+    }
+    h.clock.advance(secs(45));
+    let sent_at = h.clock.now();
+    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+    assert_eq!(report.sent, 2);
+    h.clock.advance(secs(30)); // 75 s after the enqueues, 30 s after the sends
+    h.enqueue("c", "chat-1");
+    let reopened = builder(h.dir.path(), &h.clock)
+        .rate_limit(2, secs(60))
+        .open()
+        .unwrap();
+    let c = reopened
+        .process("c", |_| panic!("counted from created_at"))
+        .unwrap();
+    assert_eq!(c.outcome, Outcome::Deferred);
+    assert_eq!(
+        c.next_attempt_at,
+        Some(sent_at + chrono::Duration::seconds(60))
+    );
+}
+
+// ----- a send that may have left counts ------------------------------------
+
+/// Sends `first` with `send`, then asserts that `second`, to the same chat,
+/// waits a whole window (60 s) from the first claim, in this handle and after a
+/// restart.
+fn assert_counts_as_a_send(
+    send: impl FnOnce() -> Result<Option<String>, durable_outbox::SendError>,
+    expected_code: &str,
+) {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("first", "chat-1");
+    h.enqueue("second", "chat-1");
+    h.clock.advance(secs(7)); // the claim, not the enqueue, is the send time
+    let claimed_at = h.clock.now();
+    let mut send = Some(send);
+    let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        h.outbox
+            .process("first", |_| (send.take().expect("sent once"))())
+            .unwrap()
+    }));
+    let item = h.outbox.get("first").unwrap().unwrap();
+    assert_eq!(item.error_code(), Some(expected_code), "{first:?}");
+    h.clock.advance(secs(30));
+    let free = Some(claimed_at + chrono::Duration::seconds(60));
+    let second = h
+        .outbox
+        .process("second", |_| panic!("an ambiguous send was forgotten"))
+        .unwrap();
+    assert_eq!(
+        (second.outcome, second.next_attempt_at),
+        (Outcome::Deferred, free)
+    );
+    let reopened = builder(h.dir.path(), &h.clock)
+        .rate_limit(1, secs(60))
+        .open()
+        .unwrap();
+    let second = reopened
+        .process("second", |_| panic!("forgotten after a restart"))
+        .unwrap();
+    assert_eq!(
+        (second.outcome, second.next_attempt_at),
+        (Outcome::Deferred, free)
+    );
+    h.clock.set(claimed_at + chrono::Duration::seconds(60));
+    assert_eq!(
+        reopened.process("second", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn a_send_reported_ambiguous_counts_against_the_cap_across_restarts() {
+    assert_counts_as_a_send(
+        || Err(durable_outbox::SendError::ambiguous("read_timeout")),
+        "read_timeout",
+    );
+}
+
+#[test]
+fn a_send_that_panicked_counts_against_the_cap_across_restarts() {
+    assert_counts_as_a_send(|| panic!("transport bug"), durable_outbox::SEND_PANICKED);
+}
+
+#[test]
+fn an_ambiguous_send_counts_against_the_global_cap() {
+    let h = Harness::with(|b| b.global_rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-2");
+    let claimed_at = h.clock.now();
+    h.outbox
+        .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
+        .unwrap();
+    h.clock.advance(secs(1));
+    let b = h
+        .outbox
+        .process("b", |_| panic!("global cap forgot it"))
+        .unwrap();
+    assert_eq!(
+        b.error_code.as_deref(),
+        Some(durable_outbox::GLOBAL_RATE_CAPPED)
+    );
+    assert_eq!(
+        b.next_attempt_at,
+        Some(claimed_at + chrono::Duration::seconds(60))
+    );
+}
+
+#[test]
+fn a_requeued_ambiguous_send_still_counts_where_it_may_have_landed() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    let claimed_at = h.clock.now();
+    h.outbox
+        .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
+        .unwrap();
+    h.outbox
+        .requeue("a", "ops", "customer saw nothing")
+        .unwrap();
+    h.clock.advance(secs(10));
+    // The operator's resend still waits for the window of the first attempt.
+    let a = h
+        .outbox
+        .process("a", |_| panic!("the first attempt was forgotten"))
+        .unwrap();
+    assert_eq!(a.outcome, Outcome::Deferred);
+    assert_eq!(
+        a.next_attempt_at,
+        Some(claimed_at + chrono::Duration::seconds(60))
+    );
+}
+
+// ----- a cooldown belongs to the destination --------------------------------
+
+/// Enqueues `a` and `b` for chat-1, lets `a` receive a 30 s `retry_after`, runs
+/// `meanwhile` on the harness, then asserts `b` still waits for the cooldown.
+fn assert_cooldown_survives(meanwhile: impl FnOnce(&Harness)) {
+    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let t0 = h.clock.now();
+    h.outbox
+        .process("a", |_| {
+            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(30)))
+        })
+        .unwrap();
+    meanwhile(&h);
+    h.clock.advance(secs(1));
+    let until = Some(t0 + chrono::Duration::seconds(30));
+    for handle in [&h.outbox, &h.reopen()] {
+        let b = handle
+            .process("b", |_| panic!("the cooldown was lifted"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(
+            b.error_code.as_deref(),
+            Some(durable_outbox::DESTINATION_COOLDOWN)
+        );
+        assert_eq!(b.next_attempt_at, until);
+    }
+    h.clock.set(t0 + chrono::Duration::seconds(30));
+    assert_eq!(
+        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+}
+
+#[test]
+fn a_cooldown_outlives_the_cancel_of_the_item_that_got_it() {
+    assert_cooldown_survives(|h| {
+        h.reopen().cancel("a", "ops", "duplicate").unwrap();
+    });
+}
+
+#[test]
+fn a_cooldown_outlives_a_requeue_of_the_item_that_got_it() {
+    assert_cooldown_survives(|h| {
+        h.outbox.cancel("a", "ops", "duplicate").unwrap();
+        h.outbox
+            .requeue("a", "ops", "not a duplicate after all")
+            .unwrap();
+    });
+}
+
+#[test]
+fn a_cooldown_outlives_the_move_of_the_item_that_got_it_to_history() {
+    assert_cooldown_survives(|h| {
+        h.outbox.cancel("a", "ops", "duplicate").unwrap();
+        h.clock.advance(secs(1));
+        builder(h.dir.path(), &h.clock)
+            .history_after(std::time::Duration::ZERO)
+            .rate_limit(10, std::time::Duration::from_millis(1))
+            .update_settings()
+            .open()
+            .unwrap()
+            .compact()
+            .unwrap();
+        assert_eq!(h.outbox.history_len().unwrap(), 1, "a moved to history");
+    });
+}

@@ -116,12 +116,14 @@ fn main() {
             say(&format!("outcome {}", receipt.outcome.as_str()));
         }
         "move" => {
-            // Compact with history_after 0 and a 1 ms window: every terminal item
+            // Compact with history_after 0 and a 1 ms window, stored for the
+            // outbox (compaction goes by the stored settings): every terminal item
             // older than a millisecond moves to history (and, with --prune, the
             // oldest history segments are pruned down to one).
             let mut builder = Outbox::builder(arg(1))
                 .rate_limit(u32::MAX, Duration::from_millis(1))
                 .history_after(Duration::ZERO)
+                .update_settings()
                 .compact_on_open(false);
             if args.get(2).map(String::as_str) == Some("--prune") {
                 builder = builder.history_retention(durable_outbox::Retention::MaxSegments(1));

@@ -367,6 +367,10 @@ fn read_log(
                 record.seq, head.seq
             ));
         }
+        // A change of the stored settings is about the outbox, not an item.
+        if record.outcome == AuditOutcome::Settings {
+            return;
+        }
         // A verified chain numbers its records 1, 2, 3…: the seq is the line.
         let seq = record.seq;
         let key = record.idempotency_key;
