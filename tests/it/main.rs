@@ -22,6 +22,7 @@ mod retries;
 #[cfg(unix)]
 mod security;
 mod seed_compat;
+mod settings;
 #[cfg(feature = "test-failpoints")]
 mod stale_handles;
 

@@ -472,3 +472,154 @@ fn a_cooldown_outlives_the_move_of_the_item_that_got_it_to_history() {
         assert_eq!(h.outbox.history_len().unwrap(), 1, "a moved to history");
     });
 }
+
+// ----- with other processes ------------------------------------------------
+
+#[cfg(all(unix, feature = "test-failpoints"))]
+mod across_processes {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Child, Command, Stdio};
+
+    use chrono::Utc;
+    use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ManualClock, Outbox, Outcome};
+
+    use crate::harness::{msg, secs};
+
+    const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+
+    fn worker(args: &[&str]) -> Command {
+        let mut cmd = Command::new(WORKER);
+        cmd.args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        cmd
+    }
+
+    /// Reads the child's stdout until a line starts with `prefix`.
+    fn wait_for_line(child: &mut Child, prefix: &str) {
+        let mut reader = BufReader::new(child.stdout.as_mut().expect("piped stdout"));
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                reader.read_line(&mut line).expect("read") > 0,
+                "the worker exited before printing {prefix:?}"
+            );
+            if line.starts_with(prefix) {
+                return;
+            }
+        }
+    }
+
+    #[test]
+    fn a_send_cut_off_by_a_kill_counts_against_the_cap_after_the_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let bot = || {
+            Outbox::builder(dir.path())
+                .rate_limit(1, secs(3600))
+                .open()
+                .unwrap()
+        };
+        let first = bot();
+        first.enqueue(msg("a", "chat-1")).unwrap();
+        first.enqueue(msg("b", "chat-1")).unwrap();
+        let before = Utc::now();
+        let mut child = worker(&["process", d, "a", "hang"]).spawn().unwrap();
+        wait_for_line(&mut child, "sending a");
+        child.kill().unwrap(); // SIGKILL inside send
+        let status = child.wait().unwrap();
+        assert!(
+            !status.success(),
+            "the worker was killed mid-send: {status}"
+        );
+        drop(first);
+
+        let restarted = bot();
+        let a = restarted.process("a", |_| panic!("resent")).unwrap();
+        assert_eq!(a.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+        let claimed_at = restarted.get("a").unwrap().unwrap().maybe_sent_at();
+        assert!(claimed_at.is_some_and(|at| at >= before), "{claimed_at:?}");
+        for handle in [&restarted, &bot()] {
+            let b = handle
+                .process("b", |_| panic!("the ambiguous send was forgotten"))
+                .unwrap();
+            assert_eq!(b.outcome, Outcome::Deferred);
+            assert_eq!(
+                b.next_attempt_at,
+                claimed_at.map(|at| at + chrono::Duration::seconds(3600))
+            );
+        }
+    }
+
+    #[test]
+    fn another_process_compacting_with_defaults_never_lifts_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0);
+        // The bot allows one message per chat every three days; its last send
+        // was two days ago, longer than the default `history_after` (a day).
+        let clock = ManualClock::at(&(now - chrono::Duration::days(2)).to_rfc3339()).unwrap();
+        let bot = Outbox::builder(dir.path())
+            .clock(clock.clone())
+            .rate_limit(1, secs(3 * 86_400))
+            .open()
+            .unwrap();
+        bot.enqueue(msg("a", "chat-1")).unwrap();
+        bot.process("a", |_| Ok(None)).unwrap();
+        let sent_at = bot.get("a").unwrap().unwrap().sent_at().unwrap();
+        clock.set(now);
+        bot.enqueue(msg("b", "chat-1")).unwrap();
+
+        // A maintenance job opens the directory with every default and compacts.
+        let out = worker(&["maintain", dir.path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "maintain failed: {out:?}");
+
+        assert!(
+            bot.list_items()
+                .unwrap()
+                .iter()
+                .any(|i| i.idempotency_key() == "a"),
+            "a send inside the bot's window moved out of the live state"
+        );
+        let b = bot.process("b", |_| panic!("the cap was lifted")).unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(b.next_attempt_at, Some(sent_at + chrono::Duration::days(3)));
+    }
+
+    #[cfg(feature = "cli")]
+    #[test]
+    fn an_operator_cancelling_the_item_that_got_a_retry_after_leaves_the_cooldown() {
+        let dir = tempfile::tempdir().unwrap();
+        let bot = Outbox::builder(dir.path())
+            .max_inline_wait(std::time::Duration::ZERO)
+            .open()
+            .unwrap();
+        bot.enqueue(msg("a", "chat-1")).unwrap();
+        bot.enqueue(msg("b", "chat-1")).unwrap();
+        bot.process("a", |_| {
+            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(3600)))
+        })
+        .unwrap();
+        let until = bot.get("a").unwrap().unwrap().cooldown_until();
+        assert!(until.is_some());
+
+        let cancel = Command::new(env!("CARGO_BIN_EXE_durable-outbox"))
+            .args(["cancel", dir.path().to_str().unwrap(), "a"])
+            .args(["--reason", "duplicate", "--operator", "ops"])
+            .output()
+            .unwrap();
+        assert!(cancel.status.success(), "cancel failed: {cancel:?}");
+
+        let b = bot
+            .process("b", |_| panic!("the cooldown was lifted"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(
+            b.error_code.as_deref(),
+            Some(durable_outbox::DESTINATION_COOLDOWN)
+        );
+        assert_eq!(b.next_attempt_at, until);
+    }
+}

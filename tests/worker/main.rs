@@ -13,6 +13,7 @@
 //!   transport LOG (fsynced) before returning; prints the outcome.
 //! - `move DIR [--prune]`: compact, moving every terminal item to history
 //!   (and pruning history down to its newest segment with `--prune`).
+//! - `maintain DIR`: open with default settings and compact, as a maintenance job would.
 //! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
 //! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
 //!   (`SPACE-0` … `SPACE-63`) in a loop.
@@ -135,6 +136,15 @@ fn main() {
                 .compact()
                 .unwrap_or_else(|e| fail(&format!("compact: {e}")));
             say("moved");
+        }
+        "maintain" => {
+            // A maintenance job: opens with every default and compacts, the way
+            // a cron job or an operator's script would.
+            let outbox = Outbox::open(arg(1)).unwrap_or_else(|e| fail(&format!("open: {e}")));
+            outbox
+                .compact()
+                .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+            say("compacted");
         }
         "drain" => {
             let outbox = open(arg(1));

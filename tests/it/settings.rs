@@ -1,0 +1,197 @@
+//! Settings that shape shared state live in the outbox: every handle, the CLI
+//! and a maintenance job work with the same caps, and only an explicit,
+//! audited update changes them.
+
+use durable_outbox::{AuditOutcome, Error, Outcome, RateLimit, Retention};
+
+use crate::harness::{Harness, builder, msg, secs};
+
+const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
+
+fn cap(count: u32, window_secs: u64) -> RateLimit {
+    RateLimit {
+        count,
+        window: secs(window_secs),
+    }
+}
+
+fn settings_records(h: &Harness) -> Vec<String> {
+    durable_outbox::AuditLog::read(h.path("audit.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.outcome == AuditOutcome::Settings)
+        .map(|r| r.note.unwrap_or_default())
+        .collect()
+}
+
+#[test]
+fn a_new_outbox_stores_its_creators_settings_with_its_first_change() {
+    let h = Harness::with(|b| {
+        b.rate_limit(2, secs(30))
+            .rate_limit_for("-*", 20, secs(60))
+            .global_rate_limit(30, secs(1))
+            .max_attempts(5)
+            .history_after(secs(3600))
+            .history_retention(Retention::MaxSegments(4))
+    });
+    h.enqueue("a", "chat-1");
+    // Another process opening with every default works with the creator's values.
+    let settings = h.reopen().settings().unwrap();
+    assert_eq!(settings.rate_limit(), cap(2, 30));
+    assert_eq!(settings.rate_limit_for("-100"), cap(20, 60));
+    assert_eq!(settings.global_rate_limit(), Some(cap(30, 1)));
+    assert_eq!(settings.max_attempts(), 5);
+    assert_eq!(settings.history_after(), secs(3600));
+    assert_eq!(settings.history_retention(), Retention::MaxSegments(4));
+    assert!(settings.is_stored("rate_limit") && settings.is_stored("backoff"));
+    assert!(
+        settings_records(&h).is_empty(),
+        "the initial settings are the outbox's first state, not a change"
+    );
+}
+
+#[test]
+fn a_handle_opened_with_a_weaker_cap_keeps_the_stored_one() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    let careless = builder(h.dir.path(), &h.clock)
+        .rate_limit(100, secs(60))
+        .max_attempts(9)
+        .open()
+        .unwrap();
+    let b = careless
+        .process("b", |_| panic!("a builder value weakened the stored cap"))
+        .unwrap();
+    assert_eq!(b.outcome, Outcome::Deferred);
+    assert_eq!(careless.settings().unwrap().rate_limit(), cap(1, 60));
+    assert_eq!(careless.settings().unwrap().max_attempts(), 3);
+    assert!(settings_records(&h).is_empty(), "nothing was changed");
+}
+
+#[test]
+fn update_settings_changes_them_for_every_handle_with_an_audit_record() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    for key in ["a", "b", "c"] {
+        h.enqueue(key, "chat-1");
+    }
+    h.outbox.process("a", |_| Ok(None)).unwrap();
+    let before = h.outbox.audit_head().unwrap().seq;
+    builder(h.dir.path(), &h.clock)
+        .rate_limit(2, secs(60))
+        .update_settings()
+        .open()
+        .unwrap();
+    // The bot's own handle, opened before the change, follows it at its next call.
+    assert_eq!(
+        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(
+        h.outbox
+            .process("c", |_| panic!("over the new cap"))
+            .unwrap()
+            .outcome,
+        Outcome::Deferred
+    );
+    assert_eq!(
+        settings_records(&h),
+        ["rate_limit 1/60s -> 2/60s (updated by a handle opened with update_settings)"]
+    );
+    let records = durable_outbox::AuditLog::read(h.path("audit.jsonl")).unwrap();
+    let change = records
+        .iter()
+        .find(|r| r.outcome == AuditOutcome::Settings)
+        .unwrap();
+    assert_eq!(
+        (change.seq, change.idempotency_key.as_str()),
+        (before + 1, "settings")
+    );
+    h.outbox.verify_audit().unwrap();
+    // Updating to the values already stored writes nothing.
+    let head = h.outbox.audit_head().unwrap();
+    builder(h.dir.path(), &h.clock)
+        .rate_limit(2, secs(60))
+        .update_settings()
+        .compact_on_open(false)
+        .open()
+        .unwrap();
+    assert_eq!(h.outbox.audit_head().unwrap(), head);
+}
+
+#[test]
+fn stored_settings_survive_compaction_and_restarts() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(600)).max_attempts(7));
+    h.enqueue("a", "chat-1");
+    h.outbox.compact().unwrap();
+    drop(h.reopen());
+    let text = std::fs::read_to_string(h.path("outbox.json")).unwrap();
+    assert!(text.contains("\"settings\""), "{text}");
+    let reopened = builder(h.dir.path(), &h.clock).open().unwrap();
+    let settings = reopened.settings().unwrap();
+    assert_eq!(
+        (settings.rate_limit(), settings.max_attempts()),
+        (cap(1, 600), 7)
+    );
+}
+
+#[test]
+fn an_outbox_from_an_older_release_keeps_working_and_stores_what_is_set_explicitly() {
+    let h = Harness::new();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(SEED, dir.path().join("outbox.json")).unwrap();
+    let defaults = builder(dir.path(), &h.clock).open().unwrap();
+    let settings = defaults.settings().unwrap();
+    assert!(
+        !settings.is_stored("rate_limit"),
+        "nothing chosen, nothing stored"
+    );
+    assert_eq!(settings.rate_limit(), cap(10, 60));
+    defaults.enqueue(msg("new", "chat-9")).unwrap();
+    assert_eq!(
+        defaults.process("new", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    drop(defaults);
+    let bot = builder(dir.path(), &h.clock)
+        .history_after(secs(7 * 86_400))
+        .open()
+        .unwrap();
+    let settings = bot.settings().unwrap();
+    assert!(settings.is_stored("history_after"));
+    assert!(
+        !settings.is_stored("rate_limit"),
+        "only what was set is stored"
+    );
+    let notes: Vec<String> = durable_outbox::AuditLog::read(dir.path().join("audit.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.outcome == AuditOutcome::Settings)
+        .map(|r| r.note.unwrap_or_default())
+        .collect();
+    assert_eq!(
+        notes,
+        ["history_after not stored -> 604800s (stored on first explicit use)"]
+    );
+}
+
+#[test]
+fn a_damaged_stored_setting_is_refused_naming_it_and_nothing_is_written() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.outbox.compact().unwrap();
+    let text = std::fs::read_to_string(h.path("outbox.json")).unwrap();
+    let damaged = text.replacen("\"count\": 1", "\"count\": 0", 1);
+    assert_ne!(damaged, text, "the fixture stores the cap");
+    std::fs::write(h.path("outbox.json"), &damaged).unwrap();
+    let before = std::fs::read(h.path("outbox.json")).unwrap();
+    let err = builder(h.dir.path(), &h.clock).open().unwrap_err();
+    match &err {
+        Error::InvalidRecord { location, .. } => {
+            assert!(location.contains("rate_limit"), "{err}");
+        }
+        other => panic!("expected InvalidRecord, got {other}"),
+    }
+    assert_eq!(std::fs::read(h.path("outbox.json")).unwrap(), before);
+}
