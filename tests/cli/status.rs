@@ -65,8 +65,8 @@ fn sends_per_destination_are_compared_with_the_cap() {
         .json();
     let window = &status["rate_window"];
     assert_eq!(
-        (&window["cap"], &window["window_seconds"]),
-        (&2.into(), &60.into())
+        (&window["cap"], &window["window_seconds"], &window["source"]),
+        (&2.into(), &60.0.into(), &"what_if".into())
     );
     let chat1 = window["destinations"]
         .as_array()
@@ -84,8 +84,82 @@ fn sends_per_destination_are_compared_with_the_cap() {
         .find(|d| d["destination"] == "chat-3")
         .expect("chat-3 has a queued item");
     assert!(chat3["cooldown_until_utc"].is_string(), "{chat3}");
-    // With the default cap of 10 the window is not full.
-    f.run("status", &[]).exits(0).says("chat-1       2/10");
+    // With the stored cap (the library default, 10 a minute) the window is not full.
+    f.run("status", &[])
+        .exits(0)
+        .says("chat-1       2/10 per 60s")
+        .says("stored in the outbox");
+}
+
+#[test]
+fn the_caps_the_bot_stored_are_shown_without_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let bot = durable_outbox::Outbox::builder(dir.path())
+        .rate_limit(1, std::time::Duration::from_secs(3 * 86_400))
+        .rate_limit_for("-*", 20, std::time::Duration::from_secs(60))
+        .global_rate_limit(30, std::time::Duration::from_secs(1))
+        .max_attempts(5)
+        .open()
+        .unwrap();
+    for (key, chat) in [
+        ("a", "chat-1"),
+        ("b", "chat-1"),
+        ("g", "-100"),
+        ("t", "chat-2"),
+    ] {
+        bot.enqueue(crate::harness::message(key, chat)).unwrap();
+    }
+    bot.process("a", |_| Ok(None)).unwrap();
+    bot.process("g", |_| Ok(None)).unwrap();
+    // A send that may have left counts like one.
+    bot.process("t", |_| {
+        Err(durable_outbox::SendError::ambiguous("read_timeout"))
+    })
+    .unwrap();
+    let dir_arg = dir.path().to_str().unwrap();
+    let status = crate::harness::cli(["status", dir_arg, "--json"]).json();
+    let window = &status["rate_window"];
+    assert_eq!(window["source"], "stored");
+    assert_eq!(
+        (&window["cap"], &window["window_seconds"]),
+        (&1.into(), &259_200.0.into())
+    );
+    assert_eq!(window["overrides"][0]["pattern"], "-*");
+    assert_eq!(window["global"]["count"], 30);
+    assert_eq!(status["settings"]["max_attempts"], 5);
+    let row = |chat: &str| {
+        window["destinations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["destination"] == chat)
+            .unwrap_or_else(|| panic!("{chat} in {window}"))
+            .clone()
+    };
+    let chat1 = row("chat-1");
+    assert_eq!(
+        (&chat1["sends_in_window"], &chat1["cap"]),
+        (&1.into(), &1.into())
+    );
+    assert!(chat1["next_free_slot_utc"].is_string(), "{chat1}");
+    let group = row("-100");
+    assert_eq!(
+        (&group["sends_in_window"], &group["cap"]),
+        (&1.into(), &20.into())
+    );
+    assert_eq!(
+        row("chat-2")["sends_in_window"],
+        1,
+        "the ambiguous send counts"
+    );
+    crate::harness::cli(["status", dir_arg])
+        .exits(0)
+        .says("1 sends per 259200s per destination, stored in the outbox")
+        .says("destinations matching -*: 20 sends per 60s")
+        .says("across all destinations: 30 sends per 1s");
+    // --rate-limit is a what-if view over the same sends.
+    let what_if = crate::harness::cli(["status", dir_arg, "--json", "--rate-limit", "5/60"]).json();
+    assert_eq!(what_if["rate_window"]["source"], "what_if");
 }
 
 #[test]
@@ -111,4 +185,19 @@ fn a_broken_audit_chain_needs_attention() {
         .says("NEEDS ATTENTION")
         .says("line 3")
         .says("chain BROKEN");
+}
+
+#[test]
+fn an_audited_settings_change_verifies_as_part_of_the_chain() {
+    let f = Fixture::demo();
+    durable_outbox::Outbox::builder(f.path())
+        .rate_limit(3, std::time::Duration::from_secs(60))
+        .update_settings()
+        .open()
+        .unwrap();
+    let dir = f.path().to_str().unwrap();
+    crate::harness::cli(["verify", dir]).exits(0);
+    crate::harness::cli(["status", dir])
+        .exits(0)
+        .says("3 sends per 60s per destination, stored in the outbox");
 }

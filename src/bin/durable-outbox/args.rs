@@ -111,9 +111,10 @@ pub struct Target {
 pub struct StatusArgs {
     #[command(flatten)]
     pub target: Target,
-    /// The bot's per-destination rate cap, to compare each window against.
-    #[arg(long, value_name = "COUNT/SECONDS", default_value = "10/60", value_parser = parse_rate_limit)]
-    pub rate_limit: RateCap,
+    /// A what-if view: compare every destination's window against this cap
+    /// instead of the caps the outbox stores (the bot's own).
+    #[arg(long, value_name = "COUNT/SECONDS", value_parser = parse_rate_limit)]
+    pub rate_limit: Option<RateCap>,
     /// An error code your bot gives ambiguous failures (may have been delivered),
     /// besides the library's own `ambiguous_delivery_after_restart`,
     /// `send_panicked` and `send_cancelled`. Repeatable.

@@ -5,10 +5,12 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
-use durable_outbox::{AuditReport, Error, ItemState, OutboxItem};
+use durable_outbox::{
+    AuditReport, DestinationWindow, Error, ItemState, OutboxItem, RateLimit, Settings,
+};
 use serde::Serialize;
 
-use crate::args::{RateCap, StatusArgs};
+use crate::args::StatusArgs;
 use crate::view::{self, Table, age, clean, short};
 use crate::{ATTENTION, CliResult};
 
@@ -28,6 +30,7 @@ struct Status {
     oldest_queued: Option<Oldest>,
     failed_by_error_code: Vec<FailedCode>,
     rate_window: Option<RateWindow>,
+    settings: Option<SettingsView>,
     audit: Audit,
 }
 
@@ -60,19 +63,53 @@ struct FailedCode {
     ambiguous: bool,
 }
 
+/// The caps, as the outbox stores them (or as `--rate-limit` asks), and each
+/// destination's window measured the way the library counts it.
 #[derive(Debug, Serialize)]
 struct RateWindow {
+    /// The per-destination cap for destinations no pattern matches (or the what-if cap).
     cap: u32,
-    window_seconds: u64,
-    destinations: Vec<DestinationWindow>,
+    window_seconds: f64,
+    /// `stored` (the outbox's own settings), `default` (an outbox from an older
+    /// release that stores no cap: the library's default), or `what_if`.
+    source: &'static str,
+    /// Caps by destination pattern, first match wins (not applied in a what-if view).
+    overrides: Vec<PatternCap>,
+    /// The cap across all destinations, if any.
+    global: Option<Cap>,
+    destinations: Vec<Window>,
 }
 
 #[derive(Debug, Serialize)]
-struct DestinationWindow {
+struct Cap {
+    count: u32,
+    window_seconds: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct PatternCap {
+    pattern: String,
+    count: u32,
+    window_seconds: f64,
+}
+
+/// The other stored settings an operator asks about.
+#[derive(Debug, Serialize)]
+struct SettingsView {
+    history_after_seconds: f64,
+    max_attempts: u32,
+    /// The settings the outbox stores; the rest are the library's defaults.
+    stored: Vec<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Window {
     destination: String,
-    /// Sends in the current window, counting items being sent now.
+    /// Sends in the current window: sends, sends in progress, and sends that may
+    /// have left (ambiguous failures), as the library counts them.
     sends_in_window: usize,
     cap: u32,
+    window_seconds: f64,
     queued: usize,
     /// When the window has room again, if it is full now.
     next_free_slot_utc: Option<String>,
@@ -107,6 +144,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         oldest_queued: None,
         failed_by_error_code: Vec::new(),
         rate_window: None,
+        settings: None,
         audit: Audit {
             head_seq: None,
             head_hash: None,
@@ -118,7 +156,22 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
     match crate::open(&args.target) {
         Ok(outbox) => {
             let items = outbox.list_items()?;
-            summarise(&mut status, &items, now, &ambiguous, args.rate_limit);
+            summarise(&mut status, &items, now, &ambiguous);
+            let settings = outbox.settings()?;
+            let what_if = args.rate_limit.map(|cap| RateLimit {
+                count: cap.count,
+                window: cap.window,
+            });
+            let windows = outbox.rate_windows(what_if)?;
+            status.rate_window = Some(rate_window(&settings, what_if, &windows));
+            status.settings = Some(SettingsView {
+                history_after_seconds: settings.history_after().as_secs_f64(),
+                max_attempts: settings.max_attempts(),
+                stored: STORED_NAMES
+                    .into_iter()
+                    .filter(|name| settings.is_stored(name))
+                    .collect(),
+            });
             status.history_items = Some(outbox.history_len()?);
             let head = outbox.audit_head()?;
             status.audit.head_seq = Some(head.seq);
@@ -170,13 +223,7 @@ fn record_verification(
 }
 
 /// Fills in everything that comes from the items.
-fn summarise(
-    status: &mut Status,
-    items: &[OutboxItem],
-    now: DateTime<Utc>,
-    ambiguous: &[&str],
-    cap: RateCap,
-) {
+fn summarise(status: &mut Status, items: &[OutboxItem], now: DateTime<Utc>, ambiguous: &[&str]) {
     let mut counts = Counts {
         total: items.len(),
         ..Counts::default()
@@ -231,67 +278,61 @@ fn summarise(
         ));
     }
     status.items = Some(counts);
-    status.rate_window = Some(windows(items, now, cap));
 }
 
-/// One destination's sends in the window, and its queue.
-#[derive(Default)]
-struct Tally {
-    sends: Vec<DateTime<Utc>>,
-    queued: usize,
-    cooldown_until: Option<DateTime<Utc>>,
-}
+/// The settings a library outbox may store, by their builder names.
+const STORED_NAMES: [&str; 7] = [
+    "rate_limit",
+    "rate_limit_for",
+    "global_rate_limit",
+    "history_after",
+    "history_retention",
+    "max_attempts",
+    "backoff",
+];
 
-/// Sends per destination in the window ending now. An item counts with its
-/// `sent_at`, and a claimed item counts as a send in progress (the library counts
-/// it from its claim time, which is recent by nature).
-fn windows(items: &[OutboxItem], now: DateTime<Utc>, cap: RateCap) -> RateWindow {
-    let start = chrono::Duration::from_std(cap.window)
-        .ok()
-        .and_then(|w| now.checked_sub_signed(w))
-        .unwrap_or(DateTime::<Utc>::MIN_UTC);
-    let mut per: BTreeMap<&str, Tally> = BTreeMap::new();
-    for item in items {
-        if item.dispatch_claimed() {
-            per.entry(item.destination()).or_default().sends.push(now);
-        } else if let Some(at) = item.sent_at().filter(|at| *at > start) {
-            per.entry(item.destination()).or_default().sends.push(at);
-        }
-        if item.state() == ItemState::Queued {
-            per.entry(item.destination()).or_default().queued += 1;
-        }
-        if let Some(until) = item.cooldown_until().filter(|until| *until > now) {
-            let tally = per.entry(item.destination()).or_default();
-            tally.cooldown_until = tally.cooldown_until.max(Some(until));
-        }
-    }
-    let count = cap.count as usize;
-    let destinations = per
-        .into_iter()
-        .map(|(destination, mut tally)| {
-            tally.sends.sort_unstable();
-            // Full: enough of the oldest sends must age out to leave room for one.
-            let next_free = (tally.sends.len() >= count)
-                .then(|| tally.sends[tally.sends.len() - count])
-                .and_then(|oldest| {
-                    chrono::Duration::from_std(cap.window)
-                        .ok()
-                        .map(|w| oldest + w)
-                });
-            DestinationWindow {
-                destination: destination.to_owned(),
-                sends_in_window: tally.sends.len(),
-                cap: cap.count,
-                queued: tally.queued,
-                next_free_slot_utc: next_free.map(short),
-                cooldown_until_utc: tally.cooldown_until.map(short),
-            }
-        })
-        .collect();
+fn rate_window(
+    settings: &Settings,
+    what_if: Option<RateLimit>,
+    windows: &[DestinationWindow],
+) -> RateWindow {
+    let cap = what_if.unwrap_or_else(|| settings.rate_limit());
+    let source = if what_if.is_some() {
+        "what_if"
+    } else if settings.is_stored("rate_limit") {
+        "stored"
+    } else {
+        "default"
+    };
     RateWindow {
         cap: cap.count,
-        window_seconds: cap.window.as_secs(),
-        destinations,
+        window_seconds: cap.window.as_secs_f64(),
+        source,
+        overrides: settings
+            .rate_limit_overrides()
+            .iter()
+            .map(|(pattern, cap)| PatternCap {
+                pattern: pattern.clone(),
+                count: cap.count,
+                window_seconds: cap.window.as_secs_f64(),
+            })
+            .collect(),
+        global: settings.global_rate_limit().map(|cap| Cap {
+            count: cap.count,
+            window_seconds: cap.window.as_secs_f64(),
+        }),
+        destinations: windows
+            .iter()
+            .map(|w| Window {
+                destination: w.destination.clone(),
+                sends_in_window: w.sends_in_window,
+                cap: w.cap.count,
+                window_seconds: w.cap.window.as_secs_f64(),
+                queued: w.queued,
+                next_free_slot_utc: w.next_free_slot.map(short),
+                cooldown_until_utc: w.cooldown_until.map(short),
+            })
+            .collect(),
     }
 }
 
@@ -343,11 +384,32 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         table.write(out, "  ")?;
     }
     if let Some(window) = &status.rate_window {
+        let source = match window.source {
+            "what_if" => "what-if, --rate-limit",
+            "stored" => "stored in the outbox",
+            _ => "library default; the outbox stores no cap",
+        };
         writeln!(
             out,
-            "\nrate window ({} sends per {}s per destination)",
+            "\nrate window ({} sends per {}s per destination, {source})",
             window.cap, window.window_seconds
         )?;
+        for o in &window.overrides {
+            writeln!(
+                out,
+                "  destinations matching {}: {} sends per {}s",
+                clean(&o.pattern),
+                o.count,
+                o.window_seconds
+            )?;
+        }
+        if let Some(global) = &window.global {
+            writeln!(
+                out,
+                "  across all destinations: {} sends per {}s",
+                global.count, global.window_seconds
+            )?;
+        }
         let mut table = Table::new(vec![
             "DESTINATION",
             "SENDS",
@@ -358,7 +420,7 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         for d in &window.destinations {
             table.row(vec![
                 d.destination.clone(),
-                format!("{}/{}", d.sends_in_window, d.cap),
+                format!("{}/{} per {}s", d.sends_in_window, d.cap, d.window_seconds),
                 d.queued.to_string(),
                 d.next_free_slot_utc.clone().unwrap_or_else(|| "-".into()),
                 d.cooldown_until_utc.clone().unwrap_or_else(|| "-".into()),
