@@ -1362,7 +1362,7 @@ impl Outbox {
                 None,
             )));
         }
-        if let Some((free_at, code)) = self.rate_capped(txn, &item.destination, now) {
+        if let Some((free_at, code)) = Self::rate_capped(txn, &item.destination, now) {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
             item.error_code = Some(code.to_owned());
@@ -1398,7 +1398,6 @@ impl Outbox {
     /// When a send to `destination` at `now` would exceed a cap: the moment the
     /// binding cap frees a slot, and which cap it is.
     fn rate_capped(
-        &self,
         txn: &Txn<'_>,
         destination: &str,
         now: DateTime<Utc>,

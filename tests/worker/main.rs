@@ -79,6 +79,16 @@ impl Rng {
     }
 }
 
+/// A maintenance job: opens with every default and compacts, the way a cron
+/// job or an operator's script would.
+fn maintain(dir: &str) {
+    let outbox = Outbox::open(dir).unwrap_or_else(|e| fail(&format!("open: {e}")));
+    outbox
+        .compact()
+        .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+    say("compacted");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
@@ -137,15 +147,7 @@ fn main() {
                 .unwrap_or_else(|e| fail(&format!("compact: {e}")));
             say("moved");
         }
-        "maintain" => {
-            // A maintenance job: opens with every default and compacts, the way
-            // a cron job or an operator's script would.
-            let outbox = Outbox::open(arg(1)).unwrap_or_else(|e| fail(&format!("open: {e}")));
-            outbox
-                .compact()
-                .unwrap_or_else(|e| fail(&format!("compact: {e}")));
-            say("compacted");
-        }
+        "maintain" => maintain(arg(1)),
         "drain" => {
             let outbox = open(arg(1));
             let log = Path::new(arg(2));

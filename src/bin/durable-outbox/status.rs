@@ -77,7 +77,7 @@ struct RateWindow {
     overrides: Vec<PatternCap>,
     /// The cap across all destinations, if any.
     global: Option<Cap>,
-    destinations: Vec<Window>,
+    destinations: Vec<DestinationRow>,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,7 +103,7 @@ struct SettingsView {
 }
 
 #[derive(Debug, Serialize)]
-struct Window {
+struct DestinationRow {
     destination: String,
     /// Sends in the current window: sends, sends in progress, and sends that may
     /// have left (ambiguous failures), as the library counts them.
@@ -323,7 +323,7 @@ fn rate_window(
         }),
         destinations: windows
             .iter()
-            .map(|w| Window {
+            .map(|w| DestinationRow {
                 destination: w.destination.clone(),
                 sends_in_window: w.sends_in_window,
                 cap: w.cap.count,
@@ -384,53 +384,7 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         table.write(out, "  ")?;
     }
     if let Some(window) = &status.rate_window {
-        let source = match window.source {
-            "what_if" => "what-if, --rate-limit",
-            "stored" => "stored in the outbox",
-            _ => "library default; the outbox stores no cap",
-        };
-        writeln!(
-            out,
-            "\nrate window ({} sends per {}s per destination, {source})",
-            window.cap, window.window_seconds
-        )?;
-        for o in &window.overrides {
-            writeln!(
-                out,
-                "  destinations matching {}: {} sends per {}s",
-                clean(&o.pattern),
-                o.count,
-                o.window_seconds
-            )?;
-        }
-        if let Some(global) = &window.global {
-            writeln!(
-                out,
-                "  across all destinations: {} sends per {}s",
-                global.count, global.window_seconds
-            )?;
-        }
-        let mut table = Table::new(vec![
-            "DESTINATION",
-            "SENDS",
-            "QUEUED",
-            "NEXT FREE SLOT",
-            "COOLDOWN UNTIL",
-        ]);
-        for d in &window.destinations {
-            table.row(vec![
-                d.destination.clone(),
-                format!("{}/{} per {}s", d.sends_in_window, d.cap, d.window_seconds),
-                d.queued.to_string(),
-                d.next_free_slot_utc.clone().unwrap_or_else(|| "-".into()),
-                d.cooldown_until_utc.clone().unwrap_or_else(|| "-".into()),
-            ]);
-        }
-        if table.is_empty() {
-            writeln!(out, "  no sends in the window and nothing queued")?;
-        } else {
-            table.write(out, "  ")?;
-        }
+        write_rate_window(window, out)?;
     }
     let audit = &status.audit;
     writeln!(out)?;
@@ -442,4 +396,56 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         (None, Some(records)) => writeln!(out, "audit    chain verified ({records} records)"),
         (None, None) => writeln!(out, "audit    chain not checked"),
     }
+}
+
+/// The rate section of the text report.
+fn write_rate_window(window: &RateWindow, out: &mut dyn Write) -> std::io::Result<()> {
+    let source = match window.source {
+        "what_if" => "what-if, --rate-limit",
+        "stored" => "stored in the outbox",
+        _ => "library default; the outbox stores no cap",
+    };
+    writeln!(
+        out,
+        "\nrate window ({} sends per {}s per destination, {source})",
+        window.cap, window.window_seconds
+    )?;
+    for o in &window.overrides {
+        writeln!(
+            out,
+            "  destinations matching {}: {} sends per {}s",
+            clean(&o.pattern),
+            o.count,
+            o.window_seconds
+        )?;
+    }
+    if let Some(global) = &window.global {
+        writeln!(
+            out,
+            "  across all destinations: {} sends per {}s",
+            global.count, global.window_seconds
+        )?;
+    }
+    let mut table = Table::new(vec![
+        "DESTINATION",
+        "SENDS",
+        "QUEUED",
+        "NEXT FREE SLOT",
+        "COOLDOWN UNTIL",
+    ]);
+    for d in &window.destinations {
+        table.row(vec![
+            d.destination.clone(),
+            format!("{}/{} per {}s", d.sends_in_window, d.cap, d.window_seconds),
+            d.queued.to_string(),
+            d.next_free_slot_utc.clone().unwrap_or_else(|| "-".into()),
+            d.cooldown_until_utc.clone().unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    if table.is_empty() {
+        writeln!(out, "  no sends in the window and nothing queued")?;
+    } else {
+        table.write(out, "  ")?;
+    }
+    Ok(())
 }
