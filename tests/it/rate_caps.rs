@@ -295,9 +295,9 @@ fn a_drained_backlog_counts_its_send_times_after_a_restart() {
 
 // ----- a send that may have left counts ------------------------------------
 
-/// Sends `first` with `send`, then asserts that `second`, to the same chat,
-/// waits a whole window (60 s) from the first claim, in this handle and after a
-/// restart.
+/// Sends `first` with `send` (which takes 5 s), then asserts that `second`, to
+/// the same chat, waits a whole window (60 s) from the first claim, in this
+/// handle and after a restart.
 fn assert_counts_as_a_send(
     send: impl FnOnce() -> Result<Option<String>, durable_outbox::SendError>,
     expected_code: &str,
@@ -310,7 +310,10 @@ fn assert_counts_as_a_send(
     let mut send = Some(send);
     let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         h.outbox
-            .process("first", |_| (send.take().expect("sent once"))())
+            .process("first", |_| {
+                h.clock.advance(secs(5)); // a slow send: the claim, not the failure, counts
+                (send.take().expect("sent once"))()
+            })
             .unwrap()
     }));
     let item = h.outbox.get("first").unwrap().unwrap();
@@ -622,4 +625,68 @@ mod across_processes {
         );
         assert_eq!(b.next_attempt_at, until);
     }
+}
+
+#[test]
+fn an_ambiguous_failure_recorded_by_an_older_release_still_counts() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let t0 = h.clock.now();
+    // Before this release a panicked send failed without `maybe_sent_at`.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        h.outbox.process("a", |_| panic!("the send crashed"))
+    }));
+    assert!(panicked.is_err());
+    h.outbox.compact().unwrap();
+    let text = std::fs::read_to_string(h.path("outbox.json")).unwrap();
+    let older: String = text
+        .lines()
+        .filter(|line| !line.contains("maybe_sent_at_utc"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    assert_ne!(older, text);
+    std::fs::write(h.path("outbox.json"), older).unwrap();
+    h.clock.advance(secs(10));
+    let reopened = builder(h.dir.path(), &h.clock).open().unwrap();
+    let b = reopened
+        .process("b", |_| panic!("an older ambiguous failure was forgotten"))
+        .unwrap();
+    assert_eq!(b.outcome, Outcome::Deferred);
+    assert_eq!(b.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+}
+
+#[test]
+fn a_cooldown_an_older_release_kept_on_its_item_still_holds_the_destination() {
+    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let t0 = h.clock.now();
+    h.outbox
+        .process("a", |_| {
+            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(30)))
+        })
+        .unwrap();
+    h.outbox.cancel("a", "ops", "duplicate").unwrap();
+    h.outbox.compact().unwrap();
+    // An older release kept the cooldown only on the item.
+    let mut file: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(h.path("outbox.json")).unwrap()).unwrap();
+    assert!(file.as_object_mut().unwrap().remove("cooldowns").is_some());
+    std::fs::write(
+        h.path("outbox.json"),
+        serde_json::to_vec_pretty(&file).unwrap(),
+    )
+    .unwrap();
+    let reopened = builder(h.dir.path(), &h.clock).open().unwrap();
+    let b = reopened
+        .process("b", |_| panic!("the item's cooldown was dropped"))
+        .unwrap();
+    assert_eq!(
+        (b.error_code.as_deref(), b.next_attempt_at),
+        (
+            Some(durable_outbox::DESTINATION_COOLDOWN),
+            Some(t0 + chrono::Duration::seconds(30))
+        )
+    );
 }
