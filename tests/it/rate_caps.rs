@@ -690,3 +690,52 @@ fn a_cooldown_an_older_release_kept_on_its_item_still_holds_the_destination() {
         )
     );
 }
+
+#[cfg(feature = "tokio")]
+#[test]
+fn a_send_future_dropped_mid_flight_counts_against_the_cap_from_its_claim() {
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    h.enqueue("b", "chat-1");
+    let claimed_at = h.clock.now();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let clock = h.clock.clone();
+    let timed_out = rt.block_on(async {
+        tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            h.outbox.process_async("a", move |_| {
+                clock.advance(secs(5)); // the request went out; the answer never comes
+                async {
+                    tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+                    Ok(None)
+                }
+            }),
+        )
+        .await
+    });
+    assert!(timed_out.is_err(), "the caller gave up");
+    // The cancellation is recorded on the blocking pool: wait for it (generously).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while h.outbox.get("a").unwrap().unwrap().state() == durable_outbox::ItemState::Queued {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a dropped send future was never recorded as cancelled"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let a = h.outbox.get("a").unwrap().unwrap();
+    assert_eq!(a.error_code(), Some(durable_outbox::SEND_CANCELLED));
+    let b = h
+        .outbox
+        .process("b", |_| panic!("the cancelled send was forgotten"))
+        .unwrap();
+    assert_eq!(b.outcome, Outcome::Deferred);
+    assert_eq!(
+        b.next_attempt_at,
+        Some(claimed_at + chrono::Duration::seconds(60))
+    );
+}
