@@ -201,3 +201,18 @@ fn an_audited_settings_change_verifies_as_part_of_the_chain() {
         .exits(0)
         .says("3 sends per 60s per destination, stored in the outbox");
 }
+
+#[test]
+fn an_outbox_that_stores_no_cap_says_it_shows_the_library_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
+    std::fs::copy(seed, dir.path().join("outbox.json")).unwrap();
+    let dir_arg = dir.path().to_str().unwrap();
+    let status = crate::harness::cli(["status", dir_arg, "--json"]).json();
+    assert_eq!(status["rate_window"]["source"], "default");
+    assert_eq!(status["settings"]["stored"], serde_json::json!([]));
+    crate::harness::cli(["status", dir_arg]).says("library default; the outbox stores no cap");
+    // Looking stores nothing.
+    let again = crate::harness::cli(["status", dir_arg, "--json"]).json();
+    assert_eq!(again["settings"]["stored"], serde_json::json!([]));
+}
