@@ -35,7 +35,8 @@ pub enum Command {
     /// Health at a glance: what is stuck, what failed, whether the audit log holds.
     ///
     /// Counts by state, sends per destination in the current rate window against
-    /// the cap, the oldest queued item's age, items in flight, failed items by
+    /// the caps the outbox stores (the bot's own; `--rate-limit` for a what-if
+    /// view), the oldest queued item's age, items in flight, failed items by
     /// error code, the audit head and whether the chain verifies. Exits 1 when
     /// something needs an operator: a failed item that may have been delivered
     /// (ambiguous), or a broken audit chain.
