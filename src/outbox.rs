@@ -359,7 +359,7 @@ impl Outbox {
             backoff: builder.backoff.clone(),
             stored: Vec::new(),
         };
-        let owner = {
+        let (owner, initial_settings) = {
             let mut guard = lock.lock()?;
             for stale in fsutil::sweep_temp_files(&dir)? {
                 tracing::info!(path = %stale.display(), "removed a temp file left by a crashed writer");
@@ -383,7 +383,6 @@ impl Outbox {
             }
             (owner, initial)
         };
-        let (owner, initial_settings) = owner;
         Ok(Self {
             inner: Arc::new(Inner {
                 dir,

@@ -548,7 +548,9 @@ impl Store {
                     }
                     let settings = entry
                         .settings
-                        .map(|raw| settings_from_disk(&self.journal_path, &at, raw))
+                        .map(|raw| {
+                            settings_from_disk(&self.journal_path, &format!("{at} settings"), raw)
+                        })
                         .transpose()?;
                     entries.push((items, entry.audit, settings, len));
                     pos += len;
