@@ -195,3 +195,62 @@ fn a_damaged_stored_setting_is_refused_naming_it_and_nothing_is_written() {
     }
     assert_eq!(std::fs::read(h.path("outbox.json")).unwrap(), before);
 }
+
+#[test]
+fn a_damaged_setting_in_the_journal_is_refused_naming_its_place() {
+    use sha2::{Digest, Sha256};
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    h.enqueue("a", "chat-1");
+    builder(h.dir.path(), &h.clock)
+        .rate_limit(2, secs(60))
+        .update_settings()
+        .compact_on_open(false)
+        .open()
+        .unwrap();
+    // Rewrite the settings entry with a zero cap and a valid checksum: only the
+    // settings check can catch it.
+    let journal = std::fs::read(h.path("outbox.journal")).unwrap();
+    let end = journal.iter().position(|b| *b == 0).unwrap();
+    let text = std::str::from_utf8(&journal[..end]).unwrap();
+    let last = text
+        .lines()
+        .collect::<Vec<_>>()
+        .iter()
+        .rposition(|line| line.contains("\"settings\""))
+        .expect("the journal holds the update");
+    let mut rewritten = String::new();
+    let mut offset = None;
+    for (i, line) in text.lines().enumerate() {
+        let (_, json) = line.split_at(17);
+        let mut value: serde_json::Value = serde_json::from_str(json).unwrap();
+        if i == last {
+            value["settings"]["rate_limit"]["count"] = 0.into();
+            offset = Some(rewritten.len());
+        }
+        let json = serde_json::to_string(&value).unwrap();
+        let sum = hex::encode(&Sha256::digest(json.as_bytes())[..8]);
+        rewritten.push_str(&format!("{sum} {json}\n"));
+    }
+    let offset = offset.expect("the journal holds the settings entry");
+    let mut bytes = rewritten.into_bytes();
+    bytes.resize(journal.len().max(bytes.len() + 1), 0);
+    std::fs::write(h.path("outbox.journal"), &bytes).unwrap();
+
+    let err = builder(h.dir.path(), &h.clock).open().unwrap_err();
+    match &err {
+        Error::InvalidRecord { path, location, .. } => {
+            assert!(path.ends_with("outbox.journal"), "{err}");
+            assert_eq!(
+                location,
+                &format!("byte {offset} settings rate_limit"),
+                "{err}"
+            );
+        }
+        other => panic!("expected InvalidRecord, got {other}"),
+    }
+    assert_eq!(
+        std::fs::read(h.path("outbox.journal")).unwrap(),
+        bytes,
+        "nothing written"
+    );
+}
