@@ -643,7 +643,7 @@ fn an_ambiguous_failure_recorded_by_an_older_release_still_counts() {
     let older: String = text
         .lines()
         .filter(|line| !line.contains("maybe_sent_at_utc"))
-        .map(|line| format!("{line}\n"))
+        .flat_map(|line| [line, "\n"])
         .collect();
     assert_ne!(older, text);
     std::fs::write(h.path("outbox.json"), older).unwrap();

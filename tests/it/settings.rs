@@ -229,7 +229,7 @@ fn a_damaged_setting_in_the_journal_is_refused_naming_its_place() {
         }
         let json = serde_json::to_string(&value).unwrap();
         let sum = hex::encode(&Sha256::digest(json.as_bytes())[..8]);
-        rewritten.push_str(&format!("{sum} {json}\n"));
+        rewritten.extend([sum.as_str(), " ", json.as_str(), "\n"]);
     }
     let offset = offset.expect("the journal holds the settings entry");
     let mut bytes = rewritten.into_bytes();
