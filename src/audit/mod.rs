@@ -160,12 +160,9 @@ impl AuditLog {
     /// the anchor they left (`audit.anchor`: the last removed record's seq and hash).
     pub fn verify_dir(dir: impl AsRef<Path>) -> Result<AuditReport> {
         let dir = dir.as_ref();
-        verify_files_from(
-            anchor::read_anchor(dir, &Hasher::Plain)?.head,
-            &chain_files(dir)?,
-            &Hasher::Plain,
-            |_| {},
-        )
+        let anchor = anchor::read_anchor(dir, &Hasher::Plain)?.head;
+        let files = chain_files(dir, &anchor)?;
+        verify_files_from(anchor, &files, &Hasher::Plain, |_| {})
     }
 
     /// Streams every record of an outbox directory's audit log, in chain order:
@@ -176,8 +173,10 @@ impl AuditLog {
     /// [`Error::Io`] when the directory cannot be listed; each item as
     /// [`records`](Self::records).
     pub fn records_dir(dir: impl AsRef<Path>) -> Result<AuditChainRecords> {
+        let dir = dir.as_ref();
+        let anchor = anchor::read_anchor(dir, &Hasher::Plain)?.head;
         Ok(AuditChainRecords {
-            files: chain_files(dir.as_ref())?.into(),
+            files: chain_files(dir, &anchor)?.into(),
             current: None,
         })
     }
@@ -495,10 +494,20 @@ pub(crate) fn last_head(path: &Path) -> Result<Head> {
     })
 }
 
-/// Every audit file of an outbox directory, in chain order: sealed segments,
-/// then the active `audit.jsonl`.
-pub(crate) fn chain_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = sealed_segments(dir)?.into_iter().map(|(_, p)| p).collect();
+/// Every audit file of an outbox directory, in chain order: the sealed segments
+/// that continue from `anchor`, then the active `audit.jsonl`.
+///
+/// A sealed segment whose first record is at or before the anchor was removed by
+/// an operator: the anchor is written only after that removal is audited, and a
+/// crash before the segment was unlinked leaves it behind. It is no longer part
+/// of the chain, so it is skipped (and [`AuditTail::remove_sealed`] finishes the
+/// removal the next time it runs).
+pub(crate) fn chain_files(dir: &Path, anchor: &Head) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = sealed_segments(dir)?
+        .into_iter()
+        .filter(|(first, _)| *first > anchor.seq)
+        .map(|(_, p)| p)
+        .collect();
     files.push(dir.join(AUDIT_FILE));
     Ok(files)
 }
@@ -614,10 +623,11 @@ impl AuditTail {
         keep: usize,
         faults: &Failpoints,
     ) -> Result<Vec<PathBuf>> {
+        let mut removed = self.finish_removal()?;
         let sealed = sealed_segments(&self.dir)?;
         let remove = sealed.len().saturating_sub(keep);
         if remove == 0 {
-            return Ok(Vec::new());
+            return Ok(removed);
         }
         let last_removed = &sealed[remove - 1].1;
         let last = last_head(last_removed)?;
@@ -625,12 +635,30 @@ impl AuditTail {
         let anchor = anchor::encode_anchor(&last, self.head().seq, &self.hasher);
         fsutil::replace_atomically(&self.dir, ANCHOR_FILE, &anchor, faults, "audit_anchor")
             .map_err(|(_, e)| e)?;
-        let mut removed = Vec::with_capacity(remove);
-        for (_, path) in &sealed[..remove] {
-            fs::remove_file(path).map_err(|e| Error::io(path, "remove audit segment", e))?;
-            removed.push(path.clone());
+        removed.extend(self.finish_removal()?);
+        Ok(removed)
+    }
+
+    /// Unlinks the sealed segments the anchor says were removed (all of them
+    /// after a fresh anchor; the leftovers of a removal a crash interrupted
+    /// otherwise), then fsyncs the directory. Returns their paths.
+    fn finish_removal(&self) -> Result<Vec<PathBuf>> {
+        let anchor = anchor::read_anchor(&self.dir, &self.hasher)?.head;
+        let mut removed = Vec::new();
+        for (first, path) in sealed_segments(&self.dir)? {
+            if first > anchor.seq {
+                break;
+            }
+            match fs::remove_file(&path) {
+                Ok(()) => removed.push(path),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&path, "remove audit segment", e)),
+            }
         }
-        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        if !removed.is_empty() {
+            fsutil::sync_dir(&self.dir)
+                .map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+        }
         Ok(removed)
     }
 
@@ -739,20 +767,7 @@ impl AuditTail {
             (None, _) => false,
         };
         if rotated {
-            // Another handle sealed the file we were following: finish reading it
-            // under its sealed name, then follow the new one from its start.
-            let sealed = self.dir.join(sealed_name(self.base.seq + 1));
-            self.absorb_from(&sealed)?;
-            if self.torn.take().is_some() {
-                return Err(broken(
-                    &sealed,
-                    self.lines + 1,
-                    AuditFault::Malformed(
-                        "a sealed audit segment ends in an unfinished line".into(),
-                    ),
-                ));
-            }
-            self.start_new_file();
+            self.follow_rotation()?;
         }
         let Some(meta) = meta else {
             if self.verified_len == 0 {
@@ -771,6 +786,68 @@ impl AuditTail {
             return Ok(());
         }
         self.absorb_from(&self.path.clone())
+    }
+
+    /// Another handle sealed the file this tail was following, maybe several
+    /// times over, and an operator may since have removed old sealed segments.
+    /// Reads every sealed segment from where this tail stopped, in chain order,
+    /// and leaves it at the start of the new active file.
+    ///
+    /// Records that an operator removed (everything up to `audit.anchor`) cannot
+    /// be read any more: the chain continues from the anchor, as it does for a
+    /// fresh open. A segment missing from the middle of the chain with no anchor
+    /// covering it is reported as a broken link: that is not a rotation.
+    fn follow_rotation(&mut self) -> Result<()> {
+        let anchor = anchor::read_anchor(&self.dir, &self.hasher)?.head;
+        let partly_read = self.base.seq + 1;
+        for (first, path) in sealed_segments(&self.dir)? {
+            if first < partly_read {
+                continue; // read whole before the last rotation this tail saw
+            }
+            if first == partly_read {
+                // The file this tail was reading: go on from where it stopped.
+            } else if first == self.head().seq + 1 {
+                self.start_new_file();
+            } else if first <= anchor.seq {
+                continue; // removed by an operator; a crash left it behind
+            } else if first == anchor.seq + 1 && anchor.seq > self.head().seq {
+                self.jump_to(anchor.clone());
+            } else {
+                return Err(broken(
+                    &path,
+                    1,
+                    AuditFault::Truncated {
+                        expected_seq: self.head().seq + 1,
+                        found_seq: first,
+                    },
+                ));
+            }
+            self.absorb_from(&path)?;
+            if self.torn.take().is_some() {
+                return Err(broken(
+                    &path,
+                    self.lines + 1,
+                    AuditFault::Malformed(
+                        "a sealed audit segment ends in an unfinished line".into(),
+                    ),
+                ));
+            }
+        }
+        if anchor.seq > self.head().seq {
+            // Every segment after this tail's position was removed: the active
+            // file continues from the anchor.
+            self.jump_to(anchor);
+        } else {
+            self.start_new_file();
+        }
+        Ok(())
+    }
+
+    /// Continues the chain from `head` (an operator's anchor) in a new file.
+    fn jump_to(&mut self, head: Head) {
+        self.recent.clear();
+        self.recent.push_back(head);
+        self.start_new_file();
     }
 
     /// Reads and verifies records of `path` past `verified_len`; notes a torn tail.
@@ -855,7 +932,7 @@ impl AuditTail {
     pub(crate) fn verify_whole(&self, expected: Option<&Head>) -> Result<AuditReport> {
         let mut hash_at_expected = None;
         let anchor = anchor::read_anchor(&self.dir, &self.hasher)?;
-        let files = chain_files(&self.dir)?;
+        let files = chain_files(&self.dir, &anchor.head)?;
         let report = verify_files_from(anchor.head.clone(), &files, &self.hasher, |head| {
             if expected.is_some_and(|e| e.seq == head.seq) {
                 hash_at_expected = Some(head.hash.clone());

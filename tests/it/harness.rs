@@ -98,3 +98,50 @@ pub fn secs(n: u64) -> Duration {
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
+
+/// Leaves `owners/<id>.owner` the way a process killed with SIGKILL leaves its
+/// owner file: present, with nobody holding its lock. A claim naming `id` is
+/// then orphaned.
+pub fn plant_dead_owner(dir: &Path, id: &str) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let owners = dir.join("owners");
+    std::fs::create_dir_all(&owners).expect("owners directory");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(owners.join(format!("{id}.owner")))
+        .expect("plant an unlocked owner file");
+}
+
+/// Runs `body` on its own thread and fails, naming `guarantee`, if it has not
+/// finished within `limit`: a test that can deadlock reports the broken
+/// guarantee instead of hanging the suite.
+pub fn within<T: Send + 'static>(
+    guarantee: &str,
+    limit: Duration,
+    body: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+        let _ = tx.send(result);
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => {
+            panic!("{guarantee} is broken: the test did not finish within {limit:?} (a hang)")
+        }
+    }
+}
+
+/// A test needs `tool`, which is missing (`why`). In CI (`CI` set) that is a
+/// failure that says what to install; elsewhere the test is skipped, loudly.
+pub fn missing_tool(tool: &str, why: &str) {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{tool} is required in CI and is missing ({why}); install it (see .ci/run)"
+    );
+    eprintln!("SKIPPED: {tool} is not available here ({why}); CI would fail");
+}

@@ -32,6 +32,8 @@ mod disk_full;
 #[cfg(feature = "tokio")]
 mod async_api;
 #[cfg(all(unix, feature = "test-failpoints"))]
+mod audit_rotation;
+#[cfg(all(unix, feature = "test-failpoints"))]
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;

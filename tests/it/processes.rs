@@ -10,7 +10,7 @@ use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outbox, Outcome};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
 
-fn worker(args: &[&str]) -> Command {
+pub(crate) fn worker(args: &[&str]) -> Command {
     let mut cmd = Command::new(WORKER);
     cmd.args(args)
         .stdout(Stdio::piped())

@@ -15,6 +15,9 @@
 //!   (and pruning history down to its newest segment with `--prune`).
 //! - `maintain DIR`: open with default settings and compact, as a maintenance job would.
 //! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
+//! - `rotate DIR PREFIX ROUNDS`: with a 1 KiB audit rotation threshold, enqueue
+//!   four messages and compact, ROUNDS times: the audit log rotates each round.
+//! - `remove-audit DIR KEEP`: remove all sealed audit segments but the newest KEEP.
 //! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
 //!   (`SPACE-0` … `SPACE-63`) in a loop.
 
@@ -148,6 +151,34 @@ fn main() {
             say("moved");
         }
         "maintain" => maintain(arg(1)),
+        "rotate" => {
+            let outbox = Outbox::builder(arg(1))
+                .rate_limit(u32::MAX, Duration::from_secs(60))
+                .audit_rotate_bytes(1024)
+                .open()
+                .unwrap_or_else(|e| fail(&format!("open: {e}")));
+            let rounds: u64 = arg(3).parse().unwrap_or_else(|_| fail("ROUNDS"));
+            for round in 0..rounds {
+                for i in 0..4 {
+                    let key = format!("{}-{round}-{i}", arg(2));
+                    outbox
+                        .enqueue(message(&key, i))
+                        .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+                }
+                outbox
+                    .compact()
+                    .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+            }
+            say(&format!("rotated {rounds}"));
+        }
+        "remove-audit" => {
+            let outbox = open(arg(1));
+            let keep: usize = arg(2).parse().unwrap_or_else(|_| fail("KEEP"));
+            let removed = outbox
+                .remove_old_audit_segments(keep, "ops", "older than a year")
+                .unwrap_or_else(|e| fail(&format!("remove: {e}")));
+            say(&format!("removed {removed}"));
+        }
         "drain" => {
             let outbox = open(arg(1));
             let log = Path::new(arg(2));
