@@ -63,8 +63,9 @@ fn a_claim_whose_owner_is_gone_fails_as_ambiguous_without_sending() {
     let h = Harness::new();
     h.enqueue("k", "chat-1");
     // The handle that claims it disappears without recording an outcome, as a
-    // process would after kill -9: forge that by naming an owner that no longer
-    // exists in a fresh snapshot (compact first so the snapshot holds everything).
+    // process would after kill -9: forge that by naming, in a fresh snapshot
+    // (compact first so the snapshot holds everything), an owner whose owner
+    // file is still there but unlocked, which is what SIGKILL leaves.
     h.outbox.compact().unwrap();
     let path = h.path("outbox.json");
     let text = std::fs::read_to_string(&path).unwrap();
@@ -73,6 +74,7 @@ fn a_claim_whose_owner_is_gone_fails_as_ambiguous_without_sending() {
         "\"claim_owner\": \"4242-dead-0\",\n      \"claimed_at_utc\": \"2026-01-15T09:00:00.000000Z\",\n      \"dispatch_claimed\": true",
     );
     std::fs::write(&path, text).unwrap();
+    crate::harness::plant_dead_owner(h.dir.path(), "4242-dead-0");
 
     let receipt = h
         .outbox

@@ -108,7 +108,8 @@ pub fn plant_dead_owner(dir: &Path, id: &str) {
     std::fs::create_dir_all(&owners).expect("owners directory");
     std::fs::OpenOptions::new()
         .write(true)
-        .create_new(true)
+        .create(true)
+        .truncate(false)
         .mode(0o600)
         .open(owners.join(format!("{id}.owner")))
         .expect("plant an unlocked owner file");

@@ -35,7 +35,7 @@ const KEYS: [&str; 5] = ["k0", "k1", "k2", "k3", "k4"];
 const DESTINATIONS: [&str; 2] = ["chat-a", "chat-b"];
 /// The references replies use; every one is looked up after every step.
 const REFS: [&str; 3] = ["tr-1", "tr-2", "tr-3"];
-/// An owner id with no owner file: the process that claimed is gone.
+/// An owner whose process is gone: its owner file is left unlocked, as SIGKILL leaves it.
 const DEAD_OWNER: &str = "999999-dead-0";
 
 type Step = Result<(), TestCaseError>;
@@ -1011,6 +1011,7 @@ impl Run {
         item["error_code"] = serde_json::Value::Null;
         item["updated_at_utc"] = now.clone().into();
         if owner_recorded {
+            crate::harness::plant_dead_owner(self.dir.path(), DEAD_OWNER);
             item["claim_owner"] = DEAD_OWNER.into();
             item["claimed_at_utc"] = now.into();
         }

@@ -95,6 +95,7 @@ fn an_ambiguous_item_left_by_a_crash_can_be_requeued() {
         "\"claim_owner\": \"1-dead-0\",\n      \"dispatch_claimed\": true",
     );
     std::fs::write(&path, text).unwrap();
+    crate::harness::plant_dead_owner(h.dir.path(), "1-dead-0");
     let r = h.outbox.process("k", |_| panic!("resent")).unwrap();
     assert_eq!(r.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
     h.outbox
