@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use durable_outbox::{ItemState, Outbox, Outcome, SEND_CANCELLED, SEND_PANICKED, SendError};
 
-use crate::harness::{Harness, msg, secs};
+use crate::harness::{DEADLOCK_LIMIT, Harness, msg, secs, within};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -180,17 +180,23 @@ fn the_async_api_works_across_handles_like_the_blocking_one() {
     let b = Outbox::open(dir.path()).unwrap();
     a.enqueue(msg("k", "chat-1")).unwrap();
     let rt = runtime();
-    let outcome = rt.block_on(a.process_async("k", |_| {
-        let b = b.clone();
-        async move {
-            let inner = b
-                .process_async("k", |_| async { panic!("sent twice") })
-                .await
-                .unwrap();
-            assert_eq!(inner.outcome, Outcome::InFlight);
-            Ok(None)
-        }
-    }));
+    let outcome = within(
+        "the lock is never held while an async send runs",
+        DEADLOCK_LIMIT,
+        || {
+            rt.block_on(a.process_async("k", |_| {
+                let b = b.clone();
+                async move {
+                    let inner = b
+                        .process_async("k", |_| async { panic!("sent twice") })
+                        .await
+                        .unwrap();
+                    assert_eq!(inner.outcome, Outcome::InFlight);
+                    Ok(None)
+                }
+            }))
+        },
+    );
     assert_eq!(outcome.unwrap().outcome, Outcome::Sent);
 }
 

@@ -5,10 +5,18 @@ use std::sync::mpsc;
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outcome, SEND_PANICKED, SendError};
 
-use crate::harness::Harness;
+use crate::harness::{DEADLOCK_LIMIT, Harness, within};
 
 /// Runs `during` while another thread is inside `send` for `key`, then lets it finish.
 fn while_sending(h: &Harness, key: &str, during: impl FnOnce()) -> Outcome {
+    within(
+        "the lock is never held while send runs",
+        DEADLOCK_LIMIT,
+        || sending(h, key, during),
+    )
+}
+
+fn sending(h: &Harness, key: &str, during: impl FnOnce()) -> Outcome {
     let (entered_tx, entered_rx) = mpsc::channel();
     let (release_tx, release_rx) = mpsc::channel::<()>();
     std::thread::scope(|s| {

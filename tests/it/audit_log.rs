@@ -93,7 +93,7 @@ fn the_documented_python_verifier_accepts_the_log() {
         .arg(h.path("audit.jsonl"))
         .output()
     {
-        Err(e) => eprintln!("skipped: python3 is not available ({e})"),
+        Err(e) => crate::harness::missing_tool("python3", &e.to_string()),
         Ok(out) => {
             assert!(
                 out.status.success(),

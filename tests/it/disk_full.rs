@@ -116,9 +116,9 @@ fn rerun_under_unshare(mnt: &Path, direct_failure: &str) {
     let out = match out {
         Ok(out) => out,
         Err(e) => {
-            eprintln!(
-                "disk_full skipped: cannot mount a tmpfs (mount: {direct_failure}) and cannot \
-                 run unshare ({e})"
+            crate::harness::missing_tool(
+                "a tmpfs mount (root, or unshare -rm)",
+                &format!("mount: {direct_failure}; cannot run unshare: {e}"),
             );
             return;
         }
@@ -126,9 +126,9 @@ fn rerun_under_unshare(mnt: &Path, direct_failure: &str) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !stdout.contains(INNER_MARKER) {
-        eprintln!(
-            "disk_full skipped: cannot mount a tmpfs (mount: {direct_failure}; unshare -rm: {})",
-            stderr.trim()
+        crate::harness::missing_tool(
+            "a tmpfs mount (root, or unshare -rm)",
+            &format!("mount: {direct_failure}; unshare -rm: {}", stderr.trim()),
         );
         return;
     }

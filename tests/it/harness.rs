@@ -1,5 +1,6 @@
 //! A small harness so each test reads as the behaviour it checks.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -115,27 +116,33 @@ pub fn plant_dead_owner(dir: &Path, id: &str) {
         .expect("plant an unlocked owner file");
 }
 
-/// Runs `body` on its own thread and fails, naming `guarantee`, if it has not
-/// finished within `limit`: a test that can deadlock reports the broken
-/// guarantee instead of hanging the suite.
-pub fn within<T: Send + 'static>(
-    guarantee: &str,
-    limit: Duration,
-    body: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
+/// Runs `body`, and stops the whole test binary with a message naming
+/// `guarantee` if it has not finished within `limit`: a test that can deadlock
+/// (a lock held across `send`, a claim never released) reports the broken
+/// guarantee instead of hanging the suite. A panicking body fails as usual.
+pub fn within<T>(guarantee: &str, limit: Duration, body: impl FnOnce() -> T) -> T {
+    let (finished, watch) = std::sync::mpsc::channel::<()>();
+    let guarantee = guarantee.to_owned();
     std::thread::spawn(move || {
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
-        let _ = tx.send(result);
-    });
-    match rx.recv_timeout(limit) {
-        Ok(Ok(value)) => value,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => {
-            panic!("{guarantee} is broken: the test did not finish within {limit:?} (a hang)")
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = watch.recv_timeout(limit) {
+            // Straight to the process's stderr: the harness's output capture
+            // would swallow an `eprintln!` along with the test binary.
+            let _ = writeln!(
+                std::io::stderr(),
+                "WATCHDOG: {guarantee} is broken: the test did not finish within {limit:?} \
+                 (a deadlock); stopping the test binary"
+            );
+            std::process::exit(70);
         }
-    }
+    });
+    let value = body();
+    drop(finished);
+    value
 }
+
+/// How long a test that can deadlock may run before its watchdog fires:
+/// far beyond what it needs on a loaded two-core machine.
+pub const DEADLOCK_LIMIT: Duration = Duration::from_secs(30);
 
 /// A test needs `tool`, which is missing (`why`). In CI (`CI` set) that is a
 /// failure that says what to install; elsewhere the test is skipped, loudly.

@@ -3,7 +3,7 @@
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, CANCELLED, Error, ItemState, Outcome, SendError};
 
-use crate::harness::Harness;
+use crate::harness::{DEADLOCK_LIMIT, Harness, within};
 
 fn failed_ambiguously(h: &Harness, key: &str) {
     h.enqueue(key, "chat-1");
@@ -73,15 +73,21 @@ fn requeue_refuses_sent_queued_and_in_flight_items_and_writes_nothing() {
     // In flight: another handle is inside send right now.
     h.enqueue("busy", "chat-3");
     let other = h.reopen();
-    h.outbox
-        .process("busy", |_| {
-            let err = other.requeue("busy", "alice", "impatient").unwrap_err();
-            assert!(err.to_string().contains("in flight"), "{err}");
-            let err = other.cancel("busy", "alice", "impatient").unwrap_err();
-            assert!(err.to_string().contains("in flight"), "{err}");
-            Ok(None)
-        })
-        .unwrap();
+    within(
+        "the lock is never held while send runs",
+        DEADLOCK_LIMIT,
+        || {
+            h.outbox
+                .process("busy", |_| {
+                    let err = other.requeue("busy", "alice", "impatient").unwrap_err();
+                    assert!(err.to_string().contains("in flight"), "{err}");
+                    let err = other.cancel("busy", "alice", "impatient").unwrap_err();
+                    assert!(err.to_string().contains("in flight"), "{err}");
+                    Ok(None)
+                })
+                .unwrap()
+        },
+    );
 }
 
 #[test]

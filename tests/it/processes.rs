@@ -178,6 +178,7 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
                 .unwrap()
                 .as_nanos() as u64
         });
+    let replay = format!("replay with OUTBOX_TORTURE_SEED={seed}");
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("transport.log");
     let d = dir.path().to_str().unwrap();
@@ -190,9 +191,11 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
     };
     let deadline = Instant::now() + Duration::from_secs(budget);
     let mut kills = 0;
+    // Kills that landed while a worker had the outbox open and was working.
+    let mut interrupted = 0u32;
     let mut acked: HashSet<String> = HashSet::new();
     while Instant::now() < deadline {
-        // A new key space every 8 kills, so long runs keep enqueueing new work.
+        // A new key space every 16 kills, so long runs keep enqueueing new work.
         let space = format!("s{}", kills / 16);
         let workers: Vec<Child> = (0..2)
             .map(|_| {
@@ -210,10 +213,22 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
             .collect();
         std::thread::sleep(Duration::from_millis(5 + next() % 60));
         for mut child in workers {
-            kill9(&mut child);
+            child.kill().expect("SIGKILL");
+            let status = child.wait().expect("reap");
             kills += 1;
             let mut out = String::new();
             std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
+            // A worker that ended by itself (an error, or done) was not crashed by
+            // us: the campaign would count kills while exercising nothing.
+            assert_eq!(
+                std::os::unix::process::ExitStatusExt::signal(&status),
+                Some(9),
+                "a torture worker ended on its own ({status}) instead of being killed; its \
+                 output:\n{out}\n{replay}"
+            );
+            if out.lines().any(|l| l == "ready") {
+                interrupted += 1;
+            }
             acked.extend(
                 out.lines()
                     .filter_map(|l| l.strip_prefix("queued "))
@@ -222,20 +237,57 @@ fn kill_loop_never_loses_or_duplicates_a_message() {
         }
         check_invariants(dir.path(), &log, &acked, seed, kills);
     }
+
+    // Every claim a killed worker left is resolved, as ambiguous, and never resent.
     let outbox = Outbox::open(dir.path()).unwrap();
-    let ambiguous = outbox
+    let claimed: Vec<String> = outbox
         .list_items()
         .unwrap()
+        .into_iter()
+        .filter(durable_outbox::OutboxItem::dispatch_claimed)
+        .map(|i| i.idempotency_key().to_owned())
+        .collect();
+    for key in &claimed {
+        let receipt = outbox
+            .process(key, |_| {
+                panic!("{key}: a dead worker's claim was resent ({replay})")
+            })
+            .unwrap();
+        assert_eq!(
+            receipt.error_code.as_deref(),
+            Some(AMBIGUOUS_AFTER_RESTART),
+            "{key}: {replay}"
+        );
+    }
+    let items = outbox.list_items().unwrap();
+    assert!(
+        items.iter().all(|i| !i.dispatch_claimed()),
+        "every killed worker's claim is resolved ({replay})"
+    );
+    let ambiguous = items
         .iter()
         .filter(|i| i.error_code() == Some(AMBIGUOUS_AFTER_RESTART))
         .count();
+    check_invariants(dir.path(), &log, &acked, seed, kills);
+    let deliveries = transport_log(&log).len();
     eprintln!(
-        "kill loop: {kills} kills survived, seed {seed}, {} keys acknowledged, {} deliveries, \
-         {ambiguous} claims caught mid-send and failed as ambiguous (never resent)",
+        "kill loop (seed {seed}, {budget} s): {interrupted} kills interrupted work ({kills} \
+         workers killed), {} enqueues acknowledged, {deliveries} deliveries, {ambiguous} claims \
+         caught mid-send and failed as ambiguous (never resent)",
         acked.len(),
-        transport_log(&log).len()
     );
-    assert!(kills >= 4, "the loop ran");
+    // The campaign proves it did what its name says, not just that kill() ran.
+    assert!(
+        interrupted >= 10,
+        "only {interrupted} kills interrupted work ({replay})"
+    );
+    assert!(
+        acked.len() >= 20,
+        "only {} enqueues acknowledged ({replay})",
+        acked.len()
+    );
+    assert!(deliveries >= 10, "only {deliveries} deliveries ({replay})");
+    assert!(ambiguous >= 1, "no kill landed inside send ({replay})");
 }
 
 fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, kills: u32) {

@@ -198,6 +198,8 @@ fn main() {
             // An optional key space: drivers move it on so long runs keep
             // enqueueing new messages instead of re-touching 64 finished ones.
             let space = args.get(5).map_or("t", String::as_str);
+            // From here on a kill interrupts real work (the outbox is open).
+            say("ready");
             for _ in 0..rounds {
                 let i = rng.next() % 64;
                 let key = format!("{space}-{i}");
