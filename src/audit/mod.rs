@@ -656,8 +656,7 @@ impl AuditTail {
             }
         }
         if !removed.is_empty() {
-            fsutil::sync_dir(&self.dir)
-                .map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
+            fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
         }
         Ok(removed)
     }

@@ -92,6 +92,38 @@ fn maintain(dir: &str) {
     say("compacted");
 }
 
+/// Rotates the audit log `rounds` times: four enqueues and a compaction each.
+fn rotate(dir: &str, prefix: &str, rounds: &str) {
+    let outbox = Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_secs(60))
+        .audit_rotate_bytes(1024)
+        .open()
+        .unwrap_or_else(|e| fail(&format!("open: {e}")));
+    let rounds: u64 = rounds.parse().unwrap_or_else(|_| fail("ROUNDS"));
+    for round in 0..rounds {
+        for i in 0..4 {
+            let key = format!("{prefix}-{round}-{i}");
+            outbox
+                .enqueue(message(&key, i))
+                .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+        }
+        outbox
+            .compact()
+            .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+    }
+    say(&format!("rotated {rounds}"));
+}
+
+/// An operator's removal of all sealed audit segments but the newest `keep`.
+fn remove_audit(dir: &str, keep: &str) {
+    let outbox = open(dir);
+    let keep: usize = keep.parse().unwrap_or_else(|_| fail("KEEP"));
+    let removed = outbox
+        .remove_old_audit_segments(keep, "ops", "older than a year")
+        .unwrap_or_else(|e| fail(&format!("remove: {e}")));
+    say(&format!("removed {removed}"));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
@@ -151,34 +183,8 @@ fn main() {
             say("moved");
         }
         "maintain" => maintain(arg(1)),
-        "rotate" => {
-            let outbox = Outbox::builder(arg(1))
-                .rate_limit(u32::MAX, Duration::from_secs(60))
-                .audit_rotate_bytes(1024)
-                .open()
-                .unwrap_or_else(|e| fail(&format!("open: {e}")));
-            let rounds: u64 = arg(3).parse().unwrap_or_else(|_| fail("ROUNDS"));
-            for round in 0..rounds {
-                for i in 0..4 {
-                    let key = format!("{}-{round}-{i}", arg(2));
-                    outbox
-                        .enqueue(message(&key, i))
-                        .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
-                }
-                outbox
-                    .compact()
-                    .unwrap_or_else(|e| fail(&format!("compact: {e}")));
-            }
-            say(&format!("rotated {rounds}"));
-        }
-        "remove-audit" => {
-            let outbox = open(arg(1));
-            let keep: usize = arg(2).parse().unwrap_or_else(|_| fail("KEEP"));
-            let removed = outbox
-                .remove_old_audit_segments(keep, "ops", "older than a year")
-                .unwrap_or_else(|e| fail(&format!("remove: {e}")));
-            say(&format!("removed {removed}"));
-        }
+        "rotate" => rotate(arg(1), arg(2), arg(3)),
+        "remove-audit" => remove_audit(arg(1), arg(2)),
         "drain" => {
             let outbox = open(arg(1));
             let log = Path::new(arg(2));
