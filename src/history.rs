@@ -12,11 +12,16 @@
 //!   (`<16 hex> <json>\n`, the hex being the first 64 bits of the JSON's SHA-256),
 //!   with the snapshot's item fields.
 //! - `seg-<n>.idx`: the segment's index, so opening never reads the segments:
-//!   `DOIX2\n`, two little-endian `u64` counts and the newest item's last change
-//!   (microseconds since the epoch, `i64`), the key entries then the
-//!   transport-ref entries (each a `u64` hash — the first 8 bytes of the SHA-256
-//!   of the text — and a `u64` byte offset into the log, sorted), then the
-//!   SHA-256 of everything before it.
+//!   `DOIX3\n`, three little-endian `u64` counts and the newest item's last
+//!   change (microseconds since the epoch, `i64`), the key entries, the
+//!   transport-ref entries, then the destination-scoped transport-ref entries
+//!   (each a `u64` hash — the first 8 bytes of the SHA-256 of the text, for a
+//!   scoped ref of `destination`, NUL, `transport_ref` — and a `u64` byte offset
+//!   into the log, sorted), then the SHA-256 of everything before it.
+//!   Version 2 indexes (`DOIX2\n`, written before scoped lookups existed) have
+//!   two counts and no scoped table; they stay readable, and a scoped lookup
+//!   in such a segment goes through its transport-ref table and checks the
+//!   destination of each candidate.
 //!
 //! Both are written to a temp file, fsynced and renamed into place (index
 //! first, then log; the log's presence is what makes a segment exist), then the
@@ -26,8 +31,8 @@
 //!
 //! # Memory
 //!
-//! Each history item costs 16 bytes of index in memory, plus 16 more if it has a
-//! transport ref: 32 MB for a million sent items. All segments' entries are kept
+//! Each history item costs 16 bytes of index in memory, plus 32 more if it has a
+//! transport ref (global and destination-scoped): 48 MB for a million sent items. All segments' entries are kept
 //! merged in one sorted array, so a lookup is one binary search and one read.
 
 use std::fs;
@@ -45,9 +50,18 @@ use crate::store::CommitFailure;
 
 /// Directory of the history segments inside an outbox directory.
 pub(crate) const HISTORY_DIR: &str = "history";
-const INDEX_MAGIC: &[u8] = b"DOIX2\n";
-/// Bytes of the index header after the magic: key count, ref count, newest time.
-const HEADER: usize = 24;
+const INDEX_MAGIC: &[u8] = b"DOIX3\n";
+/// The index format before destination-scoped refs: still read.
+const INDEX_MAGIC_V2: &[u8] = b"DOIX2\n";
+/// Bytes of the version 2 index header after the magic: key count, ref count, newest time.
+const HEADER_V2: usize = 24;
+/// Bytes of the version 3 header: key, ref and scoped-ref counts, newest time.
+const HEADER: usize = 32;
+
+/// The text a destination-scoped transport ref is filed under.
+fn scoped_text(destination: &str, transport_ref: &str) -> String {
+    format!("{destination}\0{transport_ref}")
+}
 
 /// The stable 64-bit hash an index files a text under.
 fn text_hash(text: &str) -> u64 {
@@ -70,6 +84,8 @@ struct Segment {
     newest: DateTime<Utc>,
     /// Pruned: its entries are gone from the merged index.
     gone: bool,
+    /// Its index has the destination-scoped table (version 3).
+    scoped: bool,
 }
 
 /// All history segments of one outbox, as far as this handle has loaded them.
@@ -84,6 +100,16 @@ pub(crate) struct History {
     keys: Vec<(u64, u64)>,
     /// The same for transport refs.
     refs: Vec<(u64, u64)>,
+    /// The same for `destination` NUL `transport_ref` (version 3 segments only).
+    scoped_refs: Vec<(u64, u64)>,
+}
+
+/// One segment's index tables, as read from its file.
+struct Tables {
+    keys: Vec<(u64, u64)>,
+    refs: Vec<(u64, u64)>,
+    /// Empty for a version 2 index.
+    scoped: Vec<(u64, u64)>,
 }
 
 /// Bits of a packed location that hold the byte offset (1 TiB per segment).
@@ -120,6 +146,7 @@ fn merge_sorted(into: &mut Vec<(u64, u64)>, mut extra: Vec<(u64, u64)>) {
 enum By<'a> {
     Key(&'a str),
     TransportRef(&'a str),
+    ScopedRef(&'a str, &'a str),
 }
 
 impl History {
@@ -129,6 +156,7 @@ impl History {
             segments: Vec::new(),
             keys: Vec::new(),
             refs: Vec::new(),
+            scoped_refs: Vec::new(),
         }
     }
 
@@ -176,18 +204,23 @@ impl History {
             self.forget(at);
         }
         fresh.sort_unstable();
-        let (mut new_keys, mut new_refs) = (Vec::new(), Vec::new());
+        let (mut new_keys, mut new_refs, mut new_scoped) = (Vec::new(), Vec::new(), Vec::new());
         for number in fresh {
-            let (segment, keys, refs) = self.load_segment(number)?;
+            let (segment, tables) = self.load_segment(number)?;
             let at = self.segments.len();
-            new_keys.extend(keys.into_iter().map(|(h, o)| (h, pack(at, o))));
-            new_refs.extend(refs.into_iter().map(|(h, o)| (h, pack(at, o))));
+            let packed =
+                |table: Vec<(u64, u64)>| table.into_iter().map(move |(h, o)| (h, pack(at, o)));
+            new_keys.extend(packed(tables.keys));
+            new_refs.extend(packed(tables.refs));
+            new_scoped.extend(packed(tables.scoped));
             self.segments.push(segment);
         }
         new_keys.sort_unstable();
         new_refs.sort_unstable();
+        new_scoped.sort_unstable();
         merge_sorted(&mut self.keys, new_keys);
         merge_sorted(&mut self.refs, new_refs);
+        merge_sorted(&mut self.scoped_refs, new_scoped);
         Ok(())
     }
 
@@ -199,9 +232,8 @@ impl History {
         self.dir.join(format!("seg-{number:08}.idx"))
     }
 
-    /// Reads one segment's index: the segment and its key and ref entries.
-    #[allow(clippy::type_complexity, reason = "a private loader's three results")]
-    fn load_segment(&self, number: u64) -> Result<(Segment, Vec<(u64, u64)>, Vec<(u64, u64)>)> {
+    /// Reads one segment's index (version 3, or version 2 without the scoped table).
+    fn load_segment(&self, number: u64) -> Result<(Segment, Tables)> {
         let path = self.index_path(number);
         let bytes = fsutil::read_existing(&path).map_err(|e| Error::io(&path, "read", e))?;
         let corrupt = |why: &str| Error::InvalidRecord {
@@ -209,7 +241,14 @@ impl History {
             location: "index".into(),
             reason: why.to_owned(),
         };
-        if bytes.len() < INDEX_MAGIC.len() + HEADER + 32 || !bytes.starts_with(INDEX_MAGIC) {
+        let (header, tables) = if bytes.starts_with(INDEX_MAGIC) {
+            (HEADER, 3)
+        } else if bytes.starts_with(INDEX_MAGIC_V2) {
+            (HEADER_V2, 2)
+        } else {
+            return Err(corrupt("not a history index"));
+        };
+        if bytes.len() < INDEX_MAGIC.len() + header + 32 {
             return Err(corrupt("not a history index"));
         }
         let (body, sum) = bytes.split_at(bytes.len() - 32);
@@ -222,14 +261,15 @@ impl History {
             u64::from_le_bytes(word)
         };
         let at = INDEX_MAGIC.len();
-        let (keys, refs) = (read_u64(at), read_u64(at + 8));
-        let newest = DateTime::<Utc>::from_timestamp_micros(read_u64(at + 16) as i64)
+        let counts: Vec<u64> = (0..tables).map(|i| read_u64(at + i * 8)).collect();
+        let newest = DateTime::<Utc>::from_timestamp_micros(read_u64(at + tables * 8) as i64)
             .ok_or_else(|| corrupt("newest time out of range"))?;
-        let expected = keys
-            .checked_add(refs)
+        let expected = counts
+            .iter()
+            .try_fold(0u64, |sum, n| sum.checked_add(*n))
             .and_then(|n| n.checked_mul(16))
             .and_then(|n| usize::try_from(n).ok())
-            .and_then(|n| n.checked_add(at + HEADER));
+            .and_then(|n| n.checked_add(at + header));
         if expected != Some(body.len()) {
             return Err(corrupt("length does not match its counts"));
         }
@@ -238,20 +278,24 @@ impl History {
                 .map(|i| (read_u64(from + i * 16), read_u64(from + i * 16 + 8)))
                 .collect()
         };
-        let first = at + HEADER;
-        let key_entries = pairs(first, keys);
-        let ref_entries = pairs(first + key_entries.len() * 16, refs);
+        let first = at + header;
+        let keys = pairs(first, counts[0]);
+        let refs = pairs(first + keys.len() * 16, counts[1]);
+        let scoped = match counts.get(2) {
+            Some(n) => pairs(first + (keys.len() + refs.len()) * 16, *n),
+            None => Vec::new(),
+        };
         Ok((
             Segment {
                 number,
                 log: self.log_path(number),
                 file: std::sync::OnceLock::new(),
-                items: key_entries.len(),
+                items: keys.len(),
                 newest,
                 gone: false,
+                scoped: tables == 3,
             },
-            key_entries,
-            ref_entries,
+            Tables { keys, refs, scoped },
         ))
     }
 
@@ -265,24 +309,55 @@ impl History {
         self.find(By::TransportRef(transport_ref))
     }
 
-    fn find(&self, by: By<'_>) -> Result<Option<OutboxItem>> {
-        let (text, table) = match by {
-            By::Key(t) => (t, &self.keys),
-            By::TransportRef(t) => (t, &self.refs),
-        };
+    /// The history item that went to `destination` with this transport ref,
+    /// if any (the newest).
+    pub(crate) fn find_by_destination_ref(
+        &self,
+        destination: &str,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        self.find(By::ScopedRef(destination, transport_ref))
+    }
+
+    /// The packed locations filed under `text` in `table`.
+    fn locations<'t>(table: &'t [(u64, u64)], text: &str) -> impl Iterator<Item = u64> + 't {
         let hash = text_hash(text);
         let start = table.partition_point(|(h, _)| *h < hash);
         let end = start + table[start..].partition_point(|(h, _)| *h == hash);
+        table[start..end].iter().map(|(_, location)| *location)
+    }
+
+    fn find(&self, by: By<'_>) -> Result<Option<OutboxItem>> {
+        let mut candidates: Vec<u64> = match by {
+            By::Key(t) => Self::locations(&self.keys, t).collect(),
+            By::TransportRef(t) => Self::locations(&self.refs, t).collect(),
+            By::ScopedRef(destination, t) => {
+                let mut found: Vec<u64> =
+                    Self::locations(&self.scoped_refs, &scoped_text(destination, t)).collect();
+                // Version 2 segments have no scoped table: their global one,
+                // each candidate's destination checked below.
+                found.extend(Self::locations(&self.refs, t).filter(|location| {
+                    self.segments
+                        .get(unpack(*location).0)
+                        .is_some_and(|s| !s.scoped)
+                }));
+                found
+            }
+        };
         // Newest segment first: locations sort by segment position.
-        for (_, location) in table[start..end].iter().rev() {
-            let (at, offset) = unpack(*location);
+        candidates.sort_unstable();
+        for location in candidates.into_iter().rev() {
+            let (at, offset) = unpack(location);
             let Some(segment) = self.segments.get(at) else {
                 continue;
             };
             let item = read_item(segment.file()?, &segment.log, offset)?;
             let matches = match by {
-                By::Key(_) => item.idempotency_key == text,
-                By::TransportRef(_) => item.transport_ref.as_deref() == Some(text),
+                By::Key(text) => item.idempotency_key == text,
+                By::TransportRef(text) => item.transport_ref.as_deref() == Some(text),
+                By::ScopedRef(destination, text) => {
+                    item.destination == destination && item.transport_ref.as_deref() == Some(text)
+                }
             };
             if matches {
                 return Ok(Some(item));
@@ -332,24 +407,29 @@ impl History {
         let mut log = Vec::new();
         let mut keys = Vec::with_capacity(fresh.len());
         let mut refs = Vec::new();
+        let mut scoped = Vec::new();
         for item in &fresh {
             let offset = log.len() as u64;
             log.extend_from_slice(&crate::store::encode_item_line(item));
             keys.push((text_hash(&item.idempotency_key), offset));
             if let Some(r) = &item.transport_ref {
                 refs.push((text_hash(r), offset));
+                scoped.push((text_hash(&scoped_text(&item.destination, r)), offset));
             }
         }
         keys.sort_unstable();
         refs.sort_unstable();
-        let mut index =
-            Vec::with_capacity(INDEX_MAGIC.len() + HEADER + (keys.len() + refs.len()) * 16 + 32);
+        scoped.sort_unstable();
+        let mut index = Vec::with_capacity(
+            INDEX_MAGIC.len() + HEADER + (keys.len() + refs.len() + scoped.len()) * 16 + 32,
+        );
         let newest = fresh.iter().map(|i| i.updated_at).max().unwrap_or_default();
         index.extend_from_slice(INDEX_MAGIC);
         index.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         index.extend_from_slice(&(refs.len() as u64).to_le_bytes());
+        index.extend_from_slice(&(scoped.len() as u64).to_le_bytes());
         index.extend_from_slice(&(newest.timestamp_micros() as u64).to_le_bytes());
-        for (hash, offset) in keys.iter().chain(&refs) {
+        for (hash, offset) in keys.iter().chain(&refs).chain(&scoped) {
             index.extend_from_slice(&hash.to_le_bytes());
             index.extend_from_slice(&offset.to_le_bytes());
         }
@@ -377,7 +457,12 @@ impl History {
             items: keys.len(),
             newest,
             gone: false,
+            scoped: true,
         });
+        merge_sorted(
+            &mut self.scoped_refs,
+            scoped.into_iter().map(|(h, o)| (h, pack(at, o))).collect(),
+        );
         merge_sorted(
             &mut self.keys,
             keys.into_iter().map(|(h, o)| (h, pack(at, o))).collect(),
@@ -527,6 +612,8 @@ impl History {
         }
         self.keys.retain(|(_, location)| unpack(*location).0 != at);
         self.refs.retain(|(_, location)| unpack(*location).0 != at);
+        self.scoped_refs
+            .retain(|(_, location)| unpack(*location).0 != at);
     }
 }
 

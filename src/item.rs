@@ -5,6 +5,7 @@ use std::fmt;
 use chrono::{DateTime, Utc};
 
 use crate::message::ContentSummary;
+use crate::send::FailureClass;
 
 /// Where an item is in its lifecycle.
 ///
@@ -97,6 +98,9 @@ pub struct OutboxItem {
     /// ambiguous failure): it may have reached the platform, so it counts
     /// against the destination's caps as a send, whatever happens to the item.
     pub(crate) maybe_sent_at: Option<DateTime<Utc>>,
+    /// The class of the last failure (`None` before any, after a success, for
+    /// an operator's cancel, and in files written before the class was stored).
+    pub(crate) failure_class: Option<FailureClass>,
 }
 
 impl OutboxItem {
@@ -191,6 +195,16 @@ impl OutboxItem {
         self.maybe_sent_at
     }
 
+    /// The class of the failure behind [`error_code`](Self::error_code), as
+    /// stored when it happened: [`FailureClass::Ambiguous`] means the message
+    /// may have been delivered (a `send` that reported it, a crashed claim, a
+    /// panic, a cancelled async send). `None` when nothing failed, for an
+    /// operator's cancel or a rate deferral, and for items written before the
+    /// class was stored (seed files); read those by their error code.
+    pub fn failure_class(&self) -> Option<FailureClass> {
+        self.failure_class
+    }
+
     /// The owner id written into the claim, if any.
     pub(crate) fn claim_owner(&self) -> Option<&str> {
         self.claim.as_ref().and_then(|c| c.owner.as_deref())
@@ -211,6 +225,7 @@ impl fmt::Debug for OutboxItem {
             .field("next_attempt_at", &self.next_attempt_at)
             .field("sent_at", &self.sent_at)
             .field("error_code", &self.error_code)
+            .field("failure_class", &self.failure_class)
             .field("transport_ref", &self.transport_ref)
             .finish_non_exhaustive()
     }

@@ -497,6 +497,7 @@ impl Outbox {
             last_audit_id: None,
             cooldown_until: None,
             maybe_sent_at: None,
+            failure_class: None,
         });
         record(txn, &key, AuditOutcome::Queued, None, false)?;
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
@@ -556,6 +557,13 @@ impl Outbox {
     /// reference finds nothing. When several items share a reference, the first by
     /// key wins.
     ///
+    /// Use this global lookup only when the platform's ids are unique across
+    /// all chats, such as Matrix event ids (`$…`) or ids your connector makes
+    /// unique itself. Telegram `message_id`s and Slack `ts` values are unique
+    /// only within one chat: there, "7" names a message in every chat, so use
+    /// [`find_by_transport_ref_in`](Self::find_by_transport_ref_in) with the
+    /// chat the reply came from.
+    ///
     /// # Errors
     ///
     /// As [`get`](Self::get).
@@ -571,6 +579,58 @@ impl Outbox {
             match live {
                 Some(item) => Ok(Some(item.clone())),
                 None => history.find_by_transport_ref(transport_ref),
+            }
+        })
+    }
+
+    /// The item sent to `destination` whose delivery returned this transport
+    /// reference: how a reply is matched on platforms whose message ids are
+    /// unique only within a chat (Telegram, Slack). Indexed for live items and
+    /// history alike. A blank reference finds nothing; when several items of the
+    /// destination share the reference, the first by key wins among live items,
+    /// then the newest in history.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{NewMessage, Outbox};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// for (key, chat) in [("a", "chat-1"), ("b", "chat-2")] {
+    ///     outbox.enqueue(NewMessage {
+    ///         idempotency_key: key.into(),
+    ///         connector: "telegram".into(),
+    ///         grant_id: "bot-1".into(),
+    ///         destination: chat.into(),
+    ///         content: "hello".into(),
+    ///         ..Default::default()
+    ///     })?;
+    ///     // Telegram numbers messages per chat: both are message 7.
+    ///     outbox.process(key, |_| Ok(Some("7".into())))?;
+    /// }
+    /// let reply_to = outbox.find_by_transport_ref_in("chat-2", "7")?.expect("known");
+    /// assert_eq!(reply_to.idempotency_key(), "b");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn find_by_transport_ref_in(
+        &self,
+        destination: &str,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        if transport_ref.trim().is_empty() {
+            return Ok(None);
+        }
+        self.read(|loaded, history| {
+            let live = loaded
+                .index
+                .key_for_destination_ref(destination, transport_ref)
+                .and_then(|key| loaded.state.items.get(key));
+            match live {
+                Some(item) => Ok(Some(item.clone())),
+                None => history.find_by_destination_ref(destination, transport_ref),
             }
         })
     }
@@ -769,6 +829,7 @@ impl Outbox {
             item.state = ItemState::Queued;
             item.attempts = 0;
             item.error_code = None;
+            item.failure_class = None;
             item.next_attempt_at = None;
             item.cooldown_until = None;
             record(txn, key, AuditOutcome::Requeued, Some(&note), false)?;
@@ -810,6 +871,7 @@ impl Outbox {
             let item = txn.item_mut(key)?;
             item.state = ItemState::Failed;
             item.error_code = Some(CANCELLED.to_owned());
+            item.failure_class = None;
             item.next_attempt_at = None;
             record(txn, key, AuditOutcome::Cancelled, Some(&note), false)?;
             txn.item(key).cloned().ok_or_else(|| Error::NotFound {
@@ -1350,7 +1412,7 @@ impl Outbox {
             return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
         }
         if item.attempts >= txn.settings.max_attempts {
-            return fail(txn, key, ATTEMPTS_EXHAUSTED);
+            return fail(txn, key, ATTEMPTS_EXHAUSTED, FailureClass::Retryable);
         }
         if let Some(at) = item.next_attempt_at
             && at > now
@@ -1365,6 +1427,7 @@ impl Outbox {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
             item.error_code = Some(code.to_owned());
+            item.failure_class = None;
             let audit_id = record(txn, key, AuditOutcome::Deferred, None, false)?;
             return Ok(Decision::Done(receipt(
                 txn,
@@ -1386,6 +1449,7 @@ impl Outbox {
         });
         item.next_attempt_at = None;
         item.error_code = None;
+        item.failure_class = None;
         item.updated_at = now;
         let claimed = item.clone();
         // Marked before the lock is released, so no thread of ours mistakes the
@@ -1461,6 +1525,7 @@ impl Outbox {
                 item.claim = None;
                 item.sent_at = Some(now);
                 item.error_code = None;
+                item.failure_class = None;
                 item.transport_ref = transport_ref
                     .as_deref()
                     .filter(|r| !r.trim().is_empty())
@@ -1479,6 +1544,7 @@ impl Outbox {
                     let item = txn.item_mut(key)?;
                     item.claim = None;
                     item.error_code = Some(code);
+                    item.failure_class = Some(FailureClass::Retryable);
                     item.next_attempt_at = Some(later(now, wait));
                     // The platform's wait covers the whole destination, not just this item.
                     item.cooldown_until = error.retry_after_hint().map(|hint| later(now, hint));
@@ -1490,7 +1556,7 @@ impl Outbox {
                 } else if error.class() == FailureClass::Ambiguous {
                     Ok((done(fail_ambiguous(txn, key, &code)?), None))
                 } else {
-                    Ok((done(fail(txn, key, &code)?), None))
+                    Ok((done(fail(txn, key, &code, error.class())?), None))
                 }
             }
             Err(_panic) => Ok((done(fail_ambiguous(txn, key, SEND_PANICKED)?), None)),
@@ -1519,13 +1585,14 @@ fn receipt(
     Ok(DeliveryReceipt::for_item(item, outcome, audit_id))
 }
 
-/// Fails an item terminally with `code`.
-fn fail(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> {
+/// Fails an item terminally with `code`, of failure class `class`.
+fn fail(txn: &mut Txn<'_>, key: &str, code: &str, class: FailureClass) -> Result<Decision> {
     let item = txn.item_mut(key)?;
     item.state = ItemState::Failed;
     item.claim = None;
     item.next_attempt_at = None;
     item.error_code = Some(code.to_owned());
+    item.failure_class = Some(class);
     let audit_id = record(txn, key, AuditOutcome::Failed, None, false)?;
     Ok(Decision::Done(receipt(
         txn,
@@ -1543,7 +1610,7 @@ fn fail_ambiguous(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> 
     let claimed_at = item.claim.as_ref().and_then(|c| c.at);
     // A claim from the reference design has no time: its last change is the claim.
     item.maybe_sent_at = Some(claimed_at.unwrap_or(item.updated_at));
-    fail(txn, key, code)
+    fail(txn, key, code, FailureClass::Ambiguous)
 }
 
 /// Checks an operator's name and reason and joins them into an audit note.
@@ -1591,6 +1658,7 @@ fn record(
         destination: item.destination.clone(),
         direction: item.direction.clone(),
         error_code: item.error_code.clone(),
+        failure_class: item.failure_class,
         grant_id: item.grant_id.clone(),
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
@@ -1688,6 +1756,7 @@ fn system_event_of(
         destination: "-".into(),
         direction: "-".into(),
         error_code: None,
+        failure_class: None,
         grant_id: "-".into(),
         idempotency_key: subject.to_owned(),
         lane: "-".into(),

@@ -8,7 +8,13 @@ use std::time::Duration;
 /// Only the connector knows whether its request left the host, so only it can pick
 /// the class. When in doubt, pick [`Ambiguous`](FailureClass::Ambiguous): the item
 /// then fails instead of risking a duplicate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// The class of an item's last failure is stored with the item
+/// ([`OutboxItem::failure_class`](crate::OutboxItem::failure_class)) and in its
+/// audit record, so an operator reads "may have been delivered" from the outbox
+/// itself rather than from a list of error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FailureClass {
     /// The message certainly did not leave (connection refused, DNS failure, HTTP 429,
     /// a 5xx returned before processing). Retried up to `max_attempts`.
@@ -29,6 +35,28 @@ impl FailureClass {
             Self::Permanent => "permanent",
             Self::Ambiguous => "ambiguous",
         }
+    }
+
+    /// The class named by [`as_str`](Self::as_str)'s text, if any.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "retryable" => Some(Self::Retryable),
+            "permanent" => Some(Self::Permanent),
+            "ambiguous" => Some(Self::Ambiguous),
+            _ => None,
+        }
+    }
+
+    /// `true` for [`Ambiguous`](Self::Ambiguous): the message may have been
+    /// delivered, so only an operator may send it again.
+    pub fn may_have_been_delivered(self) -> bool {
+        self == Self::Ambiguous
+    }
+}
+
+impl fmt::Display for FailureClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

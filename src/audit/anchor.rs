@@ -262,6 +262,7 @@ mod tests {
             destination: "-".into(),
             direction: "-".into(),
             error_code: None,
+            failure_class: None,
             grant_id: "-".into(),
             idempotency_key: key.into(),
             lane: "-".into(),

@@ -6,7 +6,10 @@
 //! byte-wise ascending order with no whitespace (`{"attempts":1,"audit_id":"…",…}`);
 //! strings use JSON's standard escapes (`\"`, `\\`, `\n`, `\r`, `\t`, `\b`, `\f`,
 //! other control characters as lowercase `\u00xx`) and are otherwise raw UTF-8;
-//! numbers are integers; absent values are `null`. Fields: see [`AuditRecord`].
+//! numbers are integers; absent values are `null`, except `failure_class`, which
+//! is left out when absent: records written before the field existed keep
+//! exactly their bytes and hashes, and one verifier reads both. Fields: see
+//! [`AuditRecord`].
 //!
 //! # The chain
 //!

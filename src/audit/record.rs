@@ -6,6 +6,8 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::send::FailureClass;
+
 /// The `prev_hash` of the first record: 64 zeros.
 pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -62,6 +64,7 @@ pub(crate) struct AuditEvent {
     pub(crate) destination: String,
     pub(crate) direction: String,
     pub(crate) error_code: Option<String>,
+    pub(crate) failure_class: Option<FailureClass>,
     pub(crate) grant_id: String,
     pub(crate) idempotency_key: String,
     pub(crate) lane: String,
@@ -97,6 +100,11 @@ pub struct AuditRecord {
     pub direction: String,
     /// The error code, for failures, retries and deferrals.
     pub error_code: Option<String>,
+    /// The class of the failure, for failures and retries recorded since the
+    /// class is stored. Absent from the line when `None`, so records written
+    /// before the field existed keep their canonical form and hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_class: Option<FailureClass>,
     /// The item's grant.
     pub grant_id: String,
     /// SHA-256 (or HMAC-SHA-256 in keyed mode) of the canonical record without this field, hex.
@@ -134,6 +142,8 @@ struct Unhashed<'a> {
     destination: &'a str,
     direction: &'a str,
     error_code: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure_class: Option<FailureClass>,
     grant_id: &'a str,
     idempotency_key: &'a str,
     lane: &'a str,
@@ -209,6 +219,7 @@ impl AuditRecord {
             destination: &event.destination,
             direction: &event.direction,
             error_code: event.error_code.as_deref(),
+            failure_class: event.failure_class,
             grant_id: &event.grant_id,
             idempotency_key: &event.idempotency_key,
             lane: &event.lane,
@@ -230,6 +241,7 @@ impl AuditRecord {
             destination: event.destination.clone(),
             direction: event.direction.clone(),
             error_code: event.error_code.clone(),
+            failure_class: event.failure_class,
             grant_id: event.grant_id.clone(),
             hash,
             idempotency_key: event.idempotency_key.clone(),
@@ -282,6 +294,8 @@ pub(crate) struct LineView<'a> {
     direction: Cow<'a, str>,
     #[serde(borrow)]
     error_code: Option<Cow<'a, str>>,
+    #[serde(default)]
+    failure_class: Option<FailureClass>,
     #[serde(borrow)]
     grant_id: Cow<'a, str>,
     #[serde(borrow)]

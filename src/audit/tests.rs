@@ -13,6 +13,7 @@ fn event() -> AuditEvent {
         destination: "chat-1".into(),
         direction: "outbound".into(),
         error_code: None,
+        failure_class: None,
         grant_id: "grant-1".into(),
         idempotency_key: "key-\"quoted\"\n".into(),
         lane: "outbound-telegram".into(),

@@ -84,6 +84,9 @@ pub(crate) struct State {
 #[derive(Debug, Default)]
 pub(crate) struct Index {
     by_transport_ref: HashMap<String, BTreeSet<String>>,
+    /// The same per destination: platforms whose message ids are unique only
+    /// within a chat (Telegram, Slack) are looked up here.
+    by_destination_ref: HashMap<String, HashMap<String, BTreeSet<String>>>,
     /// Per destination, the times that count against its rate cap (send times,
     /// and claim times of sends in progress), ordered by time.
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
@@ -134,6 +137,12 @@ impl Index {
                 .entry(r.clone())
                 .or_default()
                 .insert(key.clone());
+            self.by_destination_ref
+                .entry(item.destination.clone())
+                .or_default()
+                .entry(r.clone())
+                .or_default()
+                .insert(key.clone());
         }
         for at in rate_times(item) {
             self.rate_times
@@ -154,6 +163,19 @@ impl Index {
                 self.by_transport_ref.remove(r);
             }
         }
+        if let Some(r) = &item.transport_ref
+            && let Some(refs) = self.by_destination_ref.get_mut(&item.destination)
+        {
+            if let Some(keys) = refs.get_mut(r) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    refs.remove(r);
+                }
+            }
+            if refs.is_empty() {
+                self.by_destination_ref.remove(&item.destination);
+            }
+        }
         for at in rate_times(item) {
             self.all_rate_times.remove(&(at, key.clone()));
             if let Some(times) = self.rate_times.get_mut(&item.destination) {
@@ -169,6 +191,20 @@ impl Index {
     pub(crate) fn key_for_transport_ref(&self, transport_ref: &str) -> Option<&str> {
         self.by_transport_ref
             .get(transport_ref)
+            .and_then(BTreeSet::first)
+            .map(String::as_str)
+    }
+
+    /// The first key (in key order) whose item went to `destination` and carries
+    /// this transport ref.
+    pub(crate) fn key_for_destination_ref(
+        &self,
+        destination: &str,
+        transport_ref: &str,
+    ) -> Option<&str> {
+        self.by_destination_ref
+            .get(destination)
+            .and_then(|refs| refs.get(transport_ref))
             .and_then(BTreeSet::first)
             .map(String::as_str)
     }
@@ -1079,6 +1115,7 @@ fn item_to_disk(item: &OutboxItem) -> ItemV1 {
         direction: item.direction.clone(),
         dispatch_claimed: item.claim.is_some(),
         error_code: item.error_code.clone(),
+        failure_class: item.failure_class.map(|c| c.as_str().to_owned()),
         grant_id: item.grant_id.clone(),
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
@@ -1144,6 +1181,19 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
     };
     let cooldown_until = optional_time("cooldown_until_utc", &raw.cooldown_until_utc)?;
     let maybe_sent_at = optional_time("maybe_sent_at_utc", &raw.maybe_sent_at_utc)?;
+    let failure_class = raw
+        .failure_class
+        .as_deref()
+        .map(|text| {
+            crate::send::FailureClass::parse(text).ok_or_else(|| {
+                invalid(
+                    path,
+                    at("failure_class"),
+                    format!("{text:?} is not one of retryable, permanent, ambiguous"),
+                )
+            })
+        })
+        .transpose()?;
     Ok(OutboxItem {
         created_at: required_time("created_at_utc", &raw.created_at_utc)?,
         updated_at: required_time("updated_at_utc", &raw.updated_at_utc)?,
@@ -1166,6 +1216,7 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
         last_audit_id: raw.last_audit_id,
         cooldown_until,
         maybe_sent_at,
+        failure_class,
     })
 }
 

@@ -3,7 +3,8 @@
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
 //! optional fields: `audit_head` (with `mac` in keyed mode), `generation`, `settings`
 //! and `cooldowns` at the top level, and `claim_owner`, `claimed_at_utc`,
-//! `cooldown_until_utc`, `last_audit_id`, `maybe_sent_at_utc` on items. This crate reads
+//! `cooldown_until_utc`, `failure_class`, `last_audit_id`, `maybe_sent_at_utc` on
+//! items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
 
 use std::collections::BTreeMap;
@@ -140,6 +141,10 @@ pub(crate) struct ItemV1 {
     pub(crate) dispatch_claimed: bool,
     #[serde(default)]
     pub(crate) error_code: Option<String>,
+    /// The class of the last failure (`retryable`, `permanent`, `ambiguous`);
+    /// absent in files written before it was stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) failure_class: Option<String>,
     pub(crate) grant_id: String,
     pub(crate) idempotency_key: String,
     #[serde(default = "default_lane")]

@@ -15,6 +15,7 @@ mod export;
 mod history;
 mod inspect;
 mod operator_actions;
+mod replies;
 #[cfg(unix)]
 mod security;
 mod seed_v1;

@@ -86,3 +86,14 @@ fn an_ambiguous_claim_needs_attention_until_an_operator_decides() {
     let last = bot.history("seed-claimed").unwrap().pop().unwrap();
     assert_eq!(last.outcome.as_str(), "requeued");
 }
+
+/// Seed items were written before the failure class was stored: for them, and
+/// only for them, `--ambiguous-code` says which codes may have been deliveries.
+#[test]
+fn ambiguous_code_still_reads_items_written_before_the_class() {
+    let dir = seed();
+    run(&dir, "status", &["--ambiguous-code", "ConnectionError"])
+        .exits(1)
+        .says("1 failed item(s) may have been delivered")
+        .says("ConnectionError");
+}

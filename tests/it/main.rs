@@ -14,10 +14,12 @@ mod audit_log;
 mod bad_input;
 mod delivery;
 mod durable_writes;
+mod failure_class;
 mod hostile_input;
 mod model_check;
 mod operator_actions;
 mod rate_caps;
+mod replies;
 mod retries;
 #[cfg(unix)]
 mod security;

@@ -60,6 +60,9 @@ pub enum Command {
     #[command(after_help = EXIT_CODES)]
     Show(ShowArgs),
     /// Which item a reply answers: look it up by the platform's message id.
+    ///
+    /// `find DIR REF --destination CHAT` finds the item sent to CHAT with that
+    /// id; without --destination the id must be unique across chats.
     #[command(after_help = EXIT_CODES)]
     Find(FindArgs),
     /// Verify the audit chain and cross-check it against the items.
@@ -174,12 +177,21 @@ pub struct ShowArgs {
 
 /// `find`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("reference").required(true).args(["transport_ref", "transport_ref_flag"])))]
 pub struct FindArgs {
     #[command(flatten)]
     pub target: Target,
     /// The platform's message id a reply quotes.
-    #[arg(long, value_name = "R")]
-    pub transport_ref: String,
+    #[arg(value_name = "REF")]
+    pub transport_ref: Option<String>,
+    /// The same, as an option (`--transport-ref R`).
+    #[arg(long = "transport-ref", value_name = "R")]
+    pub transport_ref_flag: Option<String>,
+    /// The chat the reply came from. Telegram and Slack number messages per
+    /// chat, so without it "7" may find another chat's message 7; leave it out
+    /// only for platforms with globally unique ids (Matrix event ids).
+    #[arg(long, value_name = "DESTINATION")]
+    pub destination: Option<String>,
     /// Include the message body.
     #[arg(long)]
     pub show_content: bool,

@@ -121,15 +121,40 @@ pub fn show(args: &ShowArgs, out: &mut dyn Write) -> CliResult {
 
 pub fn find(args: &FindArgs, out: &mut dyn Write) -> CliResult {
     let outbox = crate::open(&args.target)?;
-    let item = outbox
-        .find_by_transport_ref(&args.transport_ref)?
-        .ok_or_else(|| {
-            NotFound(format!(
-                "no outbox item has transport ref {:?}",
-                args.transport_ref
-            ))
-        })?;
+    let reference = args
+        .transport_ref
+        .as_deref()
+        .or(args.transport_ref_flag.as_deref())
+        .unwrap_or_default();
+    let found = match &args.destination {
+        Some(destination) => outbox.find_by_transport_ref_in(destination, reference)?,
+        None => outbox.find_by_transport_ref(reference)?,
+    };
+    let item = found.ok_or_else(|| {
+        let scope = args
+            .destination
+            .as_deref()
+            .map(|d| format!(" in destination {d:?}"))
+            .unwrap_or_default();
+        NotFound(format!(
+            "no outbox item has transport ref {reference:?}{scope}"
+        ))
+    })?;
     describe(&outbox, &item, args.show_content, args.json, out)
+}
+
+/// The stored failure class as a person reads it.
+fn failure_class_text(item: &OutboxItem) -> String {
+    match item.failure_class() {
+        Some(class) if class.may_have_been_delivered() => {
+            format!("{class} (may have been delivered)")
+        }
+        Some(class) => class.to_string(),
+        None if crate::may_have_been_delivered(item, &crate::AMBIGUOUS_CODES) => {
+            "- (may have been delivered, by its error code)".to_owned()
+        }
+        None => "-".to_owned(),
+    }
 }
 
 /// `show --json` and `find --json`.
@@ -172,6 +197,7 @@ fn describe(
         ("sent", when(item.sent_at())),
         ("cooldown until", when(item.cooldown_until())),
         ("error code", or_dash(item.error_code())),
+        ("failure class", failure_class_text(item)),
         ("transport ref", or_dash(item.transport_ref())),
         ("lane", clean(item.lane())),
         ("direction", clean(item.direction())),

@@ -20,7 +20,9 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
-use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Outbox, OutboxBuilder, SEND_PANICKED};
+use durable_outbox::{
+    AMBIGUOUS_AFTER_RESTART, ItemState, Outbox, OutboxBuilder, OutboxItem, SEND_PANICKED,
+};
 
 use crate::args::{Cli, Command, Target};
 
@@ -153,6 +155,22 @@ impl Error for NotFound {}
 /// `SEND_CANCELLED`, spelled out because the library exports it only with its
 /// `tokio` feature, and a tokio bot's outbox must be read right without it.
 pub const AMBIGUOUS_CODES: [&str; 3] = [AMBIGUOUS_AFTER_RESTART, SEND_PANICKED, "send_cancelled"];
+
+/// Whether a failed item may have been delivered: its stored failure class says
+/// so, or, for an item written before the class was stored (no class), its
+/// error code is one of `legacy_codes` (the library's own ambiguous codes plus
+/// the operator's `--ambiguous-code`s).
+pub fn may_have_been_delivered(item: &OutboxItem, legacy_codes: &[&str]) -> bool {
+    if item.state() != ItemState::Failed {
+        return false;
+    }
+    match item.failure_class() {
+        Some(class) => class.may_have_been_delivered(),
+        None => item
+            .error_code()
+            .is_some_and(|code| legacy_codes.contains(&code)),
+    }
+}
 
 /// The files whose presence makes a directory an outbox.
 const OUTBOX_FILES: [&str; 4] = [

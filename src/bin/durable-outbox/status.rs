@@ -59,8 +59,13 @@ struct Oldest {
 struct FailedCode {
     error_code: String,
     items: usize,
-    /// The failure may have been a delivery: only an operator can decide to resend.
+    /// Some of these failures may have been deliveries: only an operator can
+    /// decide to resend them.
     ambiguous: bool,
+    /// How many of `items` may have been delivered (their stored failure class
+    /// is `ambiguous`, or, for items from before the class was stored, the code
+    /// is a known ambiguous one).
+    ambiguous_items: usize,
 }
 
 /// The caps, as the outbox stores them (or as `--rate-limit` asks), and each
@@ -229,7 +234,8 @@ fn summarise(status: &mut Status, items: &[OutboxItem], now: DateTime<Utc>, ambi
         ..Counts::default()
     };
     let mut oldest: Option<&OutboxItem> = None;
-    let mut failed: BTreeMap<&str, usize> = BTreeMap::new();
+    // Per error code: how many failed, and how many of those may have been delivered.
+    let mut failed: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
     for item in items {
         match item.state() {
             ItemState::Queued => {
@@ -248,7 +254,11 @@ fn summarise(status: &mut Status, items: &[OutboxItem], now: DateTime<Utc>, ambi
             ItemState::Sent => counts.sent += 1,
             ItemState::Failed => {
                 counts.failed += 1;
-                *failed.entry(item.error_code().unwrap_or("-")).or_default() += 1;
+                let tally = failed.entry(item.error_code().unwrap_or("-")).or_default();
+                tally.0 += 1;
+                if crate::may_have_been_delivered(item, ambiguous) {
+                    tally.1 += 1;
+                }
             }
         }
     }
@@ -259,17 +269,17 @@ fn summarise(status: &mut Status, items: &[OutboxItem], now: DateTime<Utc>, ambi
     });
     status.failed_by_error_code = failed
         .into_iter()
-        .map(|(code, n)| FailedCode {
+        .map(|(code, (n, in_doubt))| FailedCode {
             error_code: code.to_owned(),
             items: n,
-            ambiguous: ambiguous.contains(&code),
+            ambiguous: in_doubt > 0,
+            ambiguous_items: in_doubt,
         })
         .collect();
     let in_doubt: usize = status
         .failed_by_error_code
         .iter()
-        .filter(|f| f.ambiguous)
-        .map(|f| f.items)
+        .map(|f| f.ambiguous_items)
         .sum();
     if in_doubt > 0 {
         status.attention.push(format!(
@@ -374,12 +384,14 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "\nfailed by error code")?;
         let mut table = Table::new(vec!["ERROR CODE", "ITEMS", ""]);
         for f in &status.failed_by_error_code {
-            let note = if f.ambiguous {
-                "ambiguous: may have been delivered"
+            let note = if f.ambiguous_items == f.items {
+                "ambiguous: may have been delivered".to_owned()
+            } else if f.ambiguous {
+                format!("{} ambiguous: may have been delivered", f.ambiguous_items)
             } else {
-                ""
+                String::new()
             };
-            table.row(vec![f.error_code.clone(), f.items.to_string(), note.into()]);
+            table.row(vec![f.error_code.clone(), f.items.to_string(), note]);
         }
         table.write(out, "  ")?;
     }

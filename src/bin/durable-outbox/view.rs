@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::io::{self, Write};
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use durable_outbox::{ItemState, OutboxItem};
+use durable_outbox::{FailureClass, ItemState, OutboxItem};
 use serde::Serialize;
 
 /// An item as the JSON output and the exports show it: the field names of
@@ -25,6 +25,10 @@ pub struct ItemView<'a> {
     pub sent_at_utc: Option<String>,
     pub cooldown_until_utc: Option<String>,
     pub error_code: Option<&'a str>,
+    /// The stored class of the last failure: `retryable`, `permanent` or
+    /// `ambiguous` (may have been delivered); `null` before any failure and for
+    /// items written before the class was stored.
+    pub failure_class: Option<&'static str>,
     pub transport_ref: Option<&'a str>,
     pub lane: &'a str,
     pub direction: &'a str,
@@ -53,6 +57,7 @@ impl<'a> ItemView<'a> {
             sent_at_utc: item.sent_at().map(precise),
             cooldown_until_utc: item.cooldown_until().map(precise),
             error_code: item.error_code(),
+            failure_class: item.failure_class().map(FailureClass::as_str),
             transport_ref: item.transport_ref(),
             lane: item.lane(),
             direction: item.direction(),
@@ -79,7 +84,14 @@ pub fn detail(item: &OutboxItem, now: DateTime<Utc>) -> String {
         ItemState::Sent => item
             .transport_ref()
             .map_or_else(String::new, |r| format!("ref {r}")),
-        ItemState::Failed => item.error_code().unwrap_or("").to_owned(),
+        ItemState::Failed => {
+            let code = item.error_code().unwrap_or("");
+            if crate::may_have_been_delivered(item, &crate::AMBIGUOUS_CODES) {
+                format!("{code} (may have been delivered)")
+            } else {
+                code.to_owned()
+            }
+        }
         ItemState::Queued if item.dispatch_claimed() => "claimed by a worker".to_owned(),
         ItemState::Queued => {
             let mut text = String::new();
