@@ -58,6 +58,7 @@ mod builder;
 mod clock;
 mod error;
 mod failpoint;
+mod filter;
 mod fsutil;
 mod history;
 mod item;
@@ -81,6 +82,7 @@ pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
 pub use crate::error::{AuditFault, Error, Result};
 #[cfg(feature = "test-failpoints")]
 pub use crate::failpoint::FailAction;
+pub use crate::filter::{BulkReport, ItemFilter};
 pub use crate::history::{HistoryItems, Retention};
 pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
@@ -93,6 +95,9 @@ pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 pub use crate::retry::Backoff;
 pub use crate::send::{FailureClass, SendError};
 pub use crate::settings::Settings;
+/// The timestamp types of the API (`DateTime<Utc>`), re-exported so a bot
+/// names them without depending on `chrono` itself.
+pub use chrono::{DateTime, Utc};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

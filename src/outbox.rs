@@ -15,6 +15,7 @@ use crate::builder::OutboxBuilder;
 use crate::clock::{Clock, Sleeper, earlier, format_timestamp, later};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
+use crate::filter::{BulkReport, ItemFilter};
 use crate::fsutil;
 use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
@@ -805,6 +806,33 @@ impl Outbox {
     /// [`Error::InvalidField`] for a blank or oversize operator or reason; the
     /// load and write errors of every operation.
     ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{FailureClass, ItemState, NewMessage, Outbox, SendError};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// outbox.enqueue(NewMessage {
+    ///     idempotency_key: "order-17".into(),
+    ///     connector: "telegram".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "chat-42".into(),
+    ///     content: "your order shipped".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// // The request was written, then the connection dropped: maybe delivered.
+    /// outbox.process("order-17", |_| Err(SendError::ambiguous("reset_after_write")))?;
+    /// let failed = outbox.get("order-17")?.expect("exists");
+    /// assert_eq!(failed.failure_class(), Some(FailureClass::Ambiguous));
+    ///
+    /// // The recipient says it never arrived: the operator sends it again.
+    /// let item = outbox.requeue("order-17", "alice", "recipient confirmed it never arrived")?;
+    /// assert_eq!((item.state(), item.attempts()), (ItemState::Queued, 0));
+    /// let history = outbox.history("order-17")?;
+    /// assert_eq!(history.last().and_then(|r| r.note.as_deref()),
+    ///            Some("alice: recipient confirmed it never arrived"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Durability
     ///
     /// As [`enqueue`](Self::enqueue).
@@ -812,30 +840,10 @@ impl Outbox {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
             let item = txn.live_item(key)?;
-            let refuse = |why: &str| Error::InvalidTransition {
-                key: key.to_owned(),
-                action: "requeued",
-                reason: why.to_owned(),
-            };
-            match item.state {
-                ItemState::Sent => return Err(refuse("it was sent already")),
-                ItemState::Queued if item.claim.is_some() => {
-                    return Err(refuse("it is in flight (claimed by a worker)"));
-                }
-                ItemState::Queued => return Err(refuse("it is queued already")),
-                ItemState::Failed => {}
+            if let Some(why) = Bulk::Requeue.refusal(item) {
+                return Err(Bulk::Requeue.refused(key, why));
             }
-            let item = txn.item_mut(key)?;
-            item.state = ItemState::Queued;
-            item.attempts = 0;
-            item.error_code = None;
-            item.failure_class = None;
-            item.next_attempt_at = None;
-            item.cooldown_until = None;
-            record(txn, key, AuditOutcome::Requeued, Some(&note), false)?;
-            txn.item(key).cloned().ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
-            })
+            Bulk::Requeue.apply(txn, key, &note)
         })
     }
 
@@ -843,12 +851,34 @@ impl Outbox {
     /// with [`CANCELLED`], and a `cancelled` audit record names `operator` and
     /// `reason`.
     ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{CANCELLED, ItemState, NewMessage, Outbox};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// outbox.enqueue(NewMessage {
+    ///     idempotency_key: "promo-9".into(),
+    ///     connector: "telegram".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "chat-42".into(),
+    ///     content: "50% off, today only".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// let item = outbox.cancel("promo-9", "alice", "the promotion was withdrawn")?;
+    /// assert_eq!((item.state(), item.error_code()), (ItemState::Failed, Some(CANCELLED)));
+    /// // Cancelling it again is refused, and says why.
+    /// let again = outbox.cancel("promo-9", "alice", "twice").unwrap_err();
+    /// assert!(again.to_string().contains("cancelled already"), "{again}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::NotFound`]; [`Error::InvalidTransition`] for an item that is not
-    /// queued, or is in flight (claimed by a worker: it may be leaving right now);
-    /// [`Error::InvalidField`] for a blank or oversize operator or reason; the
-    /// load and write errors of every operation.
+    /// queued (including one cancelled already), or is in flight (claimed by a
+    /// worker: it may be leaving right now); [`Error::InvalidField`] for a blank
+    /// or oversize operator or reason; the load and write errors of every
+    /// operation.
     ///
     /// # Durability
     ///
@@ -857,26 +887,173 @@ impl Outbox {
         let note = operator_note(operator, reason)?;
         self.transact(|txn| {
             let item = txn.live_item(key)?;
-            let refuse = |why: &str| Error::InvalidTransition {
-                key: key.to_owned(),
-                action: "cancelled",
-                reason: why.to_owned(),
-            };
-            if item.state != ItemState::Queued {
-                return Err(refuse(&format!("it is {} already", item.state)));
+            if let Some(why) = Bulk::Cancel.refusal(item) {
+                return Err(Bulk::Cancel.refused(key, why));
             }
-            if item.claim.is_some() {
-                return Err(refuse("it is in flight (claimed by a worker)"));
+            Bulk::Cancel.apply(txn, key, &note)
+        })
+    }
+
+    /// The live items `filter` matches, sorted by key (what a bulk action
+    /// would look at). Items moved to history are not included.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn select(&self, filter: &ItemFilter) -> Result<Vec<OutboxItem>> {
+        self.read(|loaded, _| {
+            let mut items: Vec<OutboxItem> = loaded
+                .state
+                .items
+                .values()
+                .filter(|item| filter.matches(item))
+                .cloned()
+                .collect();
+            items.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
+            Ok(items)
+        })
+    }
+
+    /// [`requeue`](Self::requeue) for every live item `filter` matches, in one
+    /// durable step, with one `requeued` audit record per item naming
+    /// `operator` and `reason`. Matching items that cannot be requeued (sent,
+    /// queued, in flight) are skipped and listed with why. Items already moved
+    /// to history are not included: requeue those one by one.
+    ///
+    /// After an outage, send again everything that failed as retryable:
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{FailureClass, ItemFilter, ItemState, NewMessage, Outbox, SendError};
+    ///
+    /// let outbox = Outbox::builder(dir.path()).max_attempts(1).open()?;
+    /// for key in ["a", "b"] {
+    ///     outbox.enqueue(NewMessage {
+    ///         idempotency_key: key.into(),
+    ///         connector: "telegram".into(),
+    ///         grant_id: "bot-1".into(),
+    ///         destination: "chat-42".into(),
+    ///         content: "hello".into(),
+    ///         ..Default::default()
+    ///     })?;
+    /// }
+    /// outbox.process_due(|_| Err(SendError::retryable("connection_refused")))?;
+    ///
+    /// let filter = ItemFilter::new()
+    ///     .state(ItemState::Failed)
+    ///     .class(FailureClass::Retryable);
+    /// assert_eq!(outbox.preview_requeue_where(&filter)?.changed.len(), 2, "dry run");
+    /// let report = outbox.requeue_where(&filter, "alice", "the platform is back")?;
+    /// assert_eq!(report.changed.len(), 2);
+    /// assert!(report.changed.iter().all(|i| i.state() == ItemState::Queued));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidField`] for an empty filter (use [`ItemFilter::all`] to
+    /// mean every item) or a blank or oversize operator or reason; the load and
+    /// write errors of every operation. Nothing is changed on error.
+    ///
+    /// # Durability
+    ///
+    /// As [`enqueue`](Self::enqueue), for all of them at once.
+    pub fn requeue_where(
+        &self,
+        filter: &ItemFilter,
+        operator: &str,
+        reason: &str,
+    ) -> Result<BulkReport> {
+        self.bulk(
+            Bulk::Requeue,
+            filter,
+            Some(operator_note(operator, reason)?),
+        )
+    }
+
+    /// [`cancel`](Self::cancel) for every live queued item `filter` matches, in
+    /// one durable step, with one `cancelled` audit record per item naming
+    /// `operator` and `reason`. Matching items that cannot be cancelled (not
+    /// queued, or in flight) are skipped and listed with why.
+    ///
+    /// # Errors
+    ///
+    /// As [`requeue_where`](Self::requeue_where).
+    ///
+    /// # Durability
+    ///
+    /// As [`enqueue`](Self::enqueue), for all of them at once.
+    pub fn cancel_where(
+        &self,
+        filter: &ItemFilter,
+        operator: &str,
+        reason: &str,
+    ) -> Result<BulkReport> {
+        self.bulk(Bulk::Cancel, filter, Some(operator_note(operator, reason)?))
+    }
+
+    /// What [`requeue_where`](Self::requeue_where) would do now, without doing
+    /// it (a dry run: nothing is written or recorded).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidField`] for an empty filter; the load errors.
+    pub fn preview_requeue_where(&self, filter: &ItemFilter) -> Result<BulkReport> {
+        self.bulk(Bulk::Requeue, filter, None)
+    }
+
+    /// What [`cancel_where`](Self::cancel_where) would do now, without doing it.
+    ///
+    /// # Errors
+    ///
+    /// As [`preview_requeue_where`](Self::preview_requeue_where).
+    pub fn preview_cancel_where(&self, filter: &ItemFilter) -> Result<BulkReport> {
+        self.bulk(Bulk::Cancel, filter, None)
+    }
+
+    /// A bulk action; `note` is `None` for a dry run.
+    fn bulk(&self, action: Bulk, filter: &ItemFilter, note: Option<String>) -> Result<BulkReport> {
+        if filter.is_empty() {
+            return Err(Error::invalid_field(
+                "filter",
+                "an empty filter would match every item; add a criterion or use ItemFilter::all()",
+            ));
+        }
+        let plan = |items: &std::collections::HashMap<String, OutboxItem>| {
+            let mut keys: Vec<&OutboxItem> =
+                items.values().filter(|item| filter.matches(item)).collect();
+            keys.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
+            let mut todo = Vec::new();
+            let mut report = BulkReport::default();
+            for item in keys {
+                match action.refusal(item) {
+                    Some(why) => report
+                        .skipped
+                        .push((item.idempotency_key.clone(), why.into_owned())),
+                    None => todo.push(item.idempotency_key.clone()),
+                }
             }
-            let item = txn.item_mut(key)?;
-            item.state = ItemState::Failed;
-            item.error_code = Some(CANCELLED.to_owned());
-            item.failure_class = None;
-            item.next_attempt_at = None;
-            record(txn, key, AuditOutcome::Cancelled, Some(&note), false)?;
-            txn.item(key).cloned().ok_or_else(|| Error::NotFound {
-                key: key.to_owned(),
-            })
+            (todo, report)
+        };
+        let Some(note) = note else {
+            return self.read(|loaded, _| {
+                let (todo, mut report) = plan(&loaded.state.items);
+                for key in todo {
+                    if let Some(item) = loaded.state.items.get(&key) {
+                        report
+                            .changed
+                            .push(action.preview(item, self.inner.config.clock.now()));
+                    }
+                }
+                Ok(report)
+            });
+        };
+        self.transact(|txn| {
+            let (todo, mut report) = plan(&txn.base.state.items);
+            for key in todo {
+                report.changed.push(action.apply(txn, &key, &note)?);
+            }
+            Ok(report)
         })
     }
 
@@ -1611,6 +1788,80 @@ fn fail_ambiguous(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> 
     // A claim from the reference design has no time: its last change is the claim.
     item.maybe_sent_at = Some(claimed_at.unwrap_or(item.updated_at));
     fail(txn, key, code, FailureClass::Ambiguous)
+}
+
+/// The two operator actions on items, one by key or many by filter.
+#[derive(Debug, Clone, Copy)]
+enum Bulk {
+    Requeue,
+    Cancel,
+}
+
+impl Bulk {
+    /// Why this action does not apply to `item`, if it does not.
+    fn refusal(self, item: &OutboxItem) -> Option<std::borrow::Cow<'static, str>> {
+        let claimed = item.claim.is_some();
+        let why: std::borrow::Cow<'static, str> = match (self, item.state) {
+            (Self::Requeue, ItemState::Sent) => "it was sent already".into(),
+            (_, ItemState::Queued) if claimed => "it is in flight (claimed by a worker)".into(),
+            (Self::Requeue, ItemState::Queued) => "it is queued already".into(),
+            (Self::Requeue, ItemState::Failed) | (Self::Cancel, ItemState::Queued) => return None,
+            (Self::Cancel, ItemState::Failed) if item.error_code.as_deref() == Some(CANCELLED) => {
+                "it was cancelled already".into()
+            }
+            (Self::Cancel, state) => format!("it is {state} already").into(),
+        };
+        Some(why)
+    }
+
+    fn refused(self, key: &str, why: std::borrow::Cow<'static, str>) -> Error {
+        Error::InvalidTransition {
+            key: key.to_owned(),
+            action: match self {
+                Self::Requeue => "requeued",
+                Self::Cancel => "cancelled",
+            },
+            reason: why.into_owned(),
+        }
+    }
+
+    /// The item as the action leaves it, without its audit stamp.
+    fn preview(self, item: &OutboxItem, now: DateTime<Utc>) -> OutboxItem {
+        let mut item = item.clone();
+        match self {
+            Self::Requeue => {
+                item.state = ItemState::Queued;
+                item.attempts = 0;
+                item.error_code = None;
+                item.failure_class = None;
+                item.next_attempt_at = None;
+                item.cooldown_until = None;
+            }
+            Self::Cancel => {
+                item.state = ItemState::Failed;
+                item.error_code = Some(CANCELLED.to_owned());
+                item.failure_class = None;
+                item.next_attempt_at = None;
+            }
+        }
+        item.updated_at = item.updated_at.max(now);
+        item
+    }
+
+    /// Applies the action to an item it applies to, with its audit record.
+    fn apply(self, txn: &mut Txn<'_>, key: &str, note: &str) -> Result<OutboxItem> {
+        let now = txn.now;
+        let changed = self.preview(txn.live_item(key)?, now);
+        let outcome = match self {
+            Self::Requeue => AuditOutcome::Requeued,
+            Self::Cancel => AuditOutcome::Cancelled,
+        };
+        txn.insert(changed);
+        record(txn, key, outcome, Some(note), false)?;
+        txn.item(key).cloned().ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })
+    }
 }
 
 /// Checks an operator's name and reason and joins them into an audit note.

@@ -10,6 +10,7 @@
 
 mod harness;
 
+mod bulk;
 mod concurrent_bot;
 mod export;
 mod history;

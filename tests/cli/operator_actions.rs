@@ -132,7 +132,7 @@ fn an_item_being_sent_right_now_is_refused_and_shown_in_flight() {
     f.run("cancel", &["queued-1", "--reason", "stop it"])
         .exits(1)
         .complains("in flight");
-    let status = f.run("status", &["--json"]).exits(0).json();
+    let status = f.run("status", &["--json"]).exits(1).json();
     assert_eq!(status["items"]["in_flight"], 1);
     f.run("list", &["--state", "in-flight"])
         .exits(0)

@@ -12,6 +12,7 @@ mod seeded;
 mod at_most_once;
 mod audit_log;
 mod bad_input;
+mod bulk_actions;
 mod delivery;
 mod durable_writes;
 mod failure_class;

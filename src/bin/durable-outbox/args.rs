@@ -72,18 +72,25 @@ pub enum Command {
     /// every item's latest outcome has its record. Exits 1 naming the first bad line.
     #[command(after_help = EXIT_CODES)]
     Verify(VerifyArgs),
-    /// Send a failed item again (recorded in the audit log).
+    /// Send a failed item again, or every failed item the filters select
+    /// (recorded in the audit log, one record per item).
     ///
     /// An operator's decision, and the only way an ambiguous item (one that may
     /// have been delivered) is ever sent again. The item goes back to queued with
     /// its attempts reset; the bot sends it on its next pass. Refuses sent items
     /// and items a worker is sending right now.
+    ///
+    /// With filters instead of KEY (`--state`, `--error-code`, `--class`,
+    /// `--destination`, `--since`; all must hold) it acts on every live item
+    /// they select and lists what it skipped; `--dry-run` shows that first.
     #[command(after_help = EXIT_CODES)]
     Requeue(OperatorArgs),
-    /// Stop a queued item from being sent (recorded in the audit log).
+    /// Stop a queued item, or every queued item the filters select, from being
+    /// sent (recorded in the audit log, one record per item).
     ///
     /// The item becomes failed with `cancelled_by_operator`. Refuses items a
-    /// worker is sending right now: they may be leaving as you type.
+    /// worker is sending right now: they may be leaving as you type. Filters
+    /// and `--dry-run` work as for `requeue`.
     #[command(after_help = EXIT_CODES)]
     Cancel(OperatorArgs),
     /// Every item, or every audit record, as JSON lines or CSV.
@@ -222,12 +229,34 @@ pub struct VerifyArgs {
 
 /// `requeue` and `cancel`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).multiple(true)
+    .args(["key", "state", "error_code", "class", "destination", "since"])))]
+#[command(group(clap::ArgGroup::new("bulk").multiple(true)
+    .args(["state", "error_code", "class", "destination", "since"])))]
 pub struct OperatorArgs {
     #[command(flatten)]
     pub target: Target,
-    /// The item's idempotency key.
-    #[arg(value_name = "KEY")]
-    pub key: String,
+    /// The item's idempotency key (or select items with the filters below).
+    #[arg(value_name = "KEY", conflicts_with_all = ["state", "error_code", "class", "destination", "since"])]
+    pub key: Option<String>,
+    /// Every item in this state (filters combine: all must hold).
+    #[arg(long, value_enum, value_name = "STATE")]
+    pub state: Option<BulkState>,
+    /// Every item with exactly this error code.
+    #[arg(long, value_name = "CODE")]
+    pub error_code: Option<String>,
+    /// Every item whose stored failure class is this.
+    #[arg(long, value_enum, value_name = "CLASS")]
+    pub class: Option<ClassFilter>,
+    /// Every item for this destination.
+    #[arg(long, value_name = "DESTINATION")]
+    pub destination: Option<String>,
+    /// Every item that changed at or after T: an RFC 3339 time or an age (90s, 15m, 2h, 7d).
+    #[arg(long, value_name = "T", value_parser = parse_since)]
+    pub since: Option<Since>,
+    /// List what the filters select and what would change; record nothing.
+    #[arg(long, requires = "bulk")]
+    pub dry_run: bool,
     /// Why: recorded in the audit log.
     #[arg(long, value_name = "TEXT")]
     pub reason: String,
@@ -266,6 +295,28 @@ pub enum StateFilter {
     Sent,
     /// Given up (or cancelled).
     Failed,
+}
+
+/// `requeue --state` and `cancel --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BulkState {
+    /// Waiting to be sent.
+    Queued,
+    /// Delivered.
+    Sent,
+    /// Given up (or cancelled).
+    Failed,
+}
+
+/// `--class`: a stored failure class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ClassFilter {
+    /// Certainly not delivered; could be retried.
+    Retryable,
+    /// Certainly not delivered, and never will be as it is.
+    Permanent,
+    /// May have been delivered.
+    Ambiguous,
 }
 
 /// `export --format`.

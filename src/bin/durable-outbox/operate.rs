@@ -7,11 +7,12 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use durable_outbox::{CANCELLED, Error, OutboxItem};
+use chrono::Utc;
+use durable_outbox::{CANCELLED, Error, FailureClass, ItemFilter, ItemState, OutboxItem};
 use serde::Serialize;
 
-use crate::args::OperatorArgs;
-use crate::view::{self, ItemView, clean};
+use crate::args::{BulkState, ClassFilter, OperatorArgs};
+use crate::view::{self, ItemView, Table, clean};
 use crate::{ATTENTION, CliResult, UsageError};
 
 /// What the library calls each action in its refusals and audit records.
@@ -54,11 +55,14 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
         Some(name) => name.clone(),
         None => login_name()?,
     };
+    let Some(key) = args.key.as_deref() else {
+        return bulk(action, args, &operator, out, err);
+    };
     let outbox = crate::open(&args.target)?;
-    let before = outbox.get(&args.key)?;
+    let before = outbox.get(key)?;
     let done = match action {
-        Action::Requeue => outbox.requeue(&args.key, &operator, &args.reason),
-        Action::Cancel => outbox.cancel(&args.key, &operator, &args.reason),
+        Action::Requeue => outbox.requeue(key, &operator, &args.reason),
+        Action::Cancel => outbox.cancel(key, &operator, &args.reason),
     };
     let item = match done {
         Ok(item) => item,
@@ -74,7 +78,7 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
     // The record that holds the decision is the one the item now names.
     let audit_seq = item.last_audit_id().and_then(|id| {
         outbox
-            .history(&args.key)
+            .history(key)
             .ok()?
             .into_iter()
             .rev()
@@ -89,7 +93,7 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
             err,
             "durable-outbox: note: {:?} failed as {code}: its earlier attempt may have \
              been delivered, and the bot will now send it again",
-            args.key
+            key
         )?;
     }
     if args.json {
@@ -113,7 +117,7 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
         Action::Requeue => "queued again, attempts reset; the bot sends it on its next pass",
         Action::Cancel => &format!("failed with {CANCELLED}; it will not be sent"),
     };
-    writeln!(out, "{} {}{was}: {now}", action.done(), clean(&args.key))?;
+    writeln!(out, "{} {}{was}: {now}", action.done(), clean(key))?;
     writeln!(
         out,
         "recorded in the audit log{} by {}: {}",
@@ -122,6 +126,175 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
         clean(&args.reason)
     )?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `requeue --json` and `cancel --json` with filters.
+#[derive(Serialize)]
+struct BulkDone<'a> {
+    action: &'static str,
+    dry_run: bool,
+    operator: &'a str,
+    reason: &'a str,
+    changed: Vec<ItemView<'a>>,
+    skipped: Vec<Skipped<'a>>,
+}
+
+#[derive(Serialize)]
+struct Skipped<'a> {
+    idempotency_key: &'a str,
+    why: &'a str,
+}
+
+/// The library's filter for the command's `--state --error-code --class
+/// --destination --since`.
+fn filter(args: &OperatorArgs) -> ItemFilter {
+    let mut filter = ItemFilter::new();
+    if let Some(state) = args.state {
+        filter = filter.state(match state {
+            BulkState::Queued => ItemState::Queued,
+            BulkState::Sent => ItemState::Sent,
+            BulkState::Failed => ItemState::Failed,
+        });
+    }
+    if let Some(code) = &args.error_code {
+        filter = filter.error_code(code.clone());
+    }
+    if let Some(class) = args.class {
+        filter = filter.class(match class {
+            ClassFilter::Retryable => FailureClass::Retryable,
+            ClassFilter::Permanent => FailureClass::Permanent,
+            ClassFilter::Ambiguous => FailureClass::Ambiguous,
+        });
+    }
+    if let Some(destination) = &args.destination {
+        filter = filter.destination(destination.clone());
+    }
+    if let Some(since) = args.since {
+        filter = filter.since(since.resolve(Utc::now()));
+    }
+    filter
+}
+
+/// `requeue`/`cancel` by filter: every selected item, one audit record each.
+fn bulk(
+    action: Action,
+    args: &OperatorArgs,
+    operator: &str,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> CliResult {
+    let outbox = crate::open(&args.target)?;
+    let filter = filter(args);
+    // What the items were, to show what changed (taken just before acting).
+    let before: std::collections::HashMap<String, OutboxItem> = outbox
+        .select(&filter)?
+        .into_iter()
+        .map(|item| (item.idempotency_key().to_owned(), item))
+        .collect();
+    let done = match (action, args.dry_run) {
+        (Action::Requeue, true) => outbox.preview_requeue_where(&filter),
+        (Action::Cancel, true) => outbox.preview_cancel_where(&filter),
+        (Action::Requeue, false) => outbox.requeue_where(&filter, operator, &args.reason),
+        (Action::Cancel, false) => outbox.cancel_where(&filter, operator, &args.reason),
+    };
+    let report = match done {
+        Ok(report) => report,
+        Err(Error::InvalidField { field, reason }) => {
+            return Err(Box::new(UsageError(format!("--{field}: {reason}"))));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let code = if report.changed.is_empty() {
+        ExitCode::from(ATTENTION)
+    } else {
+        ExitCode::SUCCESS
+    };
+    if args.json {
+        view::write_json(
+            out,
+            &BulkDone {
+                action: action.done(),
+                dry_run: args.dry_run,
+                operator,
+                reason: &args.reason,
+                changed: report
+                    .changed
+                    .iter()
+                    .map(|i| ItemView::new(i, false))
+                    .collect(),
+                skipped: report
+                    .skipped
+                    .iter()
+                    .map(|(key, why)| Skipped {
+                        idempotency_key: key,
+                        why,
+                    })
+                    .collect(),
+            },
+        )?;
+        return Ok(code);
+    }
+    let n = report.changed.len();
+    if args.dry_run {
+        writeln!(
+            out,
+            "dry run: would {} {n} item(s); nothing was changed or recorded",
+            match action {
+                Action::Requeue => "requeue",
+                Action::Cancel => "cancel",
+            }
+        )?;
+    } else {
+        writeln!(
+            out,
+            "{} {n} item(s), each recorded in the audit log by {}: {}",
+            action.done(),
+            clean(operator),
+            clean(&args.reason)
+        )?;
+    }
+    if n > 0 {
+        let mut table = Table::new(vec!["KEY", "DESTINATION", "WAS", "ERROR CODE", "CLASS"]);
+        for item in &report.changed {
+            let was = match action {
+                Action::Requeue => "failed",
+                Action::Cancel => "queued",
+            };
+            let was_item = before.get(item.idempotency_key());
+            let code = was_item
+                .and_then(OutboxItem::error_code)
+                .unwrap_or("-")
+                .to_owned();
+            let class = was_item
+                .and_then(OutboxItem::failure_class)
+                .map_or("-", FailureClass::as_str)
+                .to_owned();
+            table.row(vec![
+                item.idempotency_key().to_owned(),
+                item.destination().to_owned(),
+                was.to_owned(),
+                code,
+                class,
+            ]);
+        }
+        table.write(out, "  ")?;
+    }
+    if !report.skipped.is_empty() {
+        writeln!(out, "skipped {} matching item(s):", report.skipped.len())?;
+        for (key, why) in &report.skipped {
+            writeln!(out, "  {}: {}", clean(key), clean(why))?;
+        }
+    }
+    if n == 0 {
+        writeln!(
+            err,
+            "durable-outbox: no item the filters select can be {}",
+            action.done()
+        )?;
+    } else if action == Action::Requeue && !args.dry_run {
+        writeln!(out, "the bot sends them on its next pass")?;
+    }
+    Ok(code)
 }
 
 /// The operator's login name, for the audit record when `--operator` is not given:
