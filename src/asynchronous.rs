@@ -72,13 +72,16 @@ impl Outbox {
         F: FnMut(OutboxItem) -> Fut,
         Fut: Future<Output = std::result::Result<Option<String>, SendError>>,
     {
+        // As in `process`: paced retries consume no attempt, so bound the sends.
+        let mut sends = 0;
         loop {
             let (receipt, retry_wait) = match self.send_once(key, &mut send).await? {
                 Step::Done(receipt) => return Ok(receipt),
                 Step::Sent(receipt, retry_wait) => (receipt, retry_wait),
             };
+            sends += 1;
             match retry_wait {
-                Some(wait) if wait <= self.max_inline_wait() => {
+                Some(wait) if wait <= self.max_inline_wait() && sends < self.max_attempts() => {
                     let sleeper = self.sleeper();
                     blocking(self, move || {
                         sleeper.sleep(wait);

@@ -34,6 +34,7 @@ pub struct OutboxBuilder {
     pub(crate) dir: PathBuf,
     pub(crate) max_attempts: u32,
     pub(crate) backoff: Backoff,
+    pub(crate) give_up_after: Duration,
     pub(crate) rates: RatePolicy,
     pub(crate) max_inline_wait: Duration,
     pub(crate) drain_batch: usize,
@@ -59,6 +60,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("dir", &self.dir)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
+            .field("give_up_after", &self.give_up_after)
             .field("rates", &self.rates)
             .field("max_inline_wait", &self.max_inline_wait)
             .field("drain_batch", &self.drain_batch)
@@ -77,8 +79,9 @@ impl OutboxBuilder {
     pub(crate) fn new(dir: PathBuf) -> Self {
         Self {
             dir,
-            max_attempts: 3,
+            max_attempts: 12,
             backoff: Backoff::default(),
+            give_up_after: Duration::from_secs(24 * 60 * 60),
             rates: RatePolicy::default(),
             max_inline_wait: Duration::from_secs(5),
             drain_batch: 16,
@@ -98,19 +101,33 @@ impl OutboxBuilder {
     }
 
     /// Attempts (claims) allowed per item before a retryable failure becomes
-    /// terminal. Default 3. Must be at least 1. A stored setting (see
-    /// [`update_settings`](Self::update_settings)).
+    /// terminal. Default 12: with the default [`Backoff`], 14 to 27 minutes of
+    /// retrying. A `retry_after` (platform pacing) uses no attempt. Must be at
+    /// least 1. A stored setting (see [`update_settings`](Self::update_settings)).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
         self.explicit.max_attempts = Some(attempts);
         self
     }
 
-    /// The wait after a retryable failure. Default: 250 ms, then 500 ms. A
-    /// stored setting (see [`update_settings`](Self::update_settings)).
+    /// The wait after a retryable failure. Default: exponential from 1 s up to
+    /// 10 min, jittered (see [`Backoff`]'s `Default`). A stored setting (see
+    /// [`update_settings`](Self::update_settings)).
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.explicit.backoff = Some(backoff.clone());
         self.backoff = backoff;
+        self
+    }
+
+    /// How long after it was enqueued an item is still retried. A retryable
+    /// failure whose next attempt would start later fails the item with
+    /// [`GAVE_UP`](crate::GAVE_UP) instead. This is what bounds platform pacing:
+    /// a failure with a `retry_after` (an HTTP 429) does not consume
+    /// [`max_attempts`](Self::max_attempts), so without a deadline a platform
+    /// that keeps answering 429 would keep the item forever. Default 24 h;
+    /// must be positive.
+    pub fn give_up_after(mut self, age: Duration) -> Self {
+        self.give_up_after = age;
         self
     }
 
@@ -316,6 +333,9 @@ impl OutboxBuilder {
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));
+        }
+        if self.give_up_after.is_zero() {
+            return Err(Error::invalid_config("give_up_after", "must be positive"));
         }
         if self.audit_rotate_bytes < 1024 {
             return Err(Error::invalid_config(

@@ -87,7 +87,7 @@ pub use crate::history::{HistoryItems, Retention};
 pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::outbox::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN, GAVE_UP,
     GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
 };
 pub use crate::rate::{DestinationWindow, RateLimit};

@@ -44,6 +44,10 @@ pub const DESTINATION_COOLDOWN: &str = "destination_cooldown";
 pub const GLOBAL_RATE_CAPPED: &str = "global_rate_cap";
 /// The error code on a deferral caused by the destination's rate cap.
 pub const RATE_CAPPED: &str = "destination_rate_cap";
+/// The error code of an item still failing (retryably) when its
+/// [`give_up_after`](crate::OutboxBuilder::give_up_after) age ran out: it was
+/// never delivered, and the outbox stopped trying.
+pub const GAVE_UP: &str = "gave_up_after_deadline";
 /// The error code of a queued item that already used up its attempts (e.g. after
 /// `max_attempts` was lowered).
 pub const ATTEMPTS_EXHAUSTED: &str = "max_attempts_exhausted";
@@ -93,6 +97,8 @@ struct Config {
     /// This handle's builder values of the stored settings: what a setting the
     /// outbox does not store falls back to (see `settings`).
     defaults: Settings,
+    /// How long after enqueue an item is still retried (a handle setting).
+    give_up_after: Duration,
     drain_batch: usize,
     max_inline_wait: Duration,
     audit_rotate_bytes: u64,
@@ -395,6 +401,7 @@ impl Outbox {
                 initial_settings,
                 config: Config {
                     defaults,
+                    give_up_after: builder.give_up_after,
                     drain_batch: builder.drain_batch,
                     max_inline_wait: builder.max_inline_wait,
                     audit_rotate_bytes: builder.audit_rotate_bytes,
@@ -1412,15 +1419,22 @@ impl Outbox {
         key: &str,
         send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     ) -> Result<DeliveryReceipt> {
+        // Paced retries (a `retry_after`) consume no attempt, so the attempts
+        // alone do not bound this loop: at most `max_attempts` sends per call.
+        let mut sends = 0;
         loop {
             let item = match self.claim(key)? {
                 Claimed::Done(receipt) => return Ok(receipt),
                 Claimed::Send(item, _) => item,
             };
             let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
+            sends += 1;
             let (receipt, retry_wait) = self.record_result(key, result)?;
             match retry_wait {
-                Some(wait) if wait <= self.inner.config.max_inline_wait => {
+                Some(wait)
+                    if wait <= self.inner.config.max_inline_wait
+                        && sends < self.max_attempts() =>
+                {
                     self.inner.config.sleeper.sleep(wait);
                 }
                 _ => return Ok(receipt),
@@ -1528,6 +1542,14 @@ impl Outbox {
         })?;
         due.sort();
         Ok(due.into_iter().map(|(_, key)| key).collect())
+    }
+
+    /// The configured `max_attempts` (bounds inline retries per call).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn max_attempts(&self) -> u32 {
+        self.settings().map_or(self.inner.config.defaults.max_attempts, |s| {
+            s.max_attempts
+        })
     }
 
     /// The longest retry wait `process` sleeps through inline.
@@ -1712,13 +1734,27 @@ impl Outbox {
             }
             Ok(Err(error)) => {
                 let code = sanitize(error.code(), limits::TRANSPORT_REF);
-                if error.class() == FailureClass::Retryable && attempts < txn.settings.max_attempts
-                {
-                    let backoff = txn.settings.backoff.delay(attempts, key);
-                    let wait = error
-                        .retry_after_hint()
-                        .map_or(backoff, |hint| hint.max(backoff));
+                let give_up_after = self.inner.config.give_up_after;
+                // A `retry_after` is the platform pacing us (HTTP 429), not a
+                // failed attempt: it does not count against `max_attempts`.
+                let paced = error.retry_after_hint().is_some();
+                let retryable = error.class() == FailureClass::Retryable;
+                let backoff = txn.settings.backoff.delay(attempts, key);
+                let wait = error
+                    .retry_after_hint()
+                    .map_or(backoff, |hint| hint.max(backoff));
+                let created_at = item.created_at;
+                let past_deadline = later(now, wait) > later(created_at, give_up_after);
+                if retryable && past_deadline {
+                    Ok((
+                        done(fail(txn, key, GAVE_UP, FailureClass::Retryable)?),
+                        None,
+                    ))
+                } else if retryable && (paced || attempts < txn.settings.max_attempts) {
                     let item = txn.item_mut(key)?;
+                    if paced {
+                        item.attempts = item.attempts.saturating_sub(1);
+                    }
                     item.claim = None;
                     item.error_code = Some(code);
                     item.failure_class = Some(FailureClass::Retryable);

@@ -11,8 +11,9 @@ use sha2::{Digest, Sha256};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backoff {
     /// Wait `delays[n - 1]` after the n-th failed attempt; the last entry repeats
-    /// when there are more retries than entries. The default is the reference
-    /// design's `[250 ms, 500 ms]`.
+    /// when there are more retries than entries. (The reference design used
+    /// `[250 ms, 500 ms]`: with three attempts, a two-second outage failed every
+    /// message sent during it.)
     Fixed(Vec<Duration>),
     /// Wait `base * 2^(n - 1)` after the n-th failed attempt, capped at `cap`.
     /// With `jitter`, the wait is drawn from `[wait / 2, wait]`, deterministically
@@ -27,9 +28,21 @@ pub enum Backoff {
     },
 }
 
+/// The default: exponential from 1 s, doubling up to 10 min, jittered.
+///
+/// With the default 12 attempts the waits are about 1, 2, 4, … 512 s, then
+/// 600 s: an item keeps trying for roughly 14 to 27 minutes (by jitter) before
+/// it fails, long enough to ride out a platform or network outage of several
+/// minutes, while a burst of failures does not retry in lockstep. Platform
+/// pacing (`retry_after`) is separate: it uses no attempts and is bounded by
+/// [`give_up_after`](crate::OutboxBuilder::give_up_after).
 impl Default for Backoff {
     fn default() -> Self {
-        Self::Fixed(vec![Duration::from_millis(250), Duration::from_millis(500)])
+        Self::Exponential {
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(600),
+            jitter: true,
+        }
     }
 }
 
@@ -88,11 +101,21 @@ mod tests {
     const MS: fn(u64) -> Duration = Duration::from_millis;
 
     #[test]
-    fn default_matches_the_reference_design() {
-        let b = Backoff::default();
+    fn fixed_delays_repeat_the_last_entry() {
+        let b = Backoff::Fixed(vec![MS(250), MS(500)]);
         assert_eq!(b.delay(1, "k"), MS(250));
         assert_eq!(b.delay(2, "k"), MS(500));
         assert_eq!(b.delay(3, "k"), MS(500), "the last delay repeats");
+    }
+
+    /// The default with the default 12 attempts rides out a multi-minute outage.
+    #[test]
+    fn the_default_keeps_trying_for_minutes_not_milliseconds() {
+        let b = Backoff::default();
+        let total: Duration = (1..12).map(|n| b.delay(n, "key")).sum();
+        assert!(total >= Duration::from_secs(13 * 60), "{total:?}");
+        assert!(total <= Duration::from_secs(28 * 60), "{total:?}");
+        assert!(b.delay(1, "key") >= MS(500), "not a tight loop");
     }
 
     #[test]

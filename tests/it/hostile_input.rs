@@ -1320,7 +1320,7 @@ fn transport_refs_and_error_codes_from_send_are_sanitized_and_bounded() {
 }
 
 #[test]
-fn a_retry_after_too_large_for_the_calendar_defers_instead_of_panicking() {
+fn a_retry_after_too_large_for_the_calendar_gives_up_instead_of_panicking() {
     // A platform's Retry-After is outside input: a bot may turn any number it is sent
     // into a Duration. It must not panic inside the outbox and strand the item.
     let dir = tempfile::tempdir().expect("temp dir");
@@ -1347,15 +1347,20 @@ fn a_retry_after_too_large_for_the_calendar_defers_instead_of_panicking() {
         item.dispatch_claimed(),
         again.as_ref().ok().map(|r| r.as_ref().map(|r| r.outcome))
     );
+    // A wait past `give_up_after` (24 h by default) can never be honoured in
+    // time: the item fails at once with GAVE_UP (certainly not delivered).
     assert!(
-        !item.dispatch_claimed() && item.state() == ItemState::Queued,
-        "a retryable failure left the item {:?}, claimed: {}",
+        !item.dispatch_claimed()
+            && item.state() == ItemState::Failed
+            && item.error_code() == Some(durable_outbox::GAVE_UP),
+        "a retryable failure left the item {:?} ({:?}), claimed: {}",
         item.state(),
+        item.error_code(),
         item.dispatch_claimed()
     );
     assert!(
-        matches!(again, Ok(Ok(ref r)) if r.outcome == Outcome::Deferred),
-        "the far-future retry must defer, not be in flight or sent"
+        matches!(again, Ok(Ok(ref r)) if r.outcome == Outcome::Failed),
+        "the far-future retry must give up, not be in flight or sent"
     );
 }
 

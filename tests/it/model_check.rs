@@ -489,13 +489,21 @@ impl Model {
             Reply::RetryAfter(code, ms) => (code, *ms, true),
             Reply::Permanent(code) => (code, 0, false),
         };
+        // A `retry_after` is platform pacing: it does not consume an attempt.
+        let paced = matches!(reply, Reply::RetryAfter(..));
         let item = self.item(key);
-        if !(retryable && item.attempts < max_attempts) {
-            return (self.fail(key, &sanitized(code)), None);
-        }
         // The reference backoff: 250 ms after the first attempt, 500 ms after later ones.
         let backoff = if item.attempts <= 1 { 250 } else { 500 };
         let wait = backoff.max(hint);
+        if retryable && now + millis(wait) > item.created_at + chrono::Duration::days(1) {
+            return (self.fail(key, durable_outbox::GAVE_UP), None);
+        }
+        if !(retryable && (paced || item.attempts < max_attempts)) {
+            return (self.fail(key, &sanitized(code)), None);
+        }
+        if paced {
+            item.attempts -= 1;
+        }
         item.claimed_at = None;
         item.cooldown_until = matches!(reply, Reply::RetryAfter(..)).then(|| now + millis(hint));
         if let Some(until) = item.cooldown_until {
@@ -526,7 +534,12 @@ impl Model {
                 return ProcessResult::Panicked;
             }
             match wait {
-                Some(ms) if ms <= self.settings.max_inline_wait_ms => self.now += millis(ms),
+                Some(ms)
+                    if ms <= self.settings.max_inline_wait_ms
+                        && calls < self.settings.max_attempts as usize =>
+                {
+                    self.now += millis(ms);
+                }
                 _ => return ProcessResult::Receipt(expected),
             }
         }
@@ -651,6 +664,12 @@ fn open(dir: &std::path::Path, clock: &ManualClock, settings: Settings) -> Outbo
         .clock(clock.clone())
         .sleeper(clock.clone())
         .max_attempts(settings.max_attempts)
+        // The model's backoff: the reference design's 250 ms, then 500 ms.
+        .backoff(durable_outbox::Backoff::Fixed(vec![
+            Duration::from_millis(250),
+            Duration::from_millis(500),
+        ]))
+        .give_up_after(Duration::from_secs(86_400))
         .rate_limit(
             settings.rate_count,
             Duration::from_millis(settings.rate_window_ms),

@@ -5,8 +5,8 @@ use durable_outbox::{Backoff, Clock, ItemState, Outcome, SendError};
 use crate::harness::{Harness, ms, secs};
 
 #[test]
-fn retryable_failures_retry_with_the_reference_backoff_then_succeed() {
-    let h = Harness::new();
+fn retryable_failures_retry_with_the_configured_backoff_then_succeed() {
+    let h = Harness::with(|b| b.backoff(Backoff::Fixed(vec![ms(250), ms(500)])));
     h.enqueue("k", "chat-1");
     let start = h.clock.now();
     let mut seen = Vec::new();
@@ -61,10 +61,11 @@ fn retry_after_longer_than_the_backoff_is_honoured_inline() {
     h.enqueue("k", "chat-1");
     let start = h.clock.now();
     let mut times = Vec::new();
-    h.outbox
-        .process("k", |item| {
+    let receipt = h
+        .outbox
+        .process("k", |_| {
             times.push((h.clock.now() - start).num_milliseconds());
-            if item.attempts() == 1 {
+            if times.len() == 1 {
                 Err(SendError::retryable("http_429").retry_after(secs(3)))
             } else {
                 Ok(None)
@@ -72,6 +73,10 @@ fn retry_after_longer_than_the_backoff_is_honoured_inline() {
         })
         .unwrap();
     assert_eq!(times, [0, 3000]);
+    assert_eq!(
+        receipt.attempts, 1,
+        "the 429 was pacing, not a failed attempt"
+    );
 }
 
 #[test]
@@ -150,4 +155,109 @@ fn invalid_settings_are_rejected_at_open() {
             "{result:?}"
         );
     }
+}
+
+/// A 429 is the platform pacing us: the item waits and the destination cools,
+/// but no attempt is used up, however many times it happens.
+#[test]
+fn a_retry_after_never_consumes_max_attempts() {
+    let h = Harness::with(|b| b.max_attempts(2).max_inline_wait(ms(0)));
+    h.enqueue("k", "chat-1");
+    for round in 0..5 {
+        let receipt = h
+            .outbox
+            .process("k", |_| {
+                Err(SendError::retryable("http_429").retry_after(secs(10)))
+            })
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Deferred, "round {round}");
+        let item = h.outbox.get("k").unwrap().unwrap();
+        assert_eq!((item.state(), item.attempts()), (ItemState::Queued, 0));
+        assert!(item.cooldown_until().is_some(), "the destination cools");
+        h.clock.advance(secs(10));
+    }
+    // Real failures still count: two of them and the item fails.
+    for _ in 0..2 {
+        h.outbox
+            .process("k", |_| Err(SendError::retryable("http_503")))
+            .unwrap();
+        h.clock.advance(secs(60));
+    }
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.error_code(), item.attempts()),
+        (ItemState::Failed, Some("http_503"), 2)
+    );
+}
+
+/// What bounds pacing is the item's age: past `give_up_after` it fails with a
+/// clear code, as certainly not delivered.
+#[test]
+fn give_up_after_ends_endless_pacing_with_a_clear_code() {
+    let h = Harness::with(|b| b.give_up_after(secs(3600)).max_inline_wait(ms(0)));
+    h.enqueue("k", "chat-1");
+    let mut rounds = 0;
+    loop {
+        let receipt = h
+            .outbox
+            .process("k", |_| {
+                Err(SendError::retryable("http_429").retry_after(secs(600)))
+            })
+            .unwrap();
+        rounds += 1;
+        if receipt.outcome == Outcome::Failed {
+            break;
+        }
+        assert!(rounds < 20, "pacing must end at give_up_after");
+        h.clock.advance(secs(600));
+    }
+    // Sent at 0, 10, …, 60 min (the hour itself is still in time); the next
+    // try would start after it.
+    assert_eq!(rounds, 7);
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(item.error_code(), Some(durable_outbox::GAVE_UP));
+    assert_eq!(
+        item.failure_class(),
+        Some(durable_outbox::FailureClass::Retryable)
+    );
+    assert_eq!(
+        h.outbox
+            .history("k")
+            .unwrap()
+            .pop()
+            .unwrap()
+            .error_code
+            .as_deref(),
+        Some(durable_outbox::GAVE_UP)
+    );
+}
+
+/// Pacing within `max_inline_wait` is slept through inline, but one call makes
+/// at most `max_attempts` sends: a platform answering 429 forever cannot keep
+/// `process` from returning.
+#[test]
+fn inline_pacing_is_bounded_per_call() {
+    let h = Harness::with(|b| b.max_attempts(3).give_up_after(secs(3600)));
+    h.enqueue("k", "chat-1");
+    let mut sends = 0;
+    let receipt = h
+        .outbox
+        .process("k", |_| {
+            sends += 1;
+            Err(SendError::retryable("http_429").retry_after(secs(1)))
+        })
+        .unwrap();
+    assert_eq!(sends, 3);
+    assert_eq!(receipt.outcome, Outcome::Deferred);
+    assert_eq!(h.outbox.get("k").unwrap().unwrap().attempts(), 0);
+}
+
+#[test]
+fn give_up_after_must_be_positive() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = durable_outbox::Outbox::builder(dir.path())
+        .give_up_after(std::time::Duration::ZERO)
+        .open()
+        .unwrap_err();
+    assert!(err.to_string().contains("give_up_after"), "{err}");
 }
