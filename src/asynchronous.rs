@@ -287,6 +287,193 @@ fn settle(
 }
 
 /// Runs file work on tokio's blocking pool.
+/// The blocking calls a tokio bot makes, run on the blocking pool so they never
+/// stall the runtime's workers with file I/O and fsyncs. Each behaves exactly
+/// as its blocking namesake. Anything else (e.g. [`Outbox::verify_audit`]) is
+/// one line away:
+/// `tokio::task::spawn_blocking({ let o = outbox.clone(); move || o.verify_audit() }).await`.
+impl Outbox {
+    /// [`enqueue`](Outbox::enqueue) on the blocking pool.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{NewMessage, Outbox};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// let item = outbox
+    ///     .enqueue_async(NewMessage {
+    ///         idempotency_key: "order-17".into(),
+    ///         connector: "telegram".into(),
+    ///         grant_id: "bot-1".into(),
+    ///         destination: "chat-42".into(),
+    ///         content: "your order shipped".into(),
+    ///         ..Default::default()
+    ///     })
+    ///     .await?;
+    /// assert_eq!(outbox.get_async("order-17").await?, Some(item));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue`](Outbox::enqueue); plus [`Error::Io`] if the blocking pool
+    /// is shutting down.
+    pub async fn enqueue_async(&self, message: crate::NewMessage) -> Result<OutboxItem> {
+        let outbox = self.clone();
+        blocking(self, move || outbox.enqueue(message)).await
+    }
+
+    /// [`enqueue_many`](Outbox::enqueue_many) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue_many`](Outbox::enqueue_many); plus [`Error::Io`] if the
+    /// blocking pool is shutting down.
+    pub async fn enqueue_many_async(
+        &self,
+        messages: Vec<crate::NewMessage>,
+    ) -> Result<Vec<OutboxItem>> {
+        let outbox = self.clone();
+        blocking(self, move || outbox.enqueue_many(messages)).await
+    }
+
+    /// [`get`](Outbox::get) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Outbox::get); plus [`Error::Io`] if the blocking pool is
+    /// shutting down.
+    pub async fn get_async(&self, key: &str) -> Result<Option<OutboxItem>> {
+        let (outbox, key) = (self.clone(), key.to_owned());
+        blocking(self, move || outbox.get(&key)).await
+    }
+
+    /// [`list_items`](Outbox::list_items) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`list_items`](Outbox::list_items); plus [`Error::Io`] if the
+    /// blocking pool is shutting down.
+    pub async fn list_items_async(&self) -> Result<Vec<OutboxItem>> {
+        let outbox = self.clone();
+        blocking(self, move || outbox.list_items()).await
+    }
+
+    /// [`find_by_transport_ref`](Outbox::find_by_transport_ref) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Outbox::get); plus [`Error::Io`] if the blocking pool is
+    /// shutting down.
+    pub async fn find_by_transport_ref_async(
+        &self,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        let (outbox, reference) = (self.clone(), transport_ref.to_owned());
+        blocking(self, move || outbox.find_by_transport_ref(&reference)).await
+    }
+
+    /// [`find_by_transport_ref_in`](Outbox::find_by_transport_ref_in) on the
+    /// blocking pool: match a reply within the chat it came from.
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Outbox::get); plus [`Error::Io`] if the blocking pool is
+    /// shutting down.
+    pub async fn find_by_transport_ref_in_async(
+        &self,
+        destination: &str,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        let (outbox, destination, reference) = (
+            self.clone(),
+            destination.to_owned(),
+            transport_ref.to_owned(),
+        );
+        blocking(self, move || {
+            outbox.find_by_transport_ref_in(&destination, &reference)
+        })
+        .await
+    }
+
+    /// [`requeue`](Outbox::requeue) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`requeue`](Outbox::requeue); plus [`Error::Io`] if the blocking
+    /// pool is shutting down.
+    pub async fn requeue_async(
+        &self,
+        key: &str,
+        operator: &str,
+        reason: &str,
+    ) -> Result<OutboxItem> {
+        let outbox = self.clone();
+        let (key, operator, reason) = (key.to_owned(), operator.to_owned(), reason.to_owned());
+        blocking(self, move || outbox.requeue(&key, &operator, &reason)).await
+    }
+
+    /// [`cancel`](Outbox::cancel) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`cancel`](Outbox::cancel); plus [`Error::Io`] if the blocking pool
+    /// is shutting down.
+    pub async fn cancel_async(
+        &self,
+        key: &str,
+        operator: &str,
+        reason: &str,
+    ) -> Result<OutboxItem> {
+        let outbox = self.clone();
+        let (key, operator, reason) = (key.to_owned(), operator.to_owned(), reason.to_owned());
+        blocking(self, move || outbox.cancel(&key, &operator, &reason)).await
+    }
+
+    /// [`requeue_where`](Outbox::requeue_where) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`requeue_where`](Outbox::requeue_where); plus [`Error::Io`] if the
+    /// blocking pool is shutting down.
+    pub async fn requeue_where_async(
+        &self,
+        filter: crate::ItemFilter,
+        operator: &str,
+        reason: &str,
+    ) -> Result<crate::BulkReport> {
+        let outbox = self.clone();
+        let (operator, reason) = (operator.to_owned(), reason.to_owned());
+        blocking(self, move || {
+            outbox.requeue_where(&filter, &operator, &reason)
+        })
+        .await
+    }
+
+    /// [`cancel_where`](Outbox::cancel_where) on the blocking pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`cancel_where`](Outbox::cancel_where); plus [`Error::Io`] if the
+    /// blocking pool is shutting down.
+    pub async fn cancel_where_async(
+        &self,
+        filter: crate::ItemFilter,
+        operator: &str,
+        reason: &str,
+    ) -> Result<crate::BulkReport> {
+        let outbox = self.clone();
+        let (operator, reason) = (operator.to_owned(), reason.to_owned());
+        blocking(self, move || {
+            outbox.cancel_where(&filter, &operator, &reason)
+        })
+        .await
+    }
+}
+
 async fn blocking<T: Send + 'static>(
     outbox: &Outbox,
     work: impl FnOnce() -> Result<T> + Send + 'static,

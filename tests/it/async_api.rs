@@ -246,3 +246,55 @@ fn a_process_async_cancelled_while_claiming_gives_the_claim_back() {
         "never sent before, so it goes now"
     );
 }
+
+/// Every call a tokio bot makes has an async form that behaves as its blocking twin.
+#[test]
+fn the_bot_facing_calls_have_async_forms() {
+    use durable_outbox::{ItemFilter, ItemState};
+    let h = Harness::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let o = &h.outbox;
+        let item = o.enqueue_async(msg("a", "chat-1")).await.unwrap();
+        assert_eq!(item.state(), ItemState::Queued);
+        let many = o
+            .enqueue_many_async(vec![msg("b", "chat-2"), msg("c", "chat-2")])
+            .await
+            .unwrap();
+        assert_eq!(many.len(), 2);
+        assert_eq!(o.get_async("a").await.unwrap(), Some(item));
+        assert_eq!(o.list_items_async().await.unwrap().len(), 3);
+        o.process_async("a", |_| async { Ok(Some("7".to_owned())) })
+            .await
+            .unwrap();
+        o.process_async("b", |_| async { Ok(Some("7".to_owned())) })
+            .await
+            .unwrap();
+        let found = o
+            .find_by_transport_ref_in_async("chat-2", "7")
+            .await
+            .unwrap();
+        assert_eq!(found.unwrap().idempotency_key(), "b");
+        assert!(o.find_by_transport_ref_async("7").await.unwrap().is_some());
+        let cancelled = o.cancel_async("c", "ops", "not needed").await.unwrap();
+        assert_eq!(cancelled.state(), ItemState::Failed);
+        let requeued = o
+            .requeue_async("c", "ops", "needed after all")
+            .await
+            .unwrap();
+        assert_eq!(requeued.state(), ItemState::Queued);
+        let report = o
+            .cancel_where_async(ItemFilter::new().destination("chat-2"), "ops", "closing")
+            .await
+            .unwrap();
+        assert_eq!(report.changed.len(), 1, "c; b was sent");
+        let report = o
+            .requeue_where_async(ItemFilter::new().state(ItemState::Failed), "ops", "reopen")
+            .await
+            .unwrap();
+        assert_eq!(report.changed.len(), 1);
+    });
+}
