@@ -156,7 +156,11 @@ impl Outbox {
         }
         match first_error {
             Some(e) => Err(e),
-            None => Ok(report),
+            None => {
+                let outbox = self.clone();
+                blocking(self, move || outbox.publish_gauges()).await?;
+                Ok(report)
+            }
         }
     }
 
@@ -188,7 +192,9 @@ impl Outbox {
         };
         // From here on the send may start: a drop now means "maybe delivered".
         let (item, guard) = ticket.start_send();
-        let result: SendResult = CatchUnwind(Box::pin(send(item))).await;
+        let span = crate::outbox::send_span(&item);
+        let result: SendResult =
+            tracing::Instrument::instrument(CatchUnwind(Box::pin(send(item))), span).await;
         guard.disarm();
         let (outbox, owned_key) = (self.clone(), key.to_owned());
         let recorded = tokio::task::spawn_blocking(move || {

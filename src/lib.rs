@@ -64,6 +64,7 @@ mod history;
 mod item;
 mod lock;
 mod message;
+mod metrics;
 mod outbox;
 mod rate;
 mod receipt;

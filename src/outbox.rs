@@ -437,9 +437,18 @@ impl Outbox {
     /// `queued` audit record is fsynced (the record is then in `audit.jsonl`, or is
     /// re-appended from the journal, byte for byte, after a crash).
     pub fn enqueue(&self, message: NewMessage) -> Result<OutboxItem> {
+        let span = tracing::info_span!(
+            "outbox.enqueue",
+            key = %message.idempotency_key,
+            destination = %message.destination,
+            outcome = tracing::field::Empty,
+        );
+        let _entered = span.enter();
         message.validate()?;
         let hash = content_hash(&message.content);
-        self.transact(move |txn| Self::insert_message(txn, message, hash))
+        let item = self.transact(move |txn| Self::insert_message(txn, message, hash))?;
+        span.record("outcome", item.state.as_str());
+        Ok(item)
     }
 
     /// Records several messages in one durable step (one journal entry, one fsync).
@@ -711,6 +720,7 @@ impl Outbox {
         for batch in keys.chunks(self.inner.config.drain_batch) {
             self.drain_batch(batch, &mut send, &mut report)?;
         }
+        self.publish_gauges()?;
         Ok(report)
     }
 
@@ -757,7 +767,8 @@ impl Outbox {
         }
         let mut results: Vec<SendResult> = Vec::with_capacity(claimed.len());
         for (item, _) in &claimed {
-            let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(item)));
+            let result: SendResult =
+                send_span(item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(item))));
             let panicked = result.is_err();
             results.push(result);
             if panicked {
@@ -1369,6 +1380,7 @@ impl Outbox {
                 .map_err(|e| Error::io(audit.path(), "append", e)),
         )?;
         self.guard_poison(audit.append_records(&records, &inner.faults))?;
+        crate::metrics::committed(&records, &loaded.state.items);
         if loaded.wants_compaction() {
             // The change above is durable whatever happens here: a failed
             // compaction must not turn it into an error. A clean failure is
@@ -1427,7 +1439,8 @@ impl Outbox {
                 Claimed::Done(receipt) => return Ok(receipt),
                 Claimed::Send(item, _) => item,
             };
-            let result: SendResult = catch_unwind(AssertUnwindSafe(|| send(&item)));
+            let result: SendResult =
+                send_span(&item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(&item))));
             sends += 1;
             let (receipt, retry_wait) = self.record_result(key, result)?;
             match retry_wait {
@@ -1544,6 +1557,23 @@ impl Outbox {
         Ok(due.into_iter().map(|(_, key)| key).collect())
     }
 
+    /// Sets the queue gauges (feature `metrics`; nothing without it).
+    ///
+    /// # Errors
+    ///
+    /// The load errors.
+    pub(crate) fn publish_gauges(&self) -> Result<()> {
+        #[cfg(feature = "metrics")]
+        {
+            let now = self.inner.config.clock.now();
+            self.read(|loaded, _| {
+                crate::metrics::gauges(loaded.state.items.values(), now);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
     /// The configured `max_attempts` (bounds inline retries per call).
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn max_attempts(&self) -> u32 {
@@ -1564,8 +1594,34 @@ impl Outbox {
         Arc::clone(&self.inner.config.sleeper)
     }
 
-    /// Under the lock: decide what to do with the item, claiming it if it is to be sent.
+    /// Under the lock: decide what to do with the item, claiming it if it is to be
+    /// sent, in an `outbox.claim` span.
     fn decide(&self, txn: &mut Txn<'_>, key: &str) -> Result<Decision> {
+        let span = tracing::info_span!(
+            "outbox.claim",
+            key,
+            destination = tracing::field::Empty,
+            attempt = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let _entered = span.enter();
+        let decision = self.decide_inner(txn, key)?;
+        match &decision {
+            Decision::Send(item, _) => {
+                span.record("destination", item.destination.as_str());
+                span.record("attempt", item.attempts);
+                span.record("outcome", "claimed");
+            }
+            Decision::Done(receipt) => {
+                span.record("destination", receipt.destination.as_str());
+                span.record("attempt", receipt.attempts);
+                span.record("outcome", receipt.outcome.as_str());
+            }
+        }
+        Ok(decision)
+    }
+
+    fn decide_inner(&self, txn: &mut Txn<'_>, key: &str) -> Result<Decision> {
         let now = txn.now;
         let Some(item) = txn.item(key) else {
             // Only terminal items move to history, each with its outcome on record.
@@ -1693,9 +1749,35 @@ impl Outbox {
         }
     }
 
-    /// Under the lock: record what `send` did. Returns the receipt and, for a
-    /// retryable failure with attempts left, how long to wait.
+    /// Under the lock: record what `send` did, in an `outbox.finish` span.
+    /// Returns the receipt and, for a retryable failure with attempts left, how
+    /// long to wait.
     fn finish(
+        &self,
+        txn: &mut Txn<'_>,
+        key: &str,
+        result: &SendResult,
+    ) -> Result<(DeliveryReceipt, Option<Duration>)> {
+        let span = tracing::info_span!(
+            "outbox.finish",
+            key,
+            destination = tracing::field::Empty,
+            attempt = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            error_code = tracing::field::Empty,
+        );
+        let _entered = span.enter();
+        let (receipt, wait) = self.finish_inner(txn, key, result)?;
+        span.record("destination", receipt.destination.as_str());
+        span.record("attempt", receipt.attempts);
+        span.record("outcome", receipt.outcome.as_str());
+        if let Some(code) = &receipt.error_code {
+            span.record("error_code", code.as_str());
+        }
+        Ok((receipt, wait))
+    }
+
+    fn finish_inner(
         &self,
         txn: &mut Txn<'_>,
         key: &str,
@@ -1775,6 +1857,16 @@ impl Outbox {
             Err(_panic) => Ok((done(fail_ambiguous(txn, key, SEND_PANICKED)?), None)),
         }
     }
+}
+
+/// The `outbox.send` span around one call of the caller's `send`.
+pub(crate) fn send_span(item: &OutboxItem) -> tracing::Span {
+    tracing::info_span!(
+        "outbox.send",
+        key = %item.idempotency_key,
+        destination = %item.destination,
+        attempt = item.attempts,
+    )
 }
 
 /// The receipt of a decision that is not a send.

@@ -18,6 +18,7 @@ mod durable_writes;
 mod failure_class;
 mod hostile_input;
 mod model_check;
+mod observability;
 mod operator_actions;
 mod rate_caps;
 mod replies;

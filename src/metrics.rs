@@ -1,0 +1,95 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature
+//! `metrics`); without the feature every call here compiles to nothing.
+//!
+//! Counters are emitted from the audit records a change committed, so each
+//! outcome is counted exactly once, after it is durable, whichever call made
+//! it. Gauges are refreshed after every `process_due` pass.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `durable_outbox_outcomes_total` | counter | `outcome`, `error_code`, `class` | audited outcomes: `queued` (enqueued), `sent`, `failed`, `retrying`, `deferred`, `requeued`, `cancelled`, `pruned`; `error_code` and `class` are empty when there is none |
+//! | `durable_outbox_enqueue_to_sent_seconds` | histogram | — | from enqueue to the recorded delivery |
+//! | `durable_outbox_queued` | gauge | — | queued items (including in flight) |
+//! | `durable_outbox_in_flight` | gauge | — | queued items claimed by a worker |
+//! | `durable_outbox_oldest_queued_age_seconds` | gauge | — | age of the oldest queued item, 0 when none |
+
+#[cfg(feature = "metrics")]
+use std::collections::HashMap;
+
+#[cfg(feature = "metrics")]
+use chrono::{DateTime, Utc};
+
+#[cfg(feature = "metrics")]
+use crate::audit::AuditRecord;
+#[cfg(feature = "metrics")]
+use crate::item::{ItemState, OutboxItem};
+
+#[cfg(feature = "metrics")]
+/// Counter of audited outcomes.
+const OUTCOMES_TOTAL: &str = "durable_outbox_outcomes_total";
+/// Histogram of enqueue-to-sent latency, in seconds.
+#[cfg(feature = "metrics")]
+const ENQUEUE_TO_SENT_SECONDS: &str = "durable_outbox_enqueue_to_sent_seconds";
+/// Gauge of queued items.
+#[cfg(feature = "metrics")]
+const QUEUED: &str = "durable_outbox_queued";
+/// Gauge of items in flight.
+#[cfg(feature = "metrics")]
+const IN_FLIGHT: &str = "durable_outbox_in_flight";
+/// Gauge of the oldest queued item's age, in seconds.
+#[cfg(feature = "metrics")]
+const OLDEST_QUEUED_AGE_SECONDS: &str = "durable_outbox_oldest_queued_age_seconds";
+
+/// Counts the committed `records`; `items` is the state they were committed
+/// to, for the latency of deliveries.
+#[cfg(feature = "metrics")]
+pub(crate) fn committed(records: &[AuditRecord], items: &HashMap<String, OutboxItem>) {
+    for record in records {
+        let labels = [
+            ("outcome", record.outcome.as_str().to_owned()),
+            ("error_code", record.error_code.clone().unwrap_or_default()),
+            (
+                "class",
+                record
+                    .failure_class
+                    .map(|c| c.as_str().to_owned())
+                    .unwrap_or_default(),
+            ),
+        ];
+        metrics::counter!(OUTCOMES_TOTAL, &labels).increment(1);
+        if record.outcome == crate::AuditOutcome::Sent
+            && let Some(item) = items.get(&record.idempotency_key)
+            && let Some(sent_at) = item.sent_at
+        {
+            let latency = (sent_at - item.created_at).to_std().unwrap_or_default();
+            metrics::histogram!(ENQUEUE_TO_SENT_SECONDS).record(latency.as_secs_f64());
+        }
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn committed(
+    _records: &[crate::audit::AuditRecord],
+    _items: &std::collections::HashMap<String, crate::item::OutboxItem>,
+) {
+}
+
+/// Sets the queue gauges from the live items.
+#[cfg(feature = "metrics")]
+pub(crate) fn gauges<'a>(items: impl Iterator<Item = &'a OutboxItem>, now: DateTime<Utc>) {
+    let (mut queued, mut in_flight) = (0u64, 0u64);
+    let mut oldest: Option<DateTime<Utc>> = None;
+    for item in items.filter(|i| i.state == ItemState::Queued) {
+        queued += 1;
+        if item.claim.is_some() {
+            in_flight += 1;
+        }
+        oldest = Some(oldest.map_or(item.created_at, |o| o.min(item.created_at)));
+    }
+    let age = oldest.map_or(0.0, |at| {
+        (now - at).to_std().unwrap_or_default().as_secs_f64()
+    });
+    metrics::gauge!(QUEUED).set(queued as f64);
+    metrics::gauge!(IN_FLIGHT).set(in_flight as f64);
+    metrics::gauge!(OLDEST_QUEUED_AGE_SECONDS).set(age);
+}
