@@ -20,6 +20,7 @@ use crate::outbox::{Claimed, Outbox, SEND_CANCELLED, SendResult};
 use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::send::SendError;
 
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 impl Outbox {
     /// [`process`](Outbox::process) for async transports: `send` returns a future.
     ///
@@ -298,6 +299,7 @@ fn settle(
 /// as its blocking namesake. Anything else (e.g. [`Outbox::verify_audit`]) is
 /// one line away:
 /// `tokio::task::spawn_blocking({ let o = outbox.clone(); move || o.verify_audit() }).await`.
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 impl Outbox {
     /// [`enqueue`](Outbox::enqueue) on the blocking pool.
     ///

@@ -306,6 +306,7 @@ impl OutboxBuilder {
 
     /// Arms a test failpoint on this outbox (feature `test-failpoints` only).
     #[cfg(feature = "test-failpoints")]
+    #[doc(hidden)]
     pub fn failpoint(mut self, name: &str, action: crate::failpoint::FailAction) -> Self {
         self.failpoints.push((name.to_owned(), action));
         self

@@ -45,11 +45,41 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # Features
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `tokio` | async forms for tokio bots: `Outbox::process_async`, `Outbox::process_due_async`, and `_async` forms of `enqueue`, `get`, `find_*`, `list_items`, `requeue`, `cancel` and the bulk actions, all running file work on the blocking pool |
+//! | `metrics` | counters per outcome and error code, an enqueue-to-sent latency histogram and queue gauges through the [`metrics`](https://docs.rs/metrics) facade (names in the README's "Observability" table) |
+//! | `cli` | the `durable-outbox` operator tool (a binary; no library items) |
+//!
+//! `tracing` spans (`outbox.enqueue`, `outbox.claim`, `outbox.send`,
+//! `outbox.finish`, with key, destination, attempt and outcome) are always
+//! emitted; they cost nothing without a subscriber. The `test-failpoints`
+//! feature is for this crate's own crash tests and is not part of the API.
+//!
+//! # Replies, retries and operators
+//!
+//! - A reply names the platform's message id: match it with
+//!   [`Outbox::find_by_transport_ref_in`] (Telegram and Slack ids are unique only
+//!   within a chat) or [`Outbox::find_by_transport_ref`] (globally unique ids,
+//!   such as Matrix event ids).
+//! - A retryable failure is retried with the [`Backoff`] (default: exponential
+//!   from 1 s to 10 min, 12 attempts); a platform's `retry_after` (HTTP 429)
+//!   waits without using an attempt, bounded by
+//!   [`give_up_after`](OutboxBuilder::give_up_after) (default 24 h, then [`GAVE_UP`]).
+//! - Each failure's [`FailureClass`] is stored ([`OutboxItem::failure_class`]);
+//!   [`FailureClass::Ambiguous`] means "may have been delivered": only an operator
+//!   may send it again ([`Outbox::requeue`], or many at once with
+//!   [`Outbox::requeue_where`] and an [`ItemFilter`]).
+//!
 //! Files in an outbox directory: `outbox.json` (snapshot), `outbox.journal`
 //! (changes since the snapshot), `audit.jsonl` (audit log),
 //! `outbox.lock` (the lock target, never replaced) and `owners/` (one locked file per
 //! open handle, which is how a live claim is told from a dead one). Keep the
 //! directory on a local filesystem: advisory locks are unreliable over the network.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "tokio")]
 mod asynchronous;
@@ -82,6 +112,7 @@ pub use crate::builder::OutboxBuilder;
 pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
 pub use crate::error::{AuditFault, Error, Result};
 #[cfg(feature = "test-failpoints")]
+#[doc(hidden)]
 pub use crate::failpoint::FailAction;
 pub use crate::filter::{BulkReport, ItemFilter};
 pub use crate::history::{HistoryItems, Retention};

@@ -139,3 +139,18 @@ fn a_keyed_log_verifies_with_its_key_file_and_hints_without_it() {
         .says("line 1: hash mismatch")
         .says("--audit-key-file");
 }
+
+/// A young outbox has a journal and no snapshot yet: the report must not
+/// name a file the operator cannot find.
+#[test]
+fn verify_names_only_state_files_that_exist() {
+    let f = crate::harness::Fixture::empty();
+    f.outbox
+        .enqueue(crate::harness::message("k", "chat-1"))
+        .unwrap();
+    assert!(!f.file("outbox.json").exists(), "no snapshot yet");
+    let run = f.run("verify", &[]);
+    run.exits(0)
+        .says("the log reaches the head outbox.journal recorded");
+    assert!(!run.stdout.contains("outbox.json"), "{}", run.stdout);
+}

@@ -244,6 +244,8 @@ fn bulk(
                 Action::Cancel => "cancel",
             }
         )?;
+    } else if n == 0 {
+        writeln!(out, "{} nothing; nothing was recorded", action.done())?;
     } else {
         writeln!(
             out,
@@ -284,6 +286,20 @@ fn bulk(
         for (key, why) in &report.skipped {
             writeln!(out, "  {}: {}", clean(key), clean(why))?;
         }
+    }
+    let in_doubt = report
+        .changed
+        .iter()
+        .filter_map(|item| before.get(item.idempotency_key()))
+        .filter(|item| crate::may_have_been_delivered(item, &crate::AMBIGUOUS_CODES))
+        .count();
+    if action == Action::Requeue && in_doubt > 0 {
+        writeln!(
+            err,
+            "durable-outbox: note: {in_doubt} of these may have been delivered (ambiguous): \
+             the bot {} send them again",
+            if args.dry_run { "would" } else { "will now" }
+        )?;
     }
     if n == 0 {
         writeln!(
