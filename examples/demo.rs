@@ -91,6 +91,27 @@ fn show(outbox: &Outbox, receipt: &DeliveryReceipt) {
     );
 }
 
+/// Step 4: a rate-capped item waits for its slot, then leaves.
+fn deferred_item_leaves(
+    outbox: &Outbox,
+    platform: &RefCell<FakePlatform>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    println!("\n4. the deferred item leaves once the rate window has room");
+    let promo = outbox.get("promo")?.ok_or("promo is missing")?;
+    if let Some(at) = promo.next_attempt_at() {
+        let wait = (at - durable_outbox::Utc::now())
+            .to_std()
+            .unwrap_or_default();
+        println!("  promo      waits {} ms for a free slot", wait.as_millis());
+        std::thread::sleep(wait);
+    }
+    let report = outbox.process_due(|item| platform.borrow_mut().send(item))?;
+    for receipt in &report.receipts {
+        show(outbox, receipt);
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Given a directory, the files stay there for the operator tool; without
     // one they live in a temporary directory removed at the end.
@@ -149,19 +170,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         show(&outbox, &receipt);
     }
 
-    println!("\n4. the deferred item leaves once the rate window has room");
-    let promo = outbox.get("promo")?.ok_or("promo is missing")?;
-    if let Some(at) = promo.next_attempt_at() {
-        let wait = (at - durable_outbox::Utc::now())
-            .to_std()
-            .unwrap_or_default();
-        println!("  promo      waits {} ms for a free slot", wait.as_millis());
-        std::thread::sleep(wait);
-    }
-    let report = outbox.process_due(|item| platform.borrow_mut().send(item))?;
-    for receipt in &report.receipts {
-        show(&outbox, receipt);
-    }
+    deferred_item_leaves(&outbox, &platform)?;
 
     println!("\n5. a reply arrives quoting the message it answers");
     let order = outbox.get("order-17")?.ok_or("order-17 is missing")?;

@@ -155,14 +155,12 @@ impl Outbox {
         if let Some(payload) = panic {
             resume_unwind(payload);
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => {
-                let outbox = self.clone();
-                blocking(self, move || outbox.publish_gauges()).await?;
-                Ok(report)
-            }
+        if let Some(e) = first_error {
+            return Err(e);
         }
+        let outbox = self.clone();
+        blocking(self, move || outbox.publish_gauges()).await?;
+        Ok(report)
     }
 
     /// One claim → send → record round, with cancellation and panic handling.

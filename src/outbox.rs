@@ -1445,8 +1445,7 @@ impl Outbox {
             let (receipt, retry_wait) = self.record_result(key, result)?;
             match retry_wait {
                 Some(wait)
-                    if wait <= self.inner.config.max_inline_wait
-                        && sends < self.max_attempts() =>
+                    if wait <= self.inner.config.max_inline_wait && sends < self.max_attempts() =>
                 {
                     self.inner.config.sleeper.sleep(wait);
                 }
@@ -1562,6 +1561,14 @@ impl Outbox {
     /// # Errors
     ///
     /// The load errors.
+    #[cfg_attr(
+        not(feature = "metrics"),
+        allow(
+            clippy::unused_self,
+            clippy::unnecessary_wraps,
+            reason = "a no-op without the metrics feature"
+        )
+    )]
     pub(crate) fn publish_gauges(&self) -> Result<()> {
         #[cfg(feature = "metrics")]
         {
@@ -1577,9 +1584,8 @@ impl Outbox {
     /// The configured `max_attempts` (bounds inline retries per call).
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn max_attempts(&self) -> u32 {
-        self.settings().map_or(self.inner.config.defaults.max_attempts, |s| {
-            s.max_attempts
-        })
+        self.settings()
+            .map_or(self.inner.config.defaults.max_attempts, |s| s.max_attempts)
     }
 
     /// The longest retry wait `process` sleeps through inline.

@@ -15,8 +15,11 @@ fn after_an_outage() -> Fixture {
     ] {
         f.outbox.enqueue(message(key, chat)).unwrap();
     }
+    // One attempt, so a refused connection fails the item (an audited change
+    // of the stored setting).
     let refused = durable_outbox::Outbox::builder(f.path())
         .max_attempts(1)
+        .update_settings()
         .open()
         .unwrap();
     for key in ["down-1", "down-2", "down-3"] {

@@ -36,7 +36,10 @@ fn after_an_outage() -> Harness {
 }
 
 fn keys(items: &[durable_outbox::OutboxItem]) -> Vec<&str> {
-    items.iter().map(|i| i.idempotency_key()).collect()
+    items
+        .iter()
+        .map(durable_outbox::OutboxItem::idempotency_key)
+        .collect()
 }
 
 #[test]

@@ -13,11 +13,14 @@ use tracing::{Event, Metadata, Subscriber};
 
 use crate::harness::{Harness, secs};
 
+/// A span's name and its fields as last recorded.
+type SpanFields = (&'static str, HashMap<String, String>);
+
 /// Every span opened, with its fields as last recorded.
 #[derive(Default)]
 struct Spans {
     next: AtomicU64,
-    spans: Mutex<HashMap<u64, (&'static str, HashMap<String, String>)>>,
+    spans: Mutex<HashMap<u64, SpanFields>>,
 }
 
 struct Fields<'a>(&'a mut HashMap<String, String>);
@@ -86,6 +89,9 @@ fn enqueue_claim_send_and_finish_each_have_a_span_with_key_destination_attempt_a
     let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
     let spans = Arc::new(Spans::default());
     tracing::subscriber::with_default(Collect(Arc::clone(&spans)), || {
+        // Other tests' threads, running with no subscriber, may have cached
+        // "never interested" for these callsites: ask again now that one exists.
+        tracing::callsite::rebuild_interest_cache();
         h.enqueue("k", "chat-1");
         h.outbox
             .process("k", |_| Err(SendError::retryable("http_503")))
@@ -226,10 +232,11 @@ mod metrics_facade {
     }
 
     #[test]
+    #[allow(clippy::float_cmp, reason = "whole numbers, recorded exactly")]
     fn outcomes_latency_and_queue_gauges_reach_the_recorder() {
         let h = Harness::with(|b| b.max_attempts(1));
-        let recorded = Arc::new(Recorded::default());
-        let recorder = TestRecorder(Arc::clone(&recorded));
+        let values = Arc::new(Recorded::default());
+        let recorder = TestRecorder(Arc::clone(&values));
         metrics::with_local_recorder(&recorder, || {
             for (key, chat) in [("ok", "chat-1"), ("gone", "chat-2"), ("later", "chat-3")] {
                 h.enqueue(key, chat);
@@ -254,7 +261,7 @@ mod metrics_facade {
             h.outbox.get("later").unwrap().unwrap().state(),
             ItemState::Queued
         );
-        let all = recorded.0.lock().unwrap();
+        let all = values.0.lock().unwrap();
         let total = |labels: &str| {
             all.get(&format!("durable_outbox_outcomes_total{{{labels}}}"))
                 .and_then(|v| v.last().copied())

@@ -66,7 +66,11 @@ fn a_handle_opened_with_a_weaker_cap_keeps_the_stored_one() {
         .unwrap();
     assert_eq!(b.outcome, Outcome::Deferred);
     assert_eq!(careless.settings().unwrap().rate_limit(), cap(1, 60));
-    assert_eq!(careless.settings().unwrap().max_attempts(), 3);
+    assert_eq!(
+        careless.settings().unwrap().max_attempts(),
+        12,
+        "the stored default"
+    );
     assert!(settings_records(&h).is_empty(), "nothing was changed");
 }
 

@@ -86,14 +86,15 @@ fn act(action: Action, args: &OperatorArgs, out: &mut dyn Write, err: &mut dyn W
             .map(|r| r.seq)
     });
     if action == Action::Requeue
-        && let Some(code) = before.as_ref().and_then(OutboxItem::error_code)
-        && crate::AMBIGUOUS_CODES.contains(&code)
+        && let Some(was) = before
+            .as_ref()
+            .filter(|b| crate::may_have_been_delivered(b, &crate::AMBIGUOUS_CODES))
     {
+        let code = was.error_code().unwrap_or("-");
         writeln!(
             err,
-            "durable-outbox: note: {:?} failed as {code}: its earlier attempt may have \
-             been delivered, and the bot will now send it again",
-            key
+            "durable-outbox: note: {key:?} failed as {code}: its earlier attempt may have \
+             been delivered, and the bot will now send it again"
         )?;
     }
     if args.json {
@@ -234,6 +235,20 @@ fn bulk(
         )?;
         return Ok(code);
     }
+    write_bulk_text(action, args, operator, &report, &before, out, err)?;
+    Ok(code)
+}
+
+/// The text report of a bulk action: what changed (as it was), what was skipped.
+fn write_bulk_text(
+    action: Action,
+    args: &OperatorArgs,
+    operator: &str,
+    report: &durable_outbox::BulkReport,
+    before: &std::collections::HashMap<String, OutboxItem>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> std::io::Result<()> {
     let n = report.changed.len();
     if args.dry_run {
         writeln!(
@@ -310,7 +325,7 @@ fn bulk(
     } else if action == Action::Requeue && !args.dry_run {
         writeln!(out, "the bot sends them on its next pass")?;
     }
-    Ok(code)
+    Ok(())
 }
 
 /// The operator's login name, for the audit record when `--operator` is not given:
