@@ -16,10 +16,9 @@ use crate::harness::{Harness, secs};
 /// A span's name and its fields as last recorded.
 type SpanFields = (&'static str, HashMap<String, String>);
 
-/// Every span opened, with its fields as last recorded.
+/// Every span a test thread opened, with its fields as last recorded.
 #[derive(Default)]
 struct Spans {
-    next: AtomicU64,
     spans: Mutex<HashMap<u64, SpanFields>>,
 }
 
@@ -37,26 +36,48 @@ impl Visit for Fields<'_> {
     }
 }
 
-/// The subscriber: a shared handle on the spans.
-struct Collect(Arc<Spans>);
+thread_local! {
+    /// Where this thread's spans go, while a test collects them.
+    static COLLECTING: std::cell::RefCell<Option<Arc<Spans>>> =
+        const { std::cell::RefCell::new(None) };
+}
 
-impl Subscriber for Collect {
+/// The process-wide subscriber: hands each span to the collector of the thread
+/// that opened it, if any. Global rather than scoped (`with_default`) because
+/// tracing caches per callsite whether anyone is interested: with only a scoped
+/// subscriber, another test thread that hits a callsite first can cache "no one"
+/// for it. A global one is interested in every callsite, always.
+struct Router {
+    next: AtomicU64,
+}
+
+impl Router {
+    fn collector() -> Option<Arc<Spans>> {
+        COLLECTING.with(|c| c.borrow().clone())
+    }
+}
+
+impl Subscriber for Router {
     fn enabled(&self, _: &Metadata<'_>) -> bool {
         true
     }
     fn new_span(&self, span: &Attributes<'_>) -> Id {
-        let id = self.0.next.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut fields = HashMap::new();
-        span.record(&mut Fields(&mut fields));
-        self.0
-            .spans
-            .lock()
-            .unwrap()
-            .insert(id, (span.metadata().name(), fields));
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(spans) = Self::collector() {
+            let mut fields = HashMap::new();
+            span.record(&mut Fields(&mut fields));
+            spans
+                .spans
+                .lock()
+                .unwrap()
+                .insert(id, (span.metadata().name(), fields));
+        }
         Id::from_u64(id)
     }
     fn record(&self, span: &Id, values: &Record<'_>) {
-        if let Some((_, fields)) = self.0.spans.lock().unwrap().get_mut(&span.into_u64()) {
+        if let Some(spans) = Self::collector()
+            && let Some((_, fields)) = spans.spans.lock().unwrap().get_mut(&span.into_u64())
+        {
             values.record(&mut Fields(fields));
         }
     }
@@ -64,6 +85,24 @@ impl Subscriber for Collect {
     fn event(&self, _: &Event<'_>) {}
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
+}
+
+/// Runs `f` with this thread's spans collected.
+fn collecting_spans(f: impl FnOnce()) -> Arc<Spans> {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        tracing::subscriber::set_global_default(Router {
+            next: AtomicU64::new(0),
+        })
+        .expect("no other global subscriber in this test binary");
+    });
+    // Callsites registered before the subscriber existed: ask them again.
+    tracing::callsite::rebuild_interest_cache();
+    let spans = Arc::new(Spans::default());
+    COLLECTING.with(|c| *c.borrow_mut() = Some(Arc::clone(&spans)));
+    f();
+    COLLECTING.with(|c| *c.borrow_mut() = None);
+    spans
 }
 
 impl Spans {
@@ -87,11 +126,7 @@ fn field<'a>(span: &'a HashMap<String, String>, name: &str) -> &'a str {
 #[test]
 fn enqueue_claim_send_and_finish_each_have_a_span_with_key_destination_attempt_and_outcome() {
     let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
-    let spans = Arc::new(Spans::default());
-    tracing::subscriber::with_default(Collect(Arc::clone(&spans)), || {
-        // Other tests' threads, running with no subscriber, may have cached
-        // "never interested" for these callsites: ask again now that one exists.
-        tracing::callsite::rebuild_interest_cache();
+    let spans = collecting_spans(|| {
         h.enqueue("k", "chat-1");
         h.outbox
             .process("k", |_| Err(SendError::retryable("http_503")))
