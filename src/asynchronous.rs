@@ -11,7 +11,6 @@
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::error::{Error, Result};
@@ -96,12 +95,15 @@ impl Outbox {
     }
 
     /// [`process_due`](Outbox::process_due) for async transports: up to
-    /// `concurrency` items in flight at once (at least 1), each through
-    /// `process_async`'s claim → send → record, with no inline retry sleeps
-    /// (retryable failures are rescheduled). Rate caps still hold: every claim
-    /// counts the sends in flight, so concurrent items never exceed a cap.
+    /// `concurrency` items in flight at once (at least 1), with no inline retry
+    /// sleeps (retryable failures are rescheduled). Same order, fairness and
+    /// claim-per-send rules as `process_due`: messages to one destination go one
+    /// at a time in enqueue order, so one destination never holds more than one
+    /// of the `concurrency` slots. Rate caps still hold: every claim counts the
+    /// sends in flight, so concurrent items never exceed a cap.
     ///
-    /// Receipts are reported in completion order.
+    /// Receipts are reported in completion order. For a long-running loop that
+    /// sleeps until work arrives, use [`Outbox::worker`].
     ///
     /// # Panics
     ///
@@ -120,44 +122,7 @@ impl Outbox {
         F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
     {
-        let outbox = self.clone();
-        let keys = blocking(self, move || outbox.due_keys()).await?;
-        let send = Arc::new(send);
-        let limit = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut report = DrainReport::default();
-        let mut first_error = None;
-        let mut panic = None;
-        for key in keys {
-            // Collect what finished while waiting for a free slot.
-            while let Some(done) = tasks.try_join_next() {
-                settle(done, &mut report, &mut first_error, &mut panic);
-            }
-            if first_error.is_some() || panic.is_some() {
-                break;
-            }
-            let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
-                break;
-            };
-            let (outbox, send) = (self.clone(), Arc::clone(&send));
-            tasks.spawn(async move {
-                let _permit = permit;
-                let step = outbox.send_once(&key, &mut |item| send(item)).await?;
-                Ok(match step {
-                    Step::Done(receipt) => (receipt, false),
-                    Step::Sent(receipt, retry_wait) => (receipt, retry_wait.is_some()),
-                })
-            });
-        }
-        while let Some(done) = tasks.join_next().await {
-            settle(done, &mut report, &mut first_error, &mut panic);
-        }
-        if let Some(payload) = panic {
-            resume_unwind(payload);
-        }
-        if let Some(e) = first_error {
-            return Err(e);
-        }
+        let report = crate::worker::drain(self, concurrency, send).await?;
         let outbox = self.clone();
         blocking(self, move || outbox.publish_gauges()).await?;
         Ok(report)
@@ -176,12 +141,9 @@ impl Outbox {
         let claimed = blocking(self, move || {
             Ok(match outbox.claim(&owned_key)? {
                 Claimed::Done(receipt) => Ticket::Done(receipt),
-                Claimed::Send(item, before) => Ticket::Send(ClaimTicket {
-                    outbox: Some(outbox.clone()),
-                    key: owned_key,
-                    item,
-                    before,
-                }),
+                Claimed::Send(item, before) => {
+                    Ticket::Send(ClaimTicket::new(outbox.clone(), item, before))
+                }
             })
         })
         .await?;
@@ -219,7 +181,7 @@ enum Ticket {
 
 /// A durable claim whose send has not started. Dropped unused, it releases the
 /// claim: the item is restored exactly as it was, since it never left.
-struct ClaimTicket {
+pub(crate) struct ClaimTicket {
     outbox: Option<Outbox>,
     key: String,
     item: Box<OutboxItem>,
@@ -227,8 +189,23 @@ struct ClaimTicket {
 }
 
 impl ClaimTicket {
+    pub(crate) fn new(outbox: Outbox, item: Box<OutboxItem>, before: Box<OutboxItem>) -> Self {
+        Self {
+            outbox: Some(outbox),
+            key: item.idempotency_key.clone(),
+            item,
+            before,
+        }
+    }
+
+    /// Gives the claim back now (blocking), instead of on drop.
+    pub(crate) fn release_now(mut self, outbox: &Outbox) -> Result<()> {
+        self.outbox = None;
+        outbox.release(&self.key, &self.before)
+    }
+
     /// Turns the ticket into a started send, guarded against cancellation.
-    fn start_send(mut self) -> (OutboxItem, CancelGuard) {
+    pub(crate) fn start_send(mut self) -> (OutboxItem, CancelGuard) {
         let outbox = self.outbox.take();
         let key = std::mem::take(&mut self.key);
         let item = std::mem::replace(&mut self.item, Box::new((*self.before).clone()));
@@ -264,34 +241,6 @@ enum Step {
     Sent(DeliveryReceipt, Option<std::time::Duration>),
 }
 
-type TaskOutcome = std::result::Result<Result<(DeliveryReceipt, bool)>, tokio::task::JoinError>;
-
-/// Folds one finished drain task into the report.
-fn settle(
-    done: TaskOutcome,
-    report: &mut DrainReport,
-    first_error: &mut Option<Error>,
-    panic: &mut Option<Box<dyn std::any::Any + Send>>,
-) {
-    match done {
-        Ok(Ok((receipt, retried))) => report.add(receipt, retried),
-        Ok(Err(e)) => {
-            first_error.get_or_insert(e);
-        }
-        Err(join) if join.is_panic() => {
-            panic.get_or_insert(join.into_panic());
-        }
-        Err(join) => {
-            first_error.get_or_insert(Error::io(
-                std::path::PathBuf::new(),
-                "run drain task",
-                std::io::Error::other(join.to_string()),
-            ));
-        }
-    }
-}
-
-/// Runs file work on tokio's blocking pool.
 /// The blocking calls a tokio bot makes, run on the blocking pool so they never
 /// stall the runtime's workers with file I/O and fsyncs. Each behaves exactly
 /// as its blocking namesake. Anything else (e.g. [`Outbox::verify_audit`]) is
@@ -480,7 +429,8 @@ impl Outbox {
     }
 }
 
-async fn blocking<T: Send + 'static>(
+/// Runs file work on tokio's blocking pool.
+pub(crate) async fn blocking<T: Send + 'static>(
     outbox: &Outbox,
     work: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
@@ -491,7 +441,7 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
-fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error {
+pub(crate) fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error {
     Error::io(
         outbox.dir(),
         "run blocking task",
@@ -501,13 +451,13 @@ fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error {
 
 /// Fails the item as [`SEND_CANCELLED`] if dropped before [`disarm`](Self::disarm):
 /// the send future was dropped mid-flight, so the message may have left.
-struct CancelGuard {
+pub(crate) struct CancelGuard {
     outbox: Option<Outbox>,
     key: String,
 }
 
 impl CancelGuard {
-    fn disarm(mut self) {
+    pub(crate) fn disarm(mut self) {
         self.outbox = None;
     }
 }
@@ -534,7 +484,7 @@ impl Drop for CancelGuard {
 
 /// Polls a future, turning a panic inside it into an `Err` (like
 /// `std::panic::catch_unwind` for one poll at a time).
-struct CatchUnwind<F>(Pin<Box<F>>);
+pub(crate) struct CatchUnwind<F>(pub(crate) Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {
     type Output = std::thread::Result<F::Output>;

@@ -38,6 +38,7 @@ pub struct OutboxBuilder {
     pub(crate) rates: RatePolicy,
     pub(crate) max_inline_wait: Duration,
     pub(crate) drain_batch: usize,
+    pub(crate) ordering: crate::order::Ordering,
     pub(crate) compact_on_open: bool,
     pub(crate) history_after: Duration,
     pub(crate) retention: crate::history::Retention,
@@ -64,6 +65,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("rates", &self.rates)
             .field("max_inline_wait", &self.max_inline_wait)
             .field("drain_batch", &self.drain_batch)
+            .field("ordering", &self.ordering)
             .field("compact_on_open", &self.compact_on_open)
             .field("history_after", &self.history_after)
             .field("retention", &self.retention)
@@ -85,6 +87,7 @@ impl OutboxBuilder {
             rates: RatePolicy::default(),
             max_inline_wait: Duration::from_secs(5),
             drain_batch: 16,
+            ordering: crate::order::Ordering::PerDestination,
             compact_on_open: true,
             history_after: Duration::from_secs(24 * 60 * 60),
             retention: crate::history::Retention::KeepAll,
@@ -174,12 +177,28 @@ impl OutboxBuilder {
         self
     }
 
-    /// How many items [`Outbox::process_due`] claims per durable step. Default 16;
-    /// must be 1 to 4,096. A crash mid-batch makes every claimed item of the batch
-    /// ambiguous (never resent), so this bounds how many messages one crash can
-    /// leave in doubt; 1 claims and records each item on its own.
+    /// Formerly how many items [`Outbox::process_due`] claimed per durable
+    /// step. Still validated (1 to 4,096) but no longer used: every drain now
+    /// claims one item right before its send, in the same durable step that
+    /// records the previous outcome, so a crash leaves at most the sends that had
+    /// started ambiguous.
+    #[deprecated(
+        since = "0.2.0",
+        note = "process_due claims one item per send; the batch size has no effect"
+    )]
     pub fn drain_batch(mut self, items: usize) -> Self {
         self.drain_batch = items;
+        self
+    }
+
+    /// Whether messages to one destination leave in enqueue order. Default
+    /// [`Ordering::PerDestination`](crate::Ordering::PerDestination): one at a
+    /// time, oldest first (see [`Ordering`](crate::Ordering) for the rule);
+    /// [`Ordering::Unordered`](crate::Ordering::Unordered) for broadcasts. It
+    /// binds the handle it configures: give every process on a directory the
+    /// same setting.
+    pub fn ordering(mut self, ordering: crate::order::Ordering) -> Self {
+        self.ordering = ordering;
         self
     }
 

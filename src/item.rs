@@ -101,6 +101,10 @@ pub struct OutboxItem {
     /// The class of the last failure (`None` before any, after a success, for
     /// an operator's cancel, and in files written before the class was stored).
     pub(crate) failure_class: Option<FailureClass>,
+    /// Where the item stands in enqueue order (`enqueue_seq` in the file):
+    /// allocated under the lock, larger than every live item's. `None` for items
+    /// written before sequences existed, which come first (see `order`).
+    pub(crate) seq: Option<u64>,
 }
 
 impl OutboxItem {
@@ -203,6 +207,11 @@ impl OutboxItem {
     /// class was stored (seed files); read those by their error code.
     pub fn failure_class(&self) -> Option<FailureClass> {
         self.failure_class
+    /// Its place in enqueue order: a number larger than that of every item
+    /// live when it was enqueued (or requeued). `None` for items written by
+    /// releases (or the reference design) that had no sequence; they come first.
+    pub fn enqueue_seq(&self) -> Option<u64> {
+        self.seq
     }
 
     /// The owner id written into the claim, if any.

@@ -95,6 +95,7 @@ mod item;
 mod lock;
 mod message;
 mod metrics;
+mod order;
 mod outbox;
 mod rate;
 mod receipt;
@@ -103,6 +104,9 @@ mod send;
 mod settings;
 mod store;
 mod trust;
+mod wake;
+#[cfg(feature = "tokio")]
+mod worker;
 
 pub use crate::audit::{
     AuditChainRecords, AuditLog, AuditOutcome, AuditRecord, AuditRecords, AuditReport,
@@ -118,6 +122,7 @@ pub use crate::filter::{BulkReport, ItemFilter};
 pub use crate::history::{HistoryItems, Retention};
 pub use crate::item::{ItemState, OutboxItem};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
+pub use crate::order::Ordering;
 pub use crate::outbox::{
     AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN, GAVE_UP,
     GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
@@ -130,6 +135,8 @@ pub use crate::settings::Settings;
 /// The timestamp types of the API (`DateTime<Utc>`), re-exported so a bot
 /// names them without depending on `chrono` itself.
 pub use chrono::{DateTime, Utc};
+#[cfg(feature = "tokio")]
+pub use crate::worker::{Worker, WorkerReport};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -22,10 +22,12 @@ use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
 use crate::rate::{DestinationWindow, RateLimit, RatePolicy};
+use crate::order::{self, OrderKey, Picker};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::send::{FailureClass, SendError};
 use crate::settings::{self, Settings};
 use crate::store::{CommitFailure, Loaded, Store, rate_times};
+use crate::wake::Wakers;
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -99,7 +101,7 @@ struct Config {
     defaults: Settings,
     /// How long after enqueue an item is still retried (a handle setting).
     give_up_after: Duration,
-    drain_batch: usize,
+    ordering: order::Ordering,
     max_inline_wait: Duration,
     audit_rotate_bytes: u64,
     clock: Arc<dyn Clock>,
@@ -121,6 +123,8 @@ struct Inner {
     /// The settings this handle stores with its first change, when it opened a
     /// new outbox (unless another handle stored its own first).
     initial_settings: Option<crate::settings::Stored>,
+    /// Workers waiting for new items; called after every enqueue and requeue.
+    wakers: Wakers,
     config: Config,
     faults: Failpoints,
 }
@@ -201,6 +205,8 @@ struct Txn<'a> {
     now: DateTime<Utc>,
     /// The settings in force: stored ones over this handle's.
     settings: Settings,
+    /// The last enqueue sequence handed out (starts at the largest live one).
+    last_seq: u64,
 }
 
 impl Txn<'_> {
@@ -243,6 +249,90 @@ impl Txn<'_> {
 
     fn insert(&mut self, item: OutboxItem) {
         self.overlay.insert(item.idempotency_key.clone(), item);
+    }
+
+    /// The next enqueue sequence: larger than every live item's.
+    fn next_seq(&mut self) -> u64 {
+        self.last_seq += 1;
+        self.last_seq
+    }
+
+    /// The place of `destination`'s head: its earliest queued item, as this
+    /// transaction sees it.
+    fn head_of(&self, destination: &str) -> Option<OrderKey> {
+        let committed = self
+            .base
+            .index
+            .queued_to(destination)
+            .find(|place| !self.overlay.contains_key(&place.key))
+            .cloned();
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .map(OrderKey::of)
+            .min();
+        committed.into_iter().chain(pending).min()
+    }
+
+    /// `destination`'s queued items in enqueue order, as this transaction sees them.
+    fn queued_to(&self, destination: &str) -> Vec<OrderKey> {
+        let mut places: Vec<OrderKey> = self
+            .base
+            .index
+            .queued_to(destination)
+            .filter(|place| !self.overlay.contains_key(&place.key))
+            .cloned()
+            .collect();
+        places.extend(
+            self.overlay
+                .values()
+                .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+                .map(OrderKey::of),
+        );
+        places.sort_unstable();
+        places
+    }
+
+    /// Every destination with a queued item, as this transaction sees them.
+    fn queued_destinations(&self) -> Vec<String> {
+        let mut destinations: HashSet<&str> = self.base.index.queued().map(|(d, _)| d).collect();
+        destinations.extend(
+            self.overlay
+                .values()
+                .filter(|i| i.state == ItemState::Queued)
+                .map(|i| i.destination.as_str()),
+        );
+        destinations.into_iter().map(str::to_owned).collect()
+    }
+
+    /// The items to decide next, at most one per destination: the head
+    /// (per-destination order) or the first such item (unordered), if it is
+    /// due or claimed (a claim may be dead, and deciding fails it as
+    /// ambiguous). `admits` filters them further.
+    fn candidates(
+        &self,
+        ordering: order::Ordering,
+        admits: impl Fn(&OutboxItem) -> bool,
+    ) -> Vec<(String, OrderKey)> {
+        let ready = |place: &OrderKey| {
+            self.item(&place.key).is_some_and(|i| {
+                i.state == ItemState::Queued
+                    && (i.claim.is_some() || i.next_attempt_at.is_none_or(|at| at <= self.now))
+                    && admits(i)
+            })
+        };
+        let mut out = Vec::new();
+        for destination in self.queued_destinations() {
+            let place = match ordering {
+                order::Ordering::PerDestination => self.head_of(&destination).filter(&ready),
+                order::Ordering::Unordered => self.queued_to(&destination).into_iter().find(&ready),
+            };
+            if let Some(place) = place {
+                out.push((destination, place));
+            }
+        }
+        out
     }
 
     fn changed(&self) -> bool {
@@ -313,6 +403,38 @@ pub(crate) enum Claimed {
         Box<OutboxItem>,
         #[cfg_attr(not(feature = "tokio"), allow(dead_code))] Box<OutboxItem>,
     ),
+}
+
+/// What one [`Outbox::step`] did.
+#[derive(Default)]
+pub(crate) struct Stepped {
+    /// The recorded outcome of the send that finished, and its retry wait.
+    pub(crate) finished: Option<(DeliveryReceipt, Option<Duration>)>,
+    /// Items looked at and not claimed: deferred, or failed (ambiguous, exhausted).
+    pub(crate) looked: Vec<DeliveryReceipt>,
+    /// The item claimed for the next send, as claimed and as it was before.
+    pub(crate) claimed: Option<(Box<OutboxItem>, Box<OutboxItem>)>,
+}
+
+impl Stepped {
+    /// Adds the finished send and the items looked at to a drain's tally.
+    pub(crate) fn tally(&self, report: &mut DrainReport) {
+        if let Some((receipt, wait)) = &self.finished {
+            report.add(receipt.clone(), wait.is_some());
+        }
+        for receipt in &self.looked {
+            report.add(receipt.clone(), false);
+        }
+    }
+}
+
+/// When the next item is due, for a worker's sleep.
+#[derive(Debug, Default)]
+pub(crate) struct DueSummary {
+    /// The earliest due moment of a claimable item.
+    pub(crate) next_due: Option<DateTime<Utc>>,
+    /// Some line is held by a claim of another handle.
+    pub(crate) foreign_claim: bool,
 }
 
 /// What `send` produced, with panics caught.
@@ -399,10 +521,11 @@ impl Outbox {
                 in_flight: Mutex::new(HashSet::new()),
                 poisoned: AtomicBool::new(false),
                 initial_settings,
+                wakers: Wakers::default(),
                 config: Config {
                     defaults,
                     give_up_after: builder.give_up_after,
-                    drain_batch: builder.drain_batch,
+                    ordering: builder.ordering,
                     max_inline_wait: builder.max_inline_wait,
                     audit_rotate_bytes: builder.audit_rotate_bytes,
                     clock: builder.clock,
@@ -448,6 +571,7 @@ impl Outbox {
         let hash = content_hash(&message.content);
         let item = self.transact(move |txn| Self::insert_message(txn, message, hash))?;
         span.record("outcome", item.state.as_str());
+        self.inner.wakers.wake();
         Ok(item)
     }
 
@@ -472,12 +596,14 @@ impl Outbox {
             let hash = content_hash(&message.content);
             prepared.push((message, hash));
         }
-        self.transact(move |txn| {
+        let items = self.transact(move |txn| {
             prepared
                 .into_iter()
                 .map(|(message, hash)| Self::insert_message(txn, message, hash))
                 .collect()
-        })
+        })?;
+        self.inner.wakers.wake();
+        Ok(items)
     }
 
     /// Adds one validated message to a transaction, or returns its existing twin.
@@ -490,6 +616,7 @@ impl Outbox {
             return same_message(&old, &message, &hash).map(|()| old);
         }
         let key = message.idempotency_key;
+        let seq = txn.next_seq();
         txn.insert(OutboxItem {
             idempotency_key: key.clone(),
             connector: message.connector,
@@ -515,6 +642,7 @@ impl Outbox {
             cooldown_until: None,
             maybe_sent_at: None,
             failure_class: None,
+            seq: Some(seq),
         });
         record(txn, &key, AuditOutcome::Queued, None, false)?;
         txn.item(&key).cloned().ok_or(Error::NotFound { key })
@@ -691,21 +819,27 @@ impl Outbox {
         self.process_one(key, &mut send)
     }
 
-    /// Processes every queued item that is due now, oldest first, and returns a
-    /// tally. Retryable failures are rescheduled (no inline sleeping) and counted
-    /// as `retried`; rate-capped items are deferred.
+    /// Processes every queued item that is due now and returns a tally.
+    /// Retryable failures are rescheduled (no inline sleeping) and counted as
+    /// `retried`; rate-capped items are deferred.
     ///
-    /// Items are claimed in batches of [`drain_batch`](crate::OutboxBuilder::drain_batch)
-    /// (default 16) with one durable step per batch, then sent one by one, then
-    /// their outcomes are recorded with one durable step. If the process dies
-    /// mid-batch, every claimed item of that batch becomes ambiguous (failed, never
-    /// resent), including ones `send` had not reached yet: a smaller batch narrows
-    /// that window, a larger one drains faster.
+    /// Order: under the default [`Ordering::PerDestination`](crate::Ordering),
+    /// messages to one destination go in enqueue order, each only once the one
+    /// before it is sent or failed; an item whose predecessor is deferred or
+    /// retried stays queued and is reported as [`Outcome::Waiting`]. Across
+    /// destinations the pass rotates (least recently served first), so one
+    /// flooded destination does not hold the others back. Each item due when
+    /// the pass starts is looked at most once; items enqueued meanwhile wait for
+    /// the next pass.
+    ///
+    /// Each item is claimed right before its `send`, in the same durable step
+    /// (one journal entry, one fsync) that records the previous item's outcome.
+    /// If the process dies, only the item whose `send` had started becomes
+    /// ambiguous; every other item is still queued, untouched.
     ///
     /// # Panics
     ///
-    /// As [`process`](Self::process): a panic in `send` is recorded, the batch's
-    /// unsent items are released unchanged, then the panic is resumed.
+    /// As [`process`](Self::process): a panic in `send` is recorded, then resumed.
     ///
     /// # Errors
     ///
@@ -715,102 +849,199 @@ impl Outbox {
     where
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     {
-        let keys = self.due_keys()?;
+        let mut picker = Picker::pass(self.due_keys()?);
         let mut report = DrainReport::default();
-        for batch in keys.chunks(self.inner.config.drain_batch) {
-            self.drain_batch(batch, &mut send, &mut report)?;
+        let mut finished: Option<(String, SendResult)> = None;
+        loop {
+            let stepped = self.step(
+                finished.as_ref().map(|(k, r)| (k.as_str(), r)),
+                Some(&mut picker),
+            )?;
+            stepped.tally(&mut report);
+            let Some((item, _)) = stepped.claimed else {
+                break;
+            };
+            let result: SendResult =
+                send_span(&item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(&item))));
+            if result.is_err() {
+                if let Err(e) = self.step(Some((&item.idempotency_key, &result)), None) {
+                    tracing::error!(error = %e, "could not record a panicked send");
+                }
+                if let Err(panic) = result {
+                    resume_unwind(panic);
+                }
+            }
+            finished = Some((item.idempotency_key.clone(), result));
         }
+        self.report_waiting(&picker, &mut report)?;
         self.publish_gauges()?;
         Ok(report)
     }
 
-    /// Claims a batch in one durable step, sends each, records all outcomes in one.
-    fn drain_batch(
-        &self,
-        keys: &[String],
-        send: &mut dyn FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
-        report: &mut DrainReport,
-    ) -> Result<()> {
-        let mut claimed_here = Vec::new();
-        let decided = self.transact(|txn| {
-            let mut decisions = Vec::with_capacity(keys.len());
-            for key in keys {
-                let decision = self.decide(txn, key)?;
-                if matches!(decision, Decision::Send(..)) {
-                    claimed_here.push(key.clone());
-                }
-                decisions.push(decision);
-            }
-            Ok(decisions)
-        });
-        let decisions = match decided {
-            Ok(decisions) => decisions,
-            Err(e) => {
-                // Claims that did not commit are not in flight: only this batch's
-                // (another thread of this handle may be sending one of these keys).
-                let mut in_flight = self.in_flight();
-                for key in &claimed_here {
-                    in_flight.remove(key);
-                }
-                return Err(e);
-            }
-        };
-        let mut claimed = Vec::new();
-        for decision in decisions {
-            match decision {
-                Decision::Done(receipt) => report.add(receipt, false),
-                Decision::Send(item, before) => claimed.push((item, before)),
-            }
-        }
-        if claimed.is_empty() {
+    /// Adds a `Waiting` receipt for each key of a pass that was never looked
+    /// at and is still queued (behind an earlier message to its destination).
+    pub(crate) fn report_waiting(&self, picker: &Picker, report: &mut DrainReport) -> Result<()> {
+        let unseen = picker.unseen();
+        if unseen.is_empty() {
             return Ok(());
         }
-        let mut results: Vec<SendResult> = Vec::with_capacity(claimed.len());
-        for (item, _) in &claimed {
-            let result: SendResult =
-                send_span(item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(item))));
-            let panicked = result.is_err();
-            results.push(result);
-            if panicked {
-                break;
+        self.read(|loaded, _| {
+            for key in &unseen {
+                if let Some(item) = loaded.state.items.get(key)
+                    && item.state == ItemState::Queued
+                    && item.claim.is_none()
+                {
+                    report.add(
+                        DeliveryReceipt::for_item(item, Outcome::Waiting, None),
+                        false,
+                    );
+                }
             }
+            Ok(())
+        })
+    }
+
+    /// One durable step of a drain or worker: record `finished` (a send that
+    /// ran), then, if `pick` is given, look at candidates (fairest first) until
+    /// one is claimed or none is left. Items looked at and not claimed
+    /// (deferred by a cap, failed as ambiguous or exhausted) are reported in
+    /// `looked`. All in one transaction: one journal entry, one fsync.
+    ///
+    /// The claimed key is in this handle's in-flight set until the next step
+    /// records it, or [`release`](Self::release) or [`abandon`](Self::abandon).
+    pub(crate) fn step(
+        &self,
+        finished: Option<(&str, &SendResult)>,
+        mut pick: Option<&mut Picker>,
+    ) -> Result<Stepped> {
+        if finished.is_some() {
+            self.inner
+                .faults
+                .check("process.after_send")
+                .map_err(|e| Error::io(self.inner.store.path(), "process", e))
+                .inspect_err(|_| {
+                    if let Some((key, _)) = finished {
+                        self.in_flight().remove(key);
+                    }
+                })?;
         }
-        let recorded = self
-            .inner
-            .faults
-            .check("process.after_send")
-            .map_err(|e| Error::io(self.inner.store.path(), "process", e))
-            .and_then(|()| {
-                self.transact(|txn| {
-                    let mut outcomes = Vec::with_capacity(results.len());
-                    for ((item, _), result) in claimed.iter().zip(&results) {
-                        outcomes.push(self.finish(txn, &item.idempotency_key, result)?);
+        let mut claimed_here: Option<String> = None;
+        let stepped = self.transact(|txn| {
+            let mut stepped = Stepped::default();
+            if let Some((key, result)) = finished {
+                stepped.finished = Some(self.finish(txn, key, result)?);
+            }
+            let Some(picker) = pick.as_deref_mut() else {
+                return Ok(stepped);
+            };
+            let mut tried = HashSet::new();
+            let own = self.inner.owner.id();
+            loop {
+                let mut candidates = txn.candidates(self.inner.config.ordering, |item| {
+                    let key = item.idempotency_key.as_str();
+                    // Our own sends in progress need no look.
+                    let ours = item.claim_owner() == Some(own) && self.in_flight().contains(key);
+                    !ours && picker.admits(key) && !tried.contains(key)
+                });
+                if candidates.is_empty() {
+                    return Ok(stepped);
+                }
+                picker.rank(&mut candidates);
+                for (destination, place) in candidates {
+                    let key = place.key;
+                    picker.looked_at(&key);
+                    match self.decide(txn, &key)? {
+                        Decision::Done(receipt) => stepped.looked.push(receipt),
+                        Decision::Send(item, before) => {
+                            picker.served(&destination);
+                            claimed_here = Some(key);
+                            stepped.claimed = Some((item, before));
+                            return Ok(stepped);
+                        }
                     }
-                    // After a panic the rest were never handed to `send`: release them.
-                    for (_, before) in &claimed[results.len()..] {
-                        txn.insert((**before).clone());
-                    }
-                    Ok(outcomes)
-                })
-            });
+                    tried.insert(key);
+                }
+            }
+        });
+        if let Some((key, _)) = finished {
+            self.in_flight().remove(key);
+        }
+        if stepped.is_err()
+            && let Some(key) = claimed_here
         {
-            let mut in_flight = self.in_flight();
-            for (item, _) in &claimed {
-                in_flight.remove(&item.idempotency_key);
-            }
+            // A claim that did not commit is not in flight.
+            self.in_flight().remove(&key);
         }
-        if let Some(Err(_)) = results.last() {
-            if let Err(e) = &recorded {
-                tracing::error!(error = %e, "could not record a batch with a panicked send");
+        stepped
+    }
+
+    /// The earliest moment an item may be claimed: at or before now when one
+    /// is due already, `None` when nothing is queued that could go without
+    /// another send finishing first. For bots that write their own loop around
+    /// [`process_due`](Self::process_due): sleep until this moment (or until an
+    /// enqueue), never on a fixed tick.
+    ///
+    /// Looks at the items a drain would pick: under per-destination order only
+    /// each destination's head, and only if no worker is sending it (a
+    /// destination whose head is in flight becomes due when that send
+    /// finishes). An item deferred by a rate cap, a backoff or a platform's
+    /// `retry_after` counts at its `next_attempt_at`; an item a rate cap will
+    /// defer but has not been looked at yet counts as due (the drain then
+    /// defers it to its exact moment).
+    ///
+    /// # Errors
+    ///
+    /// As [`get`](Self::get).
+    pub fn next_due_at(&self) -> Result<Option<DateTime<Utc>>> {
+        Ok(self.due_summary()?.next_due)
+    }
+
+    /// [`next_due_at`](Self::next_due_at), and whether some destination's line
+    /// is held by another process's claim (which a crash could leave behind
+    /// without any write to wake a worker).
+    pub(crate) fn due_summary(&self) -> Result<DueSummary> {
+        let ordering = self.inner.config.ordering;
+        let own = self.inner.owner.id().to_owned();
+        self.read(|loaded, _| {
+            let mut summary = DueSummary::default();
+            let items = &loaded.state.items;
+            for (_, line) in loaded.index.queued() {
+                let places: Box<dyn Iterator<Item = &OrderKey>> = match ordering {
+                    order::Ordering::PerDestination => Box::new(line.iter().take(1)),
+                    order::Ordering::Unordered => Box::new(line.iter()),
+                };
+                for place in places {
+                    let Some(item) = items.get(&place.key) else {
+                        continue;
+                    };
+                    if item.claim.is_some() {
+                        summary.foreign_claim |= item.claim_owner() != Some(own.as_str());
+                        continue;
+                    }
+                    let due = item.next_attempt_at.unwrap_or(item.created_at);
+                    summary.next_due = Some(summary.next_due.map_or(due, |d| d.min(due)));
+                }
             }
-            if let Some(Err(panic)) = results.pop() {
-                resume_unwind(panic);
-            }
-        }
-        for (receipt, retry_wait) in recorded? {
-            report.add(receipt, retry_wait.is_some());
-        }
-        Ok(())
+            Ok(summary)
+        })
+    }
+
+    /// Registers a listener called after every enqueue and requeue on this
+    /// handle or its clones.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn subscribe(&self, listener: crate::wake::Listener) -> u64 {
+        self.inner.wakers.subscribe(listener)
+    }
+
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn unsubscribe(&self, id: u64) {
+        self.inner.wakers.unsubscribe(id);
+    }
+
+    /// The configured clock.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.inner.config.clock)
     }
 
     /// An operator's decision to send a `failed` item again — the only way an
@@ -856,13 +1087,15 @@ impl Outbox {
     /// As [`enqueue`](Self::enqueue).
     pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
-        self.transact(|txn| {
+        let requeued = self.transact(|txn| {
             let item = txn.live_item(key)?;
             if let Some(why) = Bulk::Requeue.refusal(item) {
                 return Err(Bulk::Requeue.refused(key, why));
             }
             Bulk::Requeue.apply(txn, key, &note)
-        })
+        })?;
+        self.inner.wakers.wake();
+        Ok(requeued)
     }
 
     /// An operator's decision not to send a `queued` item: it becomes `failed`
@@ -1066,13 +1299,17 @@ impl Outbox {
                 Ok(report)
             });
         };
-        self.transact(|txn| {
+        let report = self.transact(|txn| {
             let (todo, mut report) = plan(&txn.base.state.items);
             for key in todo {
                 report.changed.push(action.apply(txn, &key, &note)?);
             }
             Ok(report)
-        })
+        })?;
+        if action == Bulk::Requeue && !report.changed.is_empty() {
+            self.inner.wakers.wake();
+        }
+        Ok(report)
     }
 
     /// An operator's decision to delete old audit history: removes all sealed
@@ -1353,6 +1590,7 @@ impl Outbox {
             hasher: audit.hasher(),
             now: inner.config.clock.now(),
             settings: inner.config.defaults.with_stored(&loaded.state.settings),
+            last_seq: loaded.index.max_seq(),
         };
         let value = f(&mut txn)?;
         if !txn.changed() {
@@ -1672,6 +1910,17 @@ impl Outbox {
             );
             return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
         }
+        if self.inner.config.ordering == order::Ordering::PerDestination
+            && txn
+                .head_of(&item.destination)
+                .is_some_and(|head| head.key != key)
+        {
+            return Ok(Decision::Done(DeliveryReceipt::for_item(
+                item,
+                Outcome::Waiting,
+                None,
+            )));
+        }
         if item.attempts >= txn.settings.max_attempts {
             return fail(txn, key, ATTEMPTS_EXHAUSTED, FailureClass::Retryable);
         }
@@ -1925,7 +2174,7 @@ fn fail_ambiguous(txn: &mut Txn<'_>, key: &str, code: &str) -> Result<Decision> 
 }
 
 /// The two operator actions on items, one by key or many by filter.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Bulk {
     Requeue,
     Cancel,
@@ -1985,11 +2234,15 @@ impl Bulk {
     /// Applies the action to an item it applies to, with its audit record.
     fn apply(self, txn: &mut Txn<'_>, key: &str, note: &str) -> Result<OutboxItem> {
         let now = txn.now;
-        let changed = self.preview(txn.live_item(key)?, now);
+        let mut changed = self.preview(txn.live_item(key)?, now);
         let outcome = match self {
             Self::Requeue => AuditOutcome::Requeued,
             Self::Cancel => AuditOutcome::Cancelled,
         };
+        if self == Self::Requeue {
+            // A requeue is a new turn: the back of the destination's line.
+            changed.seq = Some(txn.next_seq());
+        }
         txn.insert(changed);
         record(txn, key, outcome, Some(note), false)?;
         txn.item(key).cloned().ok_or_else(|| Error::NotFound {

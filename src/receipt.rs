@@ -16,16 +16,22 @@ pub enum Outcome {
     Deferred,
     /// Another worker (thread or process) is sending it right now. Nothing changed.
     InFlight,
+    /// Not attempted: an earlier message to the same destination is still
+    /// queued, in flight or waiting for its retry, and messages to one
+    /// destination leave in enqueue order (see [`Ordering`](crate::Ordering)).
+    /// Nothing changed; the item goes once everything before it is sent or failed.
+    Waiting,
 }
 
 impl Outcome {
-    /// `sent`, `failed`, `deferred` or `in_flight`.
+    /// `sent`, `failed`, `deferred`, `in_flight` or `waiting`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Sent => "sent",
             Self::Failed => "failed",
             Self::Deferred => "deferred",
             Self::InFlight => "in_flight",
+            Self::Waiting => "waiting",
         }
     }
 }
@@ -85,6 +91,9 @@ pub struct DrainReport {
     pub in_flight: usize,
     /// Items that hit a retryable failure and were rescheduled.
     pub retried: usize,
+    /// Items that stayed queued behind an earlier message to the same
+    /// destination that had not left yet (see [`Outcome::Waiting`]).
+    pub waiting: usize,
     /// Every receipt, in processing order.
     pub receipts: Vec<DeliveryReceipt>,
 }
@@ -95,6 +104,7 @@ impl DrainReport {
             Outcome::Sent => self.sent += 1,
             Outcome::Failed => self.failed += 1,
             Outcome::InFlight => self.in_flight += 1,
+            Outcome::Waiting => self.waiting += 1,
             Outcome::Deferred if retried => self.retried += 1,
             Outcome::Deferred => self.deferred += 1,
         }

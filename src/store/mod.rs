@@ -40,6 +40,7 @@ use crate::outbox::{AMBIGUOUS_AFTER_RESTART, SEND_CANCELLED, SEND_PANICKED};
 use crate::rate::RateLimit;
 use crate::retry::Backoff;
 use crate::settings::Stored;
+use crate::order::OrderKey;
 
 pub(crate) use journal::JOURNAL_FILE;
 use journal::{EntryV1, HeaderV1, JOURNAL_VERSION, Line};
@@ -92,6 +93,11 @@ pub(crate) struct Index {
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
     /// The same times across all destinations, for the global cap.
     all_rate_times: BTreeSet<(DateTime<Utc>, String)>,
+    /// Per destination, its queued items (claimed or not) in enqueue order:
+    /// the first is the destination's head (see `order`).
+    queued: HashMap<String, BTreeSet<OrderKey>>,
+    /// The largest enqueue sequence of any live item, for the next enqueue.
+    max_seq: u64,
 }
 
 /// The error codes this crate gives ambiguous failures. An item failed with one
@@ -151,6 +157,13 @@ impl Index {
                 .insert((at, key.clone()));
             self.all_rate_times.insert((at, key.clone()));
         }
+        if item.state == ItemState::Queued {
+            self.queued
+                .entry(item.destination.clone())
+                .or_default()
+                .insert(OrderKey::of(item));
+        }
+        self.max_seq = self.max_seq.max(item.seq.unwrap_or(0));
     }
 
     fn remove(&mut self, item: &OutboxItem) {
@@ -185,6 +198,29 @@ impl Index {
                 }
             }
         }
+        if item.state == ItemState::Queued
+            && let Some(set) = self.queued.get_mut(&item.destination)
+        {
+            set.remove(&OrderKey::of(item));
+            if set.is_empty() {
+                self.queued.remove(&item.destination);
+            }
+        }
+    }
+
+    /// Every destination's queued items, each set in enqueue order.
+    pub(crate) fn queued(&self) -> impl Iterator<Item = (&str, &BTreeSet<OrderKey>)> {
+        self.queued.iter().map(|(d, set)| (d.as_str(), set))
+    }
+
+    /// `destination`'s queued items in enqueue order.
+    pub(crate) fn queued_to(&self, destination: &str) -> impl Iterator<Item = &OrderKey> {
+        self.queued.get(destination).into_iter().flatten()
+    }
+
+    /// The largest enqueue sequence among live items (0 if none has one).
+    pub(crate) fn max_seq(&self) -> u64 {
+        self.max_seq
     }
 
     /// The first key (in key order) whose item carries this transport ref.
@@ -1114,6 +1150,7 @@ fn item_to_disk(item: &OutboxItem) -> ItemV1 {
         destination: item.destination.clone(),
         direction: item.direction.clone(),
         dispatch_claimed: item.claim.is_some(),
+        enqueue_seq: item.seq,
         error_code: item.error_code.clone(),
         failure_class: item.failure_class.map(|c| c.as_str().to_owned()),
         grant_id: item.grant_id.clone(),
@@ -1217,6 +1254,7 @@ fn item_from_disk(path: &Path, place: &str, raw: ItemV1) -> Result<OutboxItem> {
         cooldown_until,
         maybe_sent_at,
         failure_class,
+        seq: raw.enqueue_seq,
     })
 }
 

@@ -3,7 +3,7 @@
 //! Version 1 is the reference (Python) design's file; version 2 is version 1 plus
 //! optional fields: `audit_head` (with `mac` in keyed mode), `generation`, `settings`
 //! and `cooldowns` at the top level, and `claim_owner`, `claimed_at_utc`,
-//! `cooldown_until_utc`, `failure_class`, `last_audit_id`, `maybe_sent_at_utc` on
+//! `cooldown_until_utc`, `enqueue_seq`, `failure_class`, `last_audit_id`, `maybe_sent_at_utc` on
 //! items. This crate reads
 //! both and writes version 2. Item keys are written sorted, as the reference does.
 
@@ -139,6 +139,9 @@ pub(crate) struct ItemV1 {
     #[serde(default = "default_direction")]
     pub(crate) direction: String,
     pub(crate) dispatch_claimed: bool,
+    /// The item's place in enqueue order (per-destination delivery order).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) enqueue_seq: Option<u64>,
     #[serde(default)]
     pub(crate) error_code: Option<String>,
     /// The class of the last failure (`retryable`, `permanent`, `ambiguous`);

@@ -214,7 +214,7 @@ impl Harness {
 
 #[test]
 fn a_panic_mid_drain_records_what_was_sent_and_releases_what_was_not() {
-    let h = Harness::with(|b| b.drain_batch(8));
+    let h = Harness::new();
     for i in 0..5 {
         h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
         h.clock.advance(secs(1));
@@ -249,8 +249,8 @@ fn a_panic_mid_drain_records_what_was_sent_and_releases_what_was_not() {
 }
 
 #[test]
-fn process_due_claims_a_batch_in_one_durable_step() {
-    let h = Harness::with(|b| b.drain_batch(4));
+fn process_due_records_each_outcome_in_the_step_that_claims_the_next_item() {
+    let h = Harness::new();
     for i in 0..8 {
         h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
     }
@@ -265,7 +265,7 @@ fn process_due_claims_a_batch_in_one_durable_step() {
     assert_eq!(report.sent, 8);
     assert_eq!(
         entries() - before,
-        4,
-        "two batches: a claim entry and an outcome entry each"
+        9,
+        "one claim, then seven entries each recording one send and claiming the next, then the last outcome"
     );
 }

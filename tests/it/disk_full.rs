@@ -185,7 +185,9 @@ fn message(key: &str) -> NewMessage {
         idempotency_key: key.to_owned(),
         connector: "telegram".into(),
         grant_id: "grant-1".into(),
-        destination: "chat-1".into(),
+        // One chat per message: each is processed on its own, and per-destination
+        // order would hold a message behind an earlier one never processed.
+        destination: format!("chat-{key}"),
         // Big enough that the journal and the log need fresh space soon.
         content: format!("{key}: {}", "x".repeat(12_000)),
         ..Default::default()

@@ -15,7 +15,7 @@
 //!
 //! Cases: `OUTBOX_PROPTEST_CASES` (default 64); replay: `OUTBOX_PROPTEST_SEED`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
@@ -48,7 +48,6 @@ struct Settings {
     rate_count: u32,
     rate_window_ms: u64,
     max_inline_wait_ms: u64,
-    drain_batch: usize,
 }
 
 /// What the scripted `send` answers.
@@ -163,17 +162,13 @@ fn settings() -> impl Strategy<Value = Settings> {
         1..=2u32,
         prop::sample::select(vec![1_000u64, 10_000, 60_000]),
         prop::sample::select(vec![0u64, 250, 1_000, 5_000]),
-        prop::sample::select(vec![1usize, 2, 16]),
     )
         .prop_map(
-            |(max_attempts, rate_count, rate_window_ms, max_inline_wait_ms, drain_batch)| {
-                Settings {
-                    max_attempts,
-                    rate_count,
-                    rate_window_ms,
-                    max_inline_wait_ms,
-                    drain_batch,
-                }
+            |(max_attempts, rate_count, rate_window_ms, max_inline_wait_ms)| Settings {
+                max_attempts,
+                rate_count,
+                rate_window_ms,
+                max_inline_wait_ms,
             },
         )
 }
@@ -198,6 +193,8 @@ struct ModelItem {
     /// The claim time of a send that failed as ambiguous: it may have left, so
     /// it counts against the cap whatever the item's state.
     maybe_sent_at: Option<DateTime<Utc>>,
+    /// Enqueue order: larger than every item's before it.
+    seq: u64,
 }
 
 /// The comparable part of one audit record.
@@ -255,6 +252,7 @@ struct DrainTally {
     deferred: usize,
     retried: usize,
     in_flight: usize,
+    waiting: usize,
     receipts: Vec<Expected>,
     panicked: bool,
 }
@@ -265,6 +263,7 @@ impl DrainTally {
             Outcome::Sent => self.sent += 1,
             Outcome::Failed => self.failed += 1,
             Outcome::InFlight => self.in_flight += 1,
+            Outcome::Waiting => self.waiting += 1,
             Outcome::Deferred if retried => self.retried += 1,
             Outcome::Deferred => self.deferred += 1,
         }
@@ -278,6 +277,7 @@ impl DrainTally {
             deferred: report.deferred,
             retried: report.retried,
             in_flight: report.in_flight,
+            waiting: report.waiting,
             receipts: {
                 let mut receipts: Vec<Expected> =
                     report.receipts.iter().map(Expected::of).collect();
@@ -439,6 +439,10 @@ impl Model {
             ItemState::Queued if item.claimed_at.is_some() => {
                 Some(self.fail_ambiguous(key, AMBIGUOUS_AFTER_RESTART))
             }
+            // Per-destination order: only the destination's earliest queued item goes.
+            ItemState::Queued if self.head(item.destination).as_deref() != Some(key) => {
+                Some(self.expect(key, Outcome::Waiting, false))
+            }
             ItemState::Queued if item.attempts >= self.settings.max_attempts => {
                 Some(self.fail(key, ATTEMPTS_EXHAUSTED))
             }
@@ -545,59 +549,92 @@ impl Model {
         }
     }
 
-    /// Due items oldest first, in batches: every item of a batch is decided (and
-    /// claimed) first, then the claimed ones are sent in order, then all outcomes
-    /// are recorded. A panic in `send` records what was sent, releases the rest of
-    /// the batch unchanged and ends the pass.
+    /// The place of an item in its destination's line.
+    fn place(&self, key: &str) -> (u64, DateTime<Utc>, String) {
+        let item = &self.items[key];
+        (item.seq, item.created_at, key.to_owned())
+    }
+
+    /// A destination's head: its queued item enqueued first.
+    fn head(&self, destination: usize) -> Option<String> {
+        self.items
+            .iter()
+            .filter(|(_, i)| i.destination == destination && i.state == ItemState::Queued)
+            .map(|(key, _)| self.place(key))
+            .min()
+            .map(|(_, _, key)| key)
+    }
+
+    /// One pass over the items due when it starts, each looked at once. Each
+    /// step records the previous send and claims the next: among the
+    /// destinations' heads that are due (or carry a claim), the destination
+    /// served least recently goes first, then the earliest enqueued. A panic
+    /// in `send` is recorded and ends the pass. Keys never reached and still
+    /// queued are reported as waiting.
     fn process_due(&mut self, replies: &[Reply], sends: &mut Vec<String>) -> DrainTally {
-        let mut due: Vec<(DateTime<Utc>, String)> = self
+        let due: BTreeSet<String> = self
             .items
             .iter()
             .filter(|(_, i)| i.state == ItemState::Queued)
             .filter(|(_, i)| i.next_attempt_at.is_none_or(|at| at <= self.now))
-            .map(|(key, i)| (i.created_at, key.clone()))
+            .map(|(key, _)| key.clone())
             .collect();
-        due.sort();
-        let keys: Vec<String> = due.into_iter().map(|(_, key)| key).collect();
+        let mut seen = BTreeSet::new();
+        let mut served: BTreeMap<usize, u64> = BTreeMap::new();
+        let mut tick = 0;
         let mut tally = DrainTally::default();
         let mut calls = 0;
-        for batch in keys.chunks(self.settings.drain_batch) {
-            let mut claimed = Vec::new();
-            for key in batch {
-                let before = self.items[key].clone();
-                match self.decide(key) {
-                    None => unreachable!("due keys exist"),
-                    Some(Decision::Done(expected)) => tally.add(expected, false),
-                    Some(Decision::Send) => claimed.push((key.clone(), before)),
-                }
-            }
-            let mut answered = Vec::new();
-            for (key, _) in &claimed {
-                let reply = replies[calls % replies.len()].clone();
-                calls += 1;
-                sends.push(key.clone());
-                let panicked = matches!(reply, Reply::Panic);
-                answered.push((key.clone(), reply));
-                if panicked {
+        loop {
+            let mut tried = BTreeSet::new();
+            let mut claimed = None;
+            'pick: loop {
+                let mut candidates: Vec<(u64, (u64, DateTime<Utc>, String), usize)> = (0
+                    ..DESTINATIONS.len())
+                    .filter_map(|d| self.head(d).map(|key| (d, key)))
+                    .filter(|(_, key)| {
+                        let item = &self.items[key];
+                        (item.claimed_at.is_some()
+                            || item.next_attempt_at.is_none_or(|at| at <= self.now))
+                            && due.contains(key)
+                            && !seen.contains(key)
+                            && !tried.contains(key)
+                    })
+                    .map(|(d, key)| (served.get(&d).copied().unwrap_or(0), self.place(&key), d))
+                    .collect();
+                if candidates.is_empty() {
                     break;
                 }
+                candidates.sort();
+                for (_, (_, _, key), destination) in candidates {
+                    seen.insert(key.clone());
+                    match self.decide(&key) {
+                        None => unreachable!("due keys exist"),
+                        Some(Decision::Done(expected)) => tally.add(expected, false),
+                        Some(Decision::Send) => {
+                            tick += 1;
+                            served.insert(destination, tick);
+                            claimed = Some(key);
+                            break 'pick;
+                        }
+                    }
+                    tried.insert(key);
+                }
             }
-            let outcomes: Vec<(Expected, Option<u64>)> = answered
-                .iter()
-                .map(|(key, reply)| self.finish(key, reply))
-                .collect();
-            for (key, before) in &claimed[answered.len()..] {
-                self.items.insert(key.clone(), before.clone());
-            }
-            if answered
-                .last()
-                .is_some_and(|(_, r)| matches!(r, Reply::Panic))
-            {
+            let Some(key) = claimed else { break };
+            let reply = replies[calls % replies.len()].clone();
+            calls += 1;
+            sends.push(key.clone());
+            let (expected, wait) = self.finish(&key, &reply);
+            if matches!(reply, Reply::Panic) {
                 tally.panicked = true;
                 return tally;
             }
-            for (expected, wait) in outcomes {
-                tally.add(expected, wait.is_some());
+            tally.add(expected, wait.is_some());
+        }
+        for key in due.difference(&seen) {
+            let item = &self.items[key];
+            if item.state == ItemState::Queued && item.claimed_at.is_none() {
+                tally.add(self.expect(key, Outcome::Waiting, false), false);
             }
         }
         tally.receipts.sort_by(|a, b| a.key.cmp(&b.key));
@@ -675,7 +712,6 @@ fn open(dir: &std::path::Path, clock: &ManualClock, settings: Settings) -> Outbo
             Duration::from_millis(settings.rate_window_ms),
         )
         .max_inline_wait(Duration::from_millis(settings.max_inline_wait_ms))
-        .drain_batch(settings.drain_batch)
         .update_settings()
         .open()
         .expect("open the outbox")
@@ -896,6 +932,7 @@ impl Run {
                             transport_ref: None,
                             cooldown_until: None,
                             maybe_sent_at: None,
+                            seq: self.model.items.values().map(|i| i.seq).max().unwrap_or(0) + 1,
                         },
                     );
                     self.model.record(key, "queued");
@@ -1190,17 +1227,16 @@ fn random_runs_match_the_lifecycle_and_rate_cap_model() {
     );
 }
 
-/// `process_due` documents that after a panic in `send` "the batch's unsent items
-/// are released unchanged". The model check relies on that; this pins it down.
+/// After a panic in `send`, `process_due` leaves every item it had not handed to
+/// `send` exactly as it was. The model check relies on that; this pins it down.
 #[test]
-fn a_panic_in_process_due_releases_the_unsent_rest_of_the_batch_unchanged() {
+fn a_panic_in_process_due_leaves_the_items_not_yet_sent_unchanged() {
     let dir = tempfile::tempdir().expect("temp dir");
     let clock = ManualClock::at(START).expect("start time");
     let outbox = Outbox::builder(dir.path())
         .clock(clock.clone())
         .sleeper(clock.clone())
         .max_inline_wait(Duration::ZERO)
-        .drain_batch(16)
         .open()
         .expect("open");
     outbox.enqueue(message("a", 0, false)).expect("enqueue a");
@@ -1232,7 +1268,7 @@ fn a_panic_in_process_due_releases_the_unsent_rest_of_the_batch_unchanged() {
     assert_eq!(
         fields(&after),
         fields(&before),
-        "batch-release broken: b was claimed in the batch but never sent; releasing it must \
-         leave it as it was (state, attempts, claim, error_code, next_attempt_at)"
+        "b was never handed to send; it must be as it was (state, attempts, claim, \
+         error_code, next_attempt_at)"
     );
 }

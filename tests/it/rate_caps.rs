@@ -1,6 +1,6 @@
 //! Per-destination sliding-window caps, counted from persisted send times.
 
-use durable_outbox::{Clock, Outcome, RATE_CAPPED};
+use durable_outbox::{Clock, Ordering, Outcome, RATE_CAPPED};
 
 use crate::harness::{Harness, builder, secs};
 
@@ -81,11 +81,13 @@ fn caps_hold_across_a_restart() {
 
 #[test]
 fn a_send_in_progress_counts_against_the_cap() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    // Unordered: under per-destination order b would wait behind a anyway.
+    let h = Harness::with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
     h.enqueue("a", "chat-1");
     h.enqueue("b", "chat-1");
     let other = builder(h.dir.path(), &h.clock)
         .rate_limit(1, secs(60))
+        .ordering(Ordering::Unordered)
         .open()
         .unwrap();
     h.outbox
@@ -180,7 +182,11 @@ fn an_empty_pattern_or_a_zero_cap_is_rejected_at_open() {
 
 #[test]
 fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
-    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+    // Unordered, so b is held by the cooldown itself, not by waiting behind a.
+    let h = Harness::with(|b| {
+        b.max_inline_wait(std::time::Duration::ZERO)
+            .ordering(Ordering::Unordered)
+    });
     for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2")] {
         h.enqueue(key, chat);
     }
@@ -193,8 +199,11 @@ fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
         .unwrap();
     assert_eq!(first.outcome, Outcome::Deferred);
     // The platform said "wait 30 s" about chat-1: b must not go there either…
-    let b = h
-        .reopen()
+    let b = builder(h.dir.path(), &h.clock)
+        .max_inline_wait(std::time::Duration::ZERO)
+        .ordering(Ordering::Unordered)
+        .open()
+        .unwrap()
         .process("b", |_| panic!("ignored the platform's Retry-After"))
         .unwrap();
     assert_eq!(b.outcome, Outcome::Deferred);

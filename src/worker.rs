@@ -1,0 +1,664 @@
+//! The delivery worker (feature `tokio`): the loop a bot runs instead of its own.
+//!
+//! A [`Worker`] keeps up to `concurrency` sends running. Each *slot* claims an
+//! item right before handing it to `send`, and records the outcome in the same
+//! durable step that claims its next item (one journal entry, one fsync per
+//! message). Between sends it sleeps, without polling the state: it wakes when
+//! an enqueue on any clone of the handle notifies it, when the journal of the
+//! directory changes (another process), at the exact moment the earliest
+//! deferred item falls due, or when `shutdown` completes.
+//!
+//! **Cross-process wake-ups** come from a watcher thread that `stat`s
+//! `outbox.journal` and `outbox.json` (identity, size, modification time): every
+//! change from another process appends to the journal or replaces it. The
+//! interval starts at 1 ms after a change and doubles to at most
+//! [`Worker::watch_interval`] (50 ms by default) while nothing changes: about 20
+//! `stat` pairs a second when idle, no reads, and an enqueue by another process
+//! is seen within that interval.
+//!
+//! **Backpressure:** the worker claims an item only when a slot is free to send
+//! it, so at most `concurrency` items are claimed (and held in memory) at once,
+//! however fast messages are enqueued; the rest stay queued on disk.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+
+use crate::asynchronous::{CatchUnwind, ClaimTicket, blocking, pool_gone};
+use crate::error::{Error, Result};
+use crate::item::OutboxItem;
+use crate::order::Picker;
+use crate::outbox::{Outbox, SEND_CANCELLED, SendResult, Stepped};
+use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+use crate::send::SendError;
+
+/// The default number of sends in flight at once.
+const DEFAULT_CONCURRENCY: usize = 8;
+/// The default time running sends get to finish after shutdown is asked for.
+const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The default longest pause between two looks at the journal.
+const DEFAULT_WATCH_INTERVAL: Duration = Duration::from_millis(50);
+/// How often a destination held by another process's claim is looked at again:
+/// a process killed mid-send writes nothing that would wake us, so its claim is
+/// found dead (and failed as ambiguous) on this re-check.
+const FOREIGN_CLAIM_RECHECK: Duration = Duration::from_secs(1);
+
+/// A delivery loop over one outbox; made by [`Outbox::worker`], started by
+/// [`run`](Self::run).
+///
+/// What it guarantees:
+/// - **Order:** under the outbox's [`Ordering`](crate::Ordering) (per
+///   destination by default), messages to one destination are handed to `send`
+///   in enqueue order, one at a time, across threads and processes.
+/// - **Fairness:** free slots go to the destination served least recently, so
+///   one flooded destination does not starve the others, and the global rate
+///   cap's slots are shared the same way.
+/// - **Backpressure:** at most `concurrency` items are claimed at once.
+/// - **Graceful shutdown:** see [`run`](Self::run).
+/// - **Crash-sized ambiguity:** an item is claimed right before its `send`, so
+///   a crash leaves ambiguous only the sends that had started.
+pub struct Worker<F> {
+    outbox: Outbox,
+    send: F,
+    concurrency: usize,
+    shutdown_timeout: Duration,
+    watch_interval: Duration,
+}
+
+impl<F> std::fmt::Debug for Worker<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("outbox", &self.outbox)
+            .field("concurrency", &self.concurrency)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("watch_interval", &self.watch_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a worker did between [`run`](Worker::run) and its return.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerReport {
+    /// Items delivered.
+    pub sent: usize,
+    /// Items that failed terminally (permanent or ambiguous errors, panics,
+    /// exhausted attempts, dead claims found on the way).
+    pub failed: usize,
+    /// Times an item was held back by a rate cap or a platform cooldown.
+    pub deferred: usize,
+    /// Sends that failed retryably and were rescheduled.
+    pub retried: usize,
+    /// Items claimed during shutdown before their send started, given back
+    /// untouched (still queued, attempts unchanged).
+    pub released: usize,
+    /// Sends still running at the shutdown deadline, dropped and failed as
+    /// [`SEND_CANCELLED`] (they may have been delivered; never resent).
+    pub cancelled: usize,
+}
+
+impl Outbox {
+    /// A delivery worker that hands due items to `send` (same contract as
+    /// [`process_due_async`](Outbox::process_due_async)'s). Configure it, then
+    /// [`run`](Worker::run) it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// use std::time::Duration;
+    /// use durable_outbox::{NewMessage, Outbox, SendError};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// outbox.enqueue(NewMessage {
+    ///     idempotency_key: "order-17".into(),
+    ///     connector: "telegram".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "chat-42".into(),
+    ///     content: "your order shipped".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    /// let worker = outbox
+    ///     .worker(move |item: durable_outbox::OutboxItem| {
+    ///         // e.g. post to the platform, mapped to SendError
+    ///         async move { Ok::<_, SendError>(Some(format!("tg-{}", item.idempotency_key()))) }
+    ///     })
+    ///     .concurrency(4)
+    ///     .shutdown_timeout(Duration::from_secs(10));
+    /// let running = tokio::spawn(worker.run(async move { stopped.await.ok(); }));
+    /// // In a bot: run until Ctrl-C / SIGTERM. Here: until the item is sent.
+    /// while outbox.get("order-17")?.and_then(|i| i.transport_ref().map(str::to_owned)).is_none() {
+    ///     tokio::time::sleep(Duration::from_millis(5)).await;
+    /// }
+    /// stop.send(()).ok();
+    /// let report = running.await??;
+    /// assert_eq!(report.sent, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn worker<F, Fut>(&self, send: F) -> Worker<F>
+    where
+        F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+    {
+        Worker {
+            outbox: self.clone(),
+            send,
+            concurrency: DEFAULT_CONCURRENCY,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            watch_interval: DEFAULT_WATCH_INTERVAL,
+        }
+    }
+}
+
+impl<F, Fut> Worker<F>
+where
+    F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+{
+    /// How many sends may run at once (at least 1). Default 8. Also the most
+    /// items the worker holds claimed at any moment.
+    #[must_use]
+    pub fn concurrency(mut self, sends: usize) -> Self {
+        self.concurrency = sends.max(1);
+        self
+    }
+
+    /// How long sends already running get to finish once shutdown is asked
+    /// for. Default 30 s. Sends still running then are dropped and fail as
+    /// [`SEND_CANCELLED`].
+    #[must_use]
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// The longest pause between two looks at the journal for changes made by
+    /// other processes (at least 1 ms). Default 50 ms: another process's enqueue
+    /// is picked up within about this long. Enqueues through this handle or its
+    /// clones wake the worker at once regardless.
+    #[must_use]
+    pub fn watch_interval(mut self, interval: Duration) -> Self {
+        self.watch_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Delivers until `shutdown` completes, then stops gracefully:
+    ///
+    /// 1. no new claims;
+    /// 2. sends already running get up to `shutdown_timeout` to finish, and
+    ///    their real outcome is recorded;
+    /// 3. an item claimed but not yet handed to `send` is released untouched
+    ///    (still queued, attempts unchanged);
+    /// 4. only sends still running at the deadline are dropped and fail as
+    ///    [`SEND_CANCELLED`].
+    ///
+    /// A panic in `send` fails its item with
+    /// [`SEND_PANICKED`](crate::SEND_PANICKED) and the worker carries on.
+    /// Dropping the returned future instead of completing `shutdown` cancels
+    /// running sends at once (as `SEND_CANCELLED`) and releases unstarted claims.
+    ///
+    /// # Errors
+    ///
+    /// The first load or write error (e.g. [`Error::Io`], [`Error::Poisoned`])
+    /// stops the worker: it claims nothing more, lets running sends finish as in
+    /// a shutdown, then returns the error.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<WorkerReport> {
+        let Self {
+            outbox,
+            send,
+            concurrency,
+            shutdown_timeout,
+            watch_interval,
+        } = self;
+        let (cancel, cancelled) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            outbox: outbox.clone(),
+            send,
+            picker: Mutex::new(Picker::worker()),
+            stopping: AtomicBool::new(false),
+            cancelled,
+            tally: Mutex::new(Tally::default()),
+            keep_panics: false,
+        });
+        let wake = Arc::new(Notify::new());
+        let _subscription = Subscription::new(&outbox, &wake);
+        let _watcher = Watcher::spawn(outbox.dir(), Arc::clone(&wake), watch_interval);
+        let mut slots: JoinSet<Result<SlotEnd>> = JoinSet::new();
+        let mut failure: Option<Error> = None;
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            if let Err(e) = fill(&shared, &mut slots, concurrency).await {
+                failure = Some(e);
+                break;
+            }
+            let pause = if slots.len() < concurrency {
+                match next_pause(&outbox).await {
+                    Ok(pause) => pause,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
+            tokio::select! {
+                () = &mut shutdown => break,
+                () = wake.notified() => {}
+                Some(done) = slots.join_next(), if !slots.is_empty() => {
+                    if let Err(e) = slot_ended(&outbox, done) {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+                () = sleep_for(pause) => {}
+            }
+        }
+        shared.stopping.store(true, Ordering::Release);
+        let graceful = tokio::time::timeout(shutdown_timeout, async {
+            let mut first = None;
+            while let Some(done) = slots.join_next().await {
+                if let Err(e) = slot_ended(&outbox, done) {
+                    first.get_or_insert(e);
+                }
+            }
+            first
+        })
+        .await;
+        let late = match graceful {
+            Ok(error) => error,
+            Err(_deadline) => {
+                // Sends still running: drop them, recording each as cancelled.
+                let _ = cancel.send(true);
+                let mut first = None;
+                while let Some(done) = slots.join_next().await {
+                    if let Err(e) = slot_ended(&outbox, done) {
+                        first.get_or_insert(e);
+                    }
+                }
+                first
+            }
+        };
+        if let Some(e) = failure.or(late) {
+            return Err(e);
+        }
+        let tally = std::mem::take(&mut *shared.tally());
+        Ok(tally.into_worker_report())
+    }
+}
+
+/// What all slots of one worker or drain share.
+struct Shared<F> {
+    outbox: Outbox,
+    send: F,
+    picker: Mutex<Picker>,
+    /// Set once shutdown is asked for: record outcomes, claim nothing more.
+    stopping: AtomicBool,
+    /// Becomes `true` at the shutdown deadline: drop running sends.
+    cancelled: watch::Receiver<bool>,
+    tally: Mutex<Tally>,
+    /// A drain hands a send's panic back to its caller; a worker carries on.
+    keep_panics: bool,
+}
+
+impl<F> Shared<F> {
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+}
+
+/// Counts (and for a drain, receipts) of what the slots did.
+#[derive(Default)]
+struct Tally {
+    report: DrainReport,
+    keep_receipts: bool,
+    released: usize,
+    cancelled: usize,
+    panic: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl Tally {
+    fn add(&mut self, receipt: &DeliveryReceipt, retried: bool) {
+        let report = &mut self.report;
+        match receipt.outcome {
+            Outcome::Sent => report.sent += 1,
+            Outcome::Failed => report.failed += 1,
+            Outcome::InFlight => report.in_flight += 1,
+            Outcome::Waiting => report.waiting += 1,
+            Outcome::Deferred if retried => report.retried += 1,
+            Outcome::Deferred => report.deferred += 1,
+        }
+        if self.keep_receipts {
+            report.receipts.push(receipt.clone());
+        }
+    }
+
+    fn add_step(&mut self, stepped: &Stepped) {
+        if let Some((receipt, wait)) = &stepped.finished {
+            self.add(receipt, wait.is_some());
+        }
+        for receipt in &stepped.looked {
+            self.add(receipt, false);
+        }
+    }
+
+    fn into_worker_report(self) -> WorkerReport {
+        WorkerReport {
+            sent: self.report.sent,
+            failed: self.report.failed,
+            deferred: self.report.deferred,
+            retried: self.report.retried,
+            released: self.released,
+            cancelled: self.cancelled,
+        }
+    }
+}
+
+/// How a slot ended.
+enum SlotEnd {
+    /// Nothing more to claim, or shutdown.
+    Idle,
+}
+
+/// Claims items for free slots and starts them, until all slots are busy or
+/// nothing is claimable.
+async fn fill<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    slots: &mut JoinSet<Result<SlotEnd>>,
+    concurrency: usize,
+) -> Result<()>
+where
+    F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+{
+    while slots.len() < concurrency && !shared.stopping() {
+        let Some(ticket) = claim_next(shared, None).await? else {
+            return Ok(());
+        };
+        slots.spawn(slot(Arc::clone(shared), ticket));
+    }
+    Ok(())
+}
+
+/// One durable step on the blocking pool: record `finished` (if any), then claim
+/// the next item unless shutting down. The claim comes back as a ticket, which
+/// releases it untouched if it is dropped before its send starts.
+async fn claim_next<F>(
+    shared: &Arc<Shared<F>>,
+    finished: Option<(String, SendResult)>,
+) -> Result<Option<ClaimTicket>>
+where
+    F: Send + Sync + 'static,
+{
+    let work = Arc::clone(shared);
+    let stepped = blocking(&shared.outbox, move || {
+        let finished_ref = finished.as_ref().map(|(k, r)| (k.as_str(), r));
+        let stepped = if work.stopping() {
+            work.outbox.step(finished_ref, None)?
+        } else {
+            let mut picker = work.picker.lock().unwrap_or_else(PoisonError::into_inner);
+            work.outbox.step(finished_ref, Some(&mut picker))?
+        };
+        work.tally().add_step(&stepped);
+        Ok(stepped
+            .claimed
+            .map(|(item, before)| ClaimTicket::new(work.outbox.clone(), item, before)))
+    })
+    .await?;
+    Ok(stepped)
+}
+
+/// Sends claimed items one after another: each outcome is recorded in the same
+/// durable step that claims the next item.
+async fn slot<F, Fut>(shared: Arc<Shared<F>>, first: ClaimTicket) -> Result<SlotEnd>
+where
+    F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+{
+    let mut next = Some(first);
+    while let Some(ticket) = next.take() {
+        if shared.stopping() {
+            // Claimed, never handed to `send`: give it back as it was.
+            let outbox = shared.outbox.clone();
+            blocking(&shared.outbox, move || ticket.release_now(&outbox)).await?;
+            shared.tally().released += 1;
+            return Ok(SlotEnd::Idle);
+        }
+        let (item, guard) = ticket.start_send();
+        let key = item.idempotency_key.clone();
+        let sending = CatchUnwind(Box::pin((shared.send)(item)));
+        let mut cancelled = shared.cancelled.clone();
+        let result: SendResult = tokio::select! {
+            result = sending => result,
+            () = deadline(&mut cancelled) => {
+                // The deadline passed mid-send: it may have left. Never resent.
+                guard.disarm();
+                let outbox = shared.outbox.clone();
+                let owned = key.clone();
+                blocking(&shared.outbox, move || outbox.abandon(&owned, SEND_CANCELLED)).await?;
+                shared.tally().cancelled += 1;
+                return Ok(SlotEnd::Idle);
+            }
+        };
+        guard.disarm();
+        let panicked = result.is_err();
+        if panicked {
+            tracing::error!(key, "send panicked; the item fails as send_panicked");
+        }
+        let (result, panic) = match result {
+            Err(payload) if shared.keep_panics => (Err(Box::new(()) as _), Some(payload)),
+            other => (other, None),
+        };
+        if let Some(payload) = panic {
+            // Record, claim nothing more, and hand the panic to the drain's caller.
+            let outbox = shared.outbox.clone();
+            let recorded = blocking(&shared.outbox, move || {
+                outbox.step(Some((&key, &result)), None)
+            })
+            .await;
+            match recorded {
+                Ok(stepped) => shared.tally().add_step(&stepped),
+                Err(e) => tracing::error!(error = %e, "could not record a panicked send"),
+            }
+            shared.tally().panic.get_or_insert(payload);
+            return Ok(SlotEnd::Idle);
+        }
+        next = claim_next(&shared, Some((key, result))).await?;
+    }
+    Ok(SlotEnd::Idle)
+}
+
+/// Folds a finished slot task into the worker's state.
+fn slot_ended(
+    outbox: &Outbox,
+    done: std::result::Result<Result<SlotEnd>, tokio::task::JoinError>,
+) -> Result<()> {
+    match done {
+        Ok(Ok(SlotEnd::Idle)) => Ok(()),
+        Ok(Err(e)) => Err(e),
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(join) => Err(pool_gone(outbox, &join)),
+    }
+}
+
+/// How long to sleep before looking again: until the earliest due item, with a
+/// re-check while another process's claim holds a line. `None`: until woken.
+async fn next_pause(outbox: &Outbox) -> Result<Option<Duration>> {
+    let probe = outbox.clone();
+    let summary = blocking(outbox, move || probe.due_summary()).await?;
+    let now = outbox.clock().now();
+    let until_due = summary.next_due.map(|at| {
+        // An item due now that was not claimable a moment ago (a race with
+        // another process): look again very soon, never spin.
+        (at - now)
+            .to_std()
+            .unwrap_or(Duration::ZERO)
+            .max(Duration::from_millis(1))
+    });
+    let recheck = summary.foreign_claim.then_some(FOREIGN_CLAIM_RECHECK);
+    Ok(match (until_due, recheck) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    })
+}
+
+/// Completes when the shutdown deadline passes (never, if the worker is gone).
+async fn deadline(cancelled: &mut watch::Receiver<bool>) {
+    if cancelled.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+async fn sleep_for(pause: Option<Duration>) {
+    match pause {
+        Some(pause) => tokio::time::sleep(pause).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs one drain pass with up to `concurrency` slots (see `process_due_async`).
+pub(crate) async fn drain<F, Fut>(
+    outbox: &Outbox,
+    concurrency: usize,
+    send: F,
+) -> Result<DrainReport>
+where
+    F: Fn(OutboxItem) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
+{
+    let probe = outbox.clone();
+    let due = blocking(outbox, move || probe.due_keys()).await?;
+    let (_cancel, cancelled) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        outbox: outbox.clone(),
+        send,
+        picker: Mutex::new(Picker::pass(due)),
+        stopping: AtomicBool::new(false),
+        cancelled,
+        tally: Mutex::new(Tally {
+            keep_receipts: true,
+            ..Tally::default()
+        }),
+        keep_panics: true,
+    });
+    let mut slots: JoinSet<Result<SlotEnd>> = JoinSet::new();
+    let mut first_error = fill(&shared, &mut slots, concurrency.max(1)).await.err();
+    while let Some(done) = slots.join_next().await {
+        if let Err(e) = slot_ended(outbox, done) {
+            shared.stopping.store(true, Ordering::Release);
+            first_error.get_or_insert(e);
+        }
+        if first_error.is_none() && shared.tally().panic.is_none() {
+            // A slot that ended left room: another line may have become claimable.
+            if let Err(e) = fill(&shared, &mut slots, concurrency.max(1)).await {
+                shared.stopping.store(true, Ordering::Release);
+                first_error = Some(e);
+            }
+        }
+    }
+    let mut tally = std::mem::take(&mut *shared.tally());
+    if let Some(payload) = tally.panic.take() {
+        std::panic::resume_unwind(payload);
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let picker = std::mem::take(&mut *shared.picker.lock().unwrap_or_else(PoisonError::into_inner));
+    let probe = outbox.clone();
+    let mut report = tally.report;
+    blocking(outbox, move || {
+        probe.report_waiting(&picker, &mut report)?;
+        Ok(report)
+    })
+    .await
+}
+
+/// Keeps the worker subscribed to in-process enqueues while it runs.
+struct Subscription {
+    outbox: Outbox,
+    id: u64,
+}
+
+impl Subscription {
+    fn new(outbox: &Outbox, wake: &Arc<Notify>) -> Self {
+        let wake = Arc::clone(wake);
+        let id = outbox.subscribe(Arc::new(move || wake.notify_one()));
+        Self {
+            outbox: outbox.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.outbox.unsubscribe(self.id);
+    }
+}
+
+/// Watches the state files for changes by other processes (see the module docs).
+struct Watcher {
+    stop: Arc<AtomicBool>,
+}
+
+/// What identifies a version of a file without reading it.
+type FileStamp = Option<(u64, u64, Option<SystemTime>)>;
+
+fn file_stamp(path: &Path) -> FileStamp {
+    let meta = std::fs::metadata(path).ok()?;
+    #[cfg(unix)]
+    let identity = std::os::unix::fs::MetadataExt::ino(&meta);
+    #[cfg(not(unix))]
+    let identity = 0;
+    Some((identity, meta.len(), meta.modified().ok()))
+}
+
+impl Watcher {
+    fn spawn(dir: &Path, wake: Arc<Notify>, max_interval: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let files: Vec<PathBuf> = [crate::store::JOURNAL_FILE, crate::store::STATE_FILE]
+            .iter()
+            .map(|name| dir.join(name))
+            .collect();
+        let spawned = std::thread::Builder::new()
+            .name("outbox-watch".into())
+            .spawn(move || {
+                let look = || files.iter().map(|f| file_stamp(f)).collect::<Vec<_>>();
+                let mut last = look();
+                let mut interval = Duration::from_millis(1);
+                while !flag.load(Ordering::Acquire) {
+                    std::thread::sleep(interval);
+                    let now = look();
+                    if now == last {
+                        interval = (interval * 2).min(max_interval);
+                    } else {
+                        last = now;
+                        interval = Duration::from_millis(1);
+                        wake.notify_one();
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start the journal watcher; other processes' enqueues wake the worker only at due times");
+        }
+        Self { stop }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
