@@ -13,6 +13,16 @@
 //!
 //! broadcast: enqueue N messages to N destinations with `enqueue_many` (batches of
 //! 1,000), then drain them with `process_due`.
+//!
+//! wake (feature `tokio`): the delivery worker's wake-up latency, from `enqueue`
+//! returning to `send` being called, for N enqueues spaced 100 ms apart (so each
+//! finds the worker asleep): first through a clone of the worker's handle (the
+//! in-process notification), then from a child process (the journal watcher).
+//! Reports median, p99 and max in milliseconds:
+//!
+//! ```text
+//! cargo run --release --features tokio --example bench -- --workload wake --n 200 --dir /tmp/wake
+//! ```
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -54,7 +64,9 @@ fn parse_args() -> Result<Args, String> {
             "usage: bench [--workload w1|broadcast] --n N --destinations D --dir DIR".into(),
         );
     }
-    if args.dir.exists()
+    // The wake workload's child enqueues into the parent's live outbox.
+    if args.workload != "wake-enqueuer"
+        && args.dir.exists()
         && std::fs::read_dir(&args.dir)
             .map_err(|e| e.to_string())?
             .next()
@@ -175,7 +187,6 @@ fn prefill(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>>
         .clock(clock.clone())
         .rate_limit(u32::MAX, Duration::from_millis(1))
         .history_after(Duration::ZERO)
-        .drain_batch(256)
         .open()?;
     let chunk = 10_000;
     let mut i = 0;
@@ -304,6 +315,129 @@ fn broadcast(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
     }))
 }
 
+/// Wake-up latency of the delivery worker.
+#[cfg(feature = "tokio")]
+mod wake {
+    use std::collections::HashMap;
+    use std::io::{BufRead, Write};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use durable_outbox::{Outbox, OutboxItem, SendError};
+
+    use super::{Args, message, open};
+
+    /// The spacing between enqueues: longer than a send, so each finds the worker idle.
+    const SPACING: Duration = Duration::from_millis(100);
+
+    fn micros_now() -> u128 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros())
+    }
+
+    /// Child process: enqueue N messages (keys `x-{i}`), printing each key
+    /// with the time its enqueue returned.
+    pub(super) fn enqueuer(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+        let outbox = Outbox::open(&args.dir)?;
+        let mut out = std::io::stdout().lock();
+        for i in 0..args.n {
+            let mut m = message(i, format!("chat-{i}"));
+            m.idempotency_key = format!("x-{i}");
+            outbox.enqueue(m)?;
+            writeln!(out, "x-{i} {}", micros_now())?;
+            out.flush()?;
+            std::thread::sleep(SPACING);
+        }
+        Ok(())
+    }
+
+    fn summary(mut latencies_us: Vec<u128>) -> serde_json::Value {
+        latencies_us.sort_unstable();
+        let at = |q: f64| {
+            let i = ((latencies_us.len() as f64 - 1.0) * q).round() as usize;
+            latencies_us.get(i).map_or(0.0, |us| *us as f64 / 1000.0)
+        };
+        serde_json::json!({
+            "samples": latencies_us.len(), "median_ms": at(0.5), "p99_ms": at(0.99), "max_ms": at(1.0),
+        })
+    }
+
+    pub(super) fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+        let outbox = open(args)?;
+        let seen: Arc<Mutex<HashMap<String, u128>>> = Arc::default();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let record = Arc::clone(&seen);
+        let worker = outbox.worker(move |item: OutboxItem| {
+            let at = micros_now();
+            record
+                .lock()
+                .map(|mut m| m.insert(item.idempotency_key().to_owned(), at))
+                .ok();
+            async move { Ok::<_, SendError>(None) }
+        });
+        let running = runtime.spawn(worker.run(async move {
+            stopped.await.ok();
+        }));
+        std::thread::sleep(Duration::from_millis(100));
+
+        // Same process: a clone of the worker's handle.
+        let clone = outbox.clone();
+        let mut returned = HashMap::new();
+        for i in 0..args.n {
+            let mut m = message(i, format!("chat-{i}"));
+            m.idempotency_key = format!("s-{i}");
+            clone.enqueue(m)?;
+            returned.insert(format!("s-{i}"), micros_now());
+            std::thread::sleep(SPACING);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+
+        // Another process.
+        let child = std::process::Command::new(std::env::current_exe()?)
+            .args(["--workload", "wake-enqueuer", "--n", &args.n.to_string()])
+            .arg("--dir")
+            .arg(&args.dir)
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let output = child.wait_with_output()?;
+        if !output.status.success() {
+            return Err("the enqueuing child failed".into());
+        }
+        for line in output.stdout.lines() {
+            let line = line?;
+            if let Some((key, at)) = line.split_once(' ') {
+                returned.insert(key.to_owned(), at.parse()?);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        stop.send(()).ok();
+        runtime.block_on(running)??;
+
+        let seen = seen.lock().map_err(|_| "poisoned")?.clone();
+        let latency = |prefix: &str| -> Result<Vec<u128>, String> {
+            returned
+                .iter()
+                .filter(|(k, _)| k.starts_with(prefix))
+                .map(|(k, at)| {
+                    seen.get(k)
+                        .map(|sent| sent.saturating_sub(*at))
+                        .ok_or_else(|| format!("{k} was never sent"))
+                })
+                .collect()
+        };
+        Ok(serde_json::json!({
+            "impl": "durable-outbox", "workload": "wake", "n": args.n,
+            "same_process": summary(latency("s-")?),
+            "cross_process": summary(latency("x-")?),
+        }))
+    }
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(args) => args,
@@ -317,6 +451,10 @@ fn main() {
         "broadcast" => broadcast(&args),
         "history" => history(&args),
         "prefill" => prefill(&args).map(|_| serde_json::Value::Null),
+        #[cfg(feature = "tokio")]
+        "wake" => wake::run(&args),
+        #[cfg(feature = "tokio")]
+        "wake-enqueuer" => wake::enqueuer(&args).map(|()| serde_json::Value::Null),
         other => Err(format!("unknown workload {other}").into()),
     };
     match result {

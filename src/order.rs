@@ -18,11 +18,11 @@
 //! [`Ordering::Unordered`] drops the rule, for broadcasts where each destination
 //! receives one message and throughput matters more.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 
-use crate::item::OutboxItem;
+use crate::item::{ItemState, OutboxItem};
 
 /// How an outbox orders deliveries to one destination; set with
 /// [`OutboxBuilder::ordering`](crate::OutboxBuilder::ordering).
@@ -54,6 +54,135 @@ impl OrderKey {
             created_at: item.created_at,
             key: item.idempotency_key.clone(),
         }
+    }
+}
+
+/// The queued items of every destination, indexed so that choosing the next
+/// item costs `O(log n)` per look however large the backlog: per destination
+/// its line in enqueue order, and across destinations each line's *front*
+/// (the head, or for unordered delivery the earliest-due unclaimed item)
+/// ordered by when it falls due. Kept in step with every change by `store`.
+#[derive(Debug, Default)]
+pub(crate) struct Lines {
+    /// Per destination, its queued items (claimed or not) in enqueue order.
+    lines: HashMap<String, BTreeSet<OrderKey>>,
+    /// Per destination, its unclaimed queued items by due time.
+    unclaimed: HashMap<String, BTreeSet<(DateTime<Utc>, OrderKey)>>,
+    /// Per queued item: when it falls due, and whether it is claimed.
+    pending: HashMap<String, (DateTime<Utc>, bool)>,
+    /// Each destination's head, if unclaimed, by due time (per-destination order).
+    heads: BTreeSet<(DateTime<Utc>, OrderKey)>,
+    head_of: HashMap<String, (DateTime<Utc>, OrderKey)>,
+    /// Each destination's earliest-due unclaimed item, by due time (unordered).
+    fronts: BTreeSet<(DateTime<Utc>, OrderKey)>,
+    front_of: HashMap<String, (DateTime<Utc>, OrderKey)>,
+    /// Claimed queued items: in flight, or left by a worker that died.
+    claimed: BTreeSet<OrderKey>,
+    /// The largest enqueue sequence of any live item.
+    max_seq: u64,
+}
+
+/// When a queued item may go: its next attempt, or its creation.
+fn due_of(item: &OutboxItem) -> DateTime<Utc> {
+    item.next_attempt_at.unwrap_or(item.created_at)
+}
+
+impl Lines {
+    pub(crate) fn insert(&mut self, item: &OutboxItem) {
+        self.max_seq = self.max_seq.max(item.seq.unwrap_or(0));
+        if item.state != ItemState::Queued {
+            return;
+        }
+        let (place, due, destination) = (OrderKey::of(item), due_of(item), &item.destination);
+        let claimed = item.claim.is_some();
+        self.lines
+            .entry(destination.clone())
+            .or_default()
+            .insert(place.clone());
+        self.pending
+            .insert(item.idempotency_key.clone(), (due, claimed));
+        if claimed {
+            self.claimed.insert(place);
+        } else {
+            self.unclaimed
+                .entry(destination.clone())
+                .or_default()
+                .insert((due, place));
+        }
+        self.refresh(destination);
+    }
+
+    pub(crate) fn remove(&mut self, item: &OutboxItem) {
+        if item.state != ItemState::Queued {
+            return;
+        }
+        let (place, destination) = (OrderKey::of(item), &item.destination);
+        if let Some(line) = self.lines.get_mut(destination) {
+            line.remove(&place);
+            if line.is_empty() {
+                self.lines.remove(destination);
+            }
+        }
+        if let Some((due, claimed)) = self.pending.remove(&item.idempotency_key) {
+            if claimed {
+                self.claimed.remove(&place);
+            } else if let Some(set) = self.unclaimed.get_mut(destination) {
+                set.remove(&(due, place));
+                if set.is_empty() {
+                    self.unclaimed.remove(destination);
+                }
+            }
+        }
+        self.refresh(destination);
+    }
+
+    /// Recomputes `destination`'s head and front entries.
+    fn refresh(&mut self, destination: &str) {
+        if let Some(old) = self.head_of.remove(destination) {
+            self.heads.remove(&old);
+        }
+        if let Some(old) = self.front_of.remove(destination) {
+            self.fronts.remove(&old);
+        }
+        let head = self.lines.get(destination).and_then(BTreeSet::first);
+        if let Some(head) = head
+            && let Some((due, false)) = self.pending.get(&head.key)
+        {
+            let entry = (*due, head.clone());
+            self.heads.insert(entry.clone());
+            self.head_of.insert(destination.to_owned(), entry);
+        }
+        if let Some(front) = self.unclaimed.get(destination).and_then(BTreeSet::first) {
+            self.fronts.insert(front.clone());
+            self.front_of.insert(destination.to_owned(), front.clone());
+        }
+    }
+
+    /// `destination`'s queued items in enqueue order.
+    pub(crate) fn line(&self, destination: &str) -> impl Iterator<Item = &OrderKey> {
+        self.lines.get(destination).into_iter().flatten()
+    }
+
+    /// One unclaimed item per destination (its head, or under `Unordered` its
+    /// earliest-due item), earliest due first.
+    pub(crate) fn fronts(
+        &self,
+        ordering: Ordering,
+    ) -> impl Iterator<Item = &(DateTime<Utc>, OrderKey)> {
+        match ordering {
+            Ordering::PerDestination => self.heads.iter(),
+            Ordering::Unordered => self.fronts.iter(),
+        }
+    }
+
+    /// Every claimed queued item.
+    pub(crate) fn claimed(&self) -> impl Iterator<Item = &OrderKey> {
+        self.claimed.iter()
+    }
+
+    /// The largest enqueue sequence among live items (0 if none has one).
+    pub(crate) fn max_seq(&self) -> u64 {
+        self.max_seq
     }
 }
 
@@ -114,8 +243,11 @@ impl Picker {
     }
 
     /// Orders candidates `(destination, place)`: least recently served
-    /// destination first, then enqueue order.
-    pub(crate) fn rank(&mut self, candidates: &mut Vec<(String, OrderKey)>) {
+    /// destination first, then enqueue order. Candidates come from a window of
+    /// the earliest-due fronts, so a destination with older pending work is in
+    /// the window before one with newer work, and a flooded destination has a
+    /// single front.
+    pub(crate) fn rank(&mut self, candidates: &mut [(String, OrderKey)]) {
         if self.served.len() > SERVED_MEMORY {
             let live: HashSet<&str> = candidates.iter().map(|(d, _)| d.as_str()).collect();
             self.served.retain(|d, _| live.contains(d.as_str()));

@@ -21,13 +21,18 @@ use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
-use crate::rate::{DestinationWindow, RateLimit, RatePolicy};
 use crate::order::{self, OrderKey, Picker};
+use crate::rate::{DestinationWindow, RateLimit, RatePolicy};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::send::{FailureClass, SendError};
 use crate::settings::{self, Settings};
 use crate::store::{CommitFailure, Loaded, Store, rate_times};
 use crate::wake::Wakers;
+
+/// How many due fronts one step looks at (beyond claimed and just-changed
+/// items): enough for fair rotation, small enough that a step costs the same
+/// with fifty thousand destinations as with five.
+const CANDIDATE_WINDOW: usize = 64;
 
 /// The error code of an item whose claimant died mid-send: it may or may not have left.
 pub const AMBIGUOUS_AFTER_RESTART: &str = "ambiguous_delivery_after_restart";
@@ -263,7 +268,8 @@ impl Txn<'_> {
         let committed = self
             .base
             .index
-            .queued_to(destination)
+            .lines
+            .line(destination)
             .find(|place| !self.overlay.contains_key(&place.key))
             .cloned();
         let pending = self
@@ -275,61 +281,54 @@ impl Txn<'_> {
         committed.into_iter().chain(pending).min()
     }
 
-    /// `destination`'s queued items in enqueue order, as this transaction sees them.
-    fn queued_to(&self, destination: &str) -> Vec<OrderKey> {
-        let mut places: Vec<OrderKey> = self
-            .base
-            .index
-            .queued_to(destination)
-            .filter(|place| !self.overlay.contains_key(&place.key))
-            .cloned()
-            .collect();
-        places.extend(
-            self.overlay
-                .values()
-                .filter(|i| i.destination == destination && i.state == ItemState::Queued)
-                .map(OrderKey::of),
-        );
-        places.sort_unstable();
-        places
-    }
-
-    /// Every destination with a queued item, as this transaction sees them.
-    fn queued_destinations(&self) -> Vec<String> {
-        let mut destinations: HashSet<&str> = self.base.index.queued().map(|(d, _)| d).collect();
-        destinations.extend(
-            self.overlay
-                .values()
-                .filter(|i| i.state == ItemState::Queued)
-                .map(|i| i.destination.as_str()),
-        );
-        destinations.into_iter().map(str::to_owned).collect()
-    }
-
-    /// The items to decide next, at most one per destination: the head
-    /// (per-destination order) or the first such item (unordered), if it is
-    /// due or claimed (a claim may be dead, and deciding fails it as
-    /// ambiguous). `admits` filters them further.
+    /// The items to decide next, at most one per destination and at most
+    /// [`CANDIDATE_WINDOW`] from the committed state: claimed items (a claim may
+    /// be dead, and deciding fails it as ambiguous), the items this transaction
+    /// changed or made head, then the fronts due by now, earliest due first.
+    /// Under per-destination order only heads qualify. `admits` filters further.
     fn candidates(
         &self,
         ordering: order::Ordering,
         admits: impl Fn(&OutboxItem) -> bool,
     ) -> Vec<(String, OrderKey)> {
-        let ready = |place: &OrderKey| {
-            self.item(&place.key).is_some_and(|i| {
-                i.state == ItemState::Queued
-                    && (i.claim.is_some() || i.next_attempt_at.is_none_or(|at| at <= self.now))
-                    && admits(i)
-            })
-        };
-        let mut out = Vec::new();
-        for destination in self.queued_destinations() {
-            let place = match ordering {
-                order::Ordering::PerDestination => self.head_of(&destination).filter(&ready),
-                order::Ordering::Unordered => self.queued_to(&destination).into_iter().find(&ready),
+        let mut out: Vec<(String, OrderKey)> = Vec::new();
+        let mut destinations: HashSet<String> = HashSet::new();
+        let mut consider = |place: &OrderKey| {
+            let Some(item) = self.item(&place.key) else {
+                return;
             };
-            if let Some(place) = place {
-                out.push((destination, place));
+            let ready = item.state == ItemState::Queued
+                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= self.now));
+            let in_line = ordering == order::Ordering::Unordered
+                || self
+                    .head_of(&item.destination)
+                    .is_some_and(|head| head.key == place.key);
+            if ready && in_line && admits(item) && destinations.insert(item.destination.clone()) {
+                out.push((item.destination.clone(), place.clone()));
+            }
+        };
+        let lines = &self.base.index.lines;
+        for place in lines.claimed() {
+            if !self.overlay.contains_key(&place.key) {
+                consider(place);
+            }
+        }
+        for item in self.overlay.values() {
+            if item.state == ItemState::Queued {
+                consider(&OrderKey::of(item));
+            }
+            if let Some(head) = self.head_of(&item.destination) {
+                consider(&head);
+            }
+        }
+        let mut taken = 0;
+        for (due, place) in lines.fronts(ordering) {
+            if *due > self.now || taken >= CANDIDATE_WINDOW {
+                break;
+            }
+            if !self.overlay.contains_key(&place.key) {
+                taken += 1;
+                consider(place);
             }
         }
         out
@@ -912,7 +911,7 @@ impl Outbox {
     pub(crate) fn step(
         &self,
         finished: Option<(&str, &SendResult)>,
-        mut pick: Option<&mut Picker>,
+        pick: Option<&mut Picker>,
     ) -> Result<Stepped> {
         if finished.is_some() {
             self.inner
@@ -931,7 +930,7 @@ impl Outbox {
             if let Some((key, result)) = finished {
                 stepped.finished = Some(self.finish(txn, key, result)?);
             }
-            let Some(picker) = pick.as_deref_mut() else {
+            let Some(picker) = pick else {
                 return Ok(stepped);
             };
             let mut tried = HashSet::new();
@@ -1003,26 +1002,18 @@ impl Outbox {
         let ordering = self.inner.config.ordering;
         let own = self.inner.owner.id().to_owned();
         self.read(|loaded, _| {
-            let mut summary = DueSummary::default();
-            let items = &loaded.state.items;
-            for (_, line) in loaded.index.queued() {
-                let places: Box<dyn Iterator<Item = &OrderKey>> = match ordering {
-                    order::Ordering::PerDestination => Box::new(line.iter().take(1)),
-                    order::Ordering::Unordered => Box::new(line.iter()),
-                };
-                for place in places {
-                    let Some(item) = items.get(&place.key) else {
-                        continue;
-                    };
-                    if item.claim.is_some() {
-                        summary.foreign_claim |= item.claim_owner() != Some(own.as_str());
-                        continue;
-                    }
-                    let due = item.next_attempt_at.unwrap_or(item.created_at);
-                    summary.next_due = Some(summary.next_due.map_or(due, |d| d.min(due)));
-                }
-            }
-            Ok(summary)
+            let lines = &loaded.index.lines;
+            let foreign_claim = lines.claimed().any(|place| {
+                loaded
+                    .state
+                    .items
+                    .get(&place.key)
+                    .is_some_and(|item| item.claim_owner() != Some(own.as_str()))
+            });
+            Ok(DueSummary {
+                next_due: lines.fronts(ordering).next().map(|(due, _)| *due),
+                foreign_claim,
+            })
         })
     }
 
@@ -1590,7 +1581,7 @@ impl Outbox {
             hasher: audit.hasher(),
             now: inner.config.clock.now(),
             settings: inner.config.defaults.with_stored(&loaded.state.settings),
-            last_seq: loaded.index.max_seq(),
+            last_seq: loaded.index.lines.max_seq(),
         };
         let value = f(&mut txn)?;
         if !txn.changed() {

@@ -36,11 +36,11 @@ use crate::fsutil::{self, ReplaceFailure};
 use crate::history::Retention;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::content_hash;
+use crate::order::Lines;
 use crate::outbox::{AMBIGUOUS_AFTER_RESTART, SEND_CANCELLED, SEND_PANICKED};
 use crate::rate::RateLimit;
 use crate::retry::Backoff;
 use crate::settings::Stored;
-use crate::order::OrderKey;
 
 pub(crate) use journal::JOURNAL_FILE;
 use journal::{EntryV1, HeaderV1, JOURNAL_VERSION, Line};
@@ -93,11 +93,8 @@ pub(crate) struct Index {
     rate_times: HashMap<String, BTreeSet<(DateTime<Utc>, String)>>,
     /// The same times across all destinations, for the global cap.
     all_rate_times: BTreeSet<(DateTime<Utc>, String)>,
-    /// Per destination, its queued items (claimed or not) in enqueue order:
-    /// the first is the destination's head (see `order`).
-    queued: HashMap<String, BTreeSet<OrderKey>>,
-    /// The largest enqueue sequence of any live item, for the next enqueue.
-    max_seq: u64,
+    /// The queued items per destination, in enqueue and due order (see `order`).
+    pub(crate) lines: Lines,
 }
 
 /// The error codes this crate gives ambiguous failures. An item failed with one
@@ -157,13 +154,7 @@ impl Index {
                 .insert((at, key.clone()));
             self.all_rate_times.insert((at, key.clone()));
         }
-        if item.state == ItemState::Queued {
-            self.queued
-                .entry(item.destination.clone())
-                .or_default()
-                .insert(OrderKey::of(item));
-        }
-        self.max_seq = self.max_seq.max(item.seq.unwrap_or(0));
+        self.lines.insert(item);
     }
 
     fn remove(&mut self, item: &OutboxItem) {
@@ -198,29 +189,7 @@ impl Index {
                 }
             }
         }
-        if item.state == ItemState::Queued
-            && let Some(set) = self.queued.get_mut(&item.destination)
-        {
-            set.remove(&OrderKey::of(item));
-            if set.is_empty() {
-                self.queued.remove(&item.destination);
-            }
-        }
-    }
-
-    /// Every destination's queued items, each set in enqueue order.
-    pub(crate) fn queued(&self) -> impl Iterator<Item = (&str, &BTreeSet<OrderKey>)> {
-        self.queued.iter().map(|(d, set)| (d.as_str(), set))
-    }
-
-    /// `destination`'s queued items in enqueue order.
-    pub(crate) fn queued_to(&self, destination: &str) -> impl Iterator<Item = &OrderKey> {
-        self.queued.get(destination).into_iter().flatten()
-    }
-
-    /// The largest enqueue sequence among live items (0 if none has one).
-    pub(crate) fn max_seq(&self) -> u64 {
-        self.max_seq
+        self.lines.remove(item);
     }
 
     /// The first key (in key order) whose item carries this transport ref.

@@ -20,6 +20,7 @@ mod hostile_input;
 mod model_check;
 mod observability;
 mod operator_actions;
+mod ordering;
 mod rate_caps;
 mod replies;
 mod retries;
@@ -49,3 +50,7 @@ mod http_loopback;
 mod injected_faults;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod processes;
+#[cfg(feature = "tokio")]
+mod worker;
+#[cfg(all(unix, feature = "tokio", feature = "test-failpoints"))]
+mod worker_processes;

@@ -20,6 +20,13 @@
 //! - `remove-audit DIR KEEP`: remove all sealed audit segments but the newest KEEP.
 //! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
 //!   (`SPACE-0` … `SPACE-63`) in a loop.
+//! - `drain-hang DIR`: `process_due` with a send that prints `sending KEY` and
+//!   then blocks forever (the parent kills it there).
+//! - `serve DIR LOG CONCURRENCY SEND_MS SHUTDOWN_MS` (feature `tokio`): run the
+//!   delivery worker until SIGTERM. Its send appends `start KEY DEST` to LOG,
+//!   sleeps `SEND_MS` (a key containing `retry` fails retryably on its first
+//!   attempt instead), appends `end KEY`. Prints `ready` once running and
+//!   `report sent=… failed=… deferred=… retried=… released=… cancelled=…` at the end.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -229,6 +236,106 @@ fn main() {
             }
             say("done");
         }
+        "drain-hang" => drain_hang(arg(1)),
+        #[cfg(feature = "tokio")]
+        "serve" => serve::run(&args),
         other => fail(&format!("unknown command {other}")),
+    }
+}
+
+/// `process_due` with a send that announces itself and never returns.
+fn drain_hang(dir: &str) {
+    let outbox = open(dir);
+    outbox
+        .process_due(|item| {
+            say(&format!("sending {}", item.idempotency_key()));
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        })
+        .unwrap_or_else(|e| fail(&format!("drain: {e}")));
+}
+
+/// The tokio delivery worker, stopped by SIGTERM.
+#[cfg(feature = "tokio")]
+mod serve {
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use durable_outbox::{Outbox, OutboxItem, SendError};
+
+    use super::{fail, say};
+
+    fn append(log: &PathBuf, line: &str) {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap_or_else(|e| fail(&format!("log: {e}")));
+        file.write_all(format!("{line}\n").as_bytes())
+            .unwrap_or_else(|e| fail(&format!("log: {e}")));
+    }
+
+    pub(super) fn run(args: &[String]) {
+        let arg = |i: usize| {
+            args.get(i)
+                .map_or_else(|| fail("missing argument"), String::as_str)
+        };
+        let number = |i: usize| arg(i).parse::<u64>().unwrap_or_else(|_| fail("number"));
+        let log = PathBuf::from(arg(2));
+        let concurrency = number(3) as usize;
+        let send_for = Duration::from_millis(number(4));
+        let shutdown_timeout = Duration::from_millis(number(5));
+        let outbox = Outbox::builder(arg(1))
+            .rate_limit(u32::MAX, Duration::from_secs(60))
+            .backoff(durable_outbox::Backoff::Fixed(vec![Duration::from_millis(
+                100,
+            )]))
+            .max_inline_wait(Duration::ZERO)
+            .open()
+            .unwrap_or_else(|e| fail(&format!("open: {e}")));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| fail(&format!("runtime: {e}")));
+        let report = runtime.block_on(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .unwrap_or_else(|e| fail(&format!("signal: {e}")));
+            let worker = outbox
+                .worker(move |item: OutboxItem| {
+                    let log = log.clone();
+                    async move {
+                        let key = item.idempotency_key().to_owned();
+                        append(&log, &format!("start {key} {}", item.destination()));
+                        if key.contains("retry") && item.attempts() == 1 {
+                            append(&log, &format!("end {key} retryable"));
+                            return Err(SendError::retryable("http_502"));
+                        }
+                        tokio::time::sleep(send_for).await;
+                        append(&log, &format!("end {key}"));
+                        Ok(Some(format!("tr-{key}")))
+                    }
+                })
+                .concurrency(concurrency)
+                .shutdown_timeout(shutdown_timeout);
+            say("ready");
+            worker
+                .run(async move {
+                    term.recv().await;
+                })
+                .await
+        });
+        let report = report.unwrap_or_else(|e| fail(&format!("worker: {e}")));
+        say(&format!(
+            "report sent={} failed={} deferred={} retried={} released={} cancelled={}",
+            report.sent,
+            report.failed,
+            report.deferred,
+            report.retried,
+            report.released,
+            report.cancelled
+        ));
     }
 }

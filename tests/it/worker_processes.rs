@@ -1,0 +1,382 @@
+//! The delivery worker as a real child process: SIGTERM mid-batch (graceful
+//! shutdown), SIGKILL mid-batch (crash-sized ambiguity), two workers on one
+//! directory (per-destination order across processes) and another process's
+//! enqueue waking an idle worker.
+//!
+//! Every wait runs under a deadline that names the guarantee it was waiting for.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use durable_outbox::{
+    AMBIGUOUS_AFTER_RESTART, ItemState, NewMessage, Outbox, OutboxItem, SEND_CANCELLED,
+};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+/// Generous: the machine may be loaded; a hang fails, a slow pass does not.
+const WATCHDOG: Duration = Duration::from_secs(60);
+
+fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u64) -> Child {
+    let mut child = Command::new(WORKER)
+        .arg("serve")
+        .arg(dir)
+        .arg(log)
+        .args([
+            concurrency.to_string(),
+            send_ms.to_string(),
+            shutdown_ms.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the worker");
+    read_line(&mut child, "ready");
+    child
+}
+
+/// Reads the child's stdout until a line starts with `prefix`.
+fn read_line(child: &mut Child, prefix: &str) -> String {
+    let out = child.stdout.as_mut().expect("piped stdout");
+    let mut reader = BufReader::new(out);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).expect("read") > 0,
+            "the worker exited before printing {prefix:?}"
+        );
+        if line.starts_with(prefix) {
+            return line.trim_end().to_owned();
+        }
+    }
+}
+
+fn log_lines(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn started(log: &Path) -> Vec<String> {
+    log_lines(log)
+        .iter()
+        .filter_map(|l| l.strip_prefix("start "))
+        .map(|rest| rest.split(' ').next().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Waits (under the watchdog) until `done` holds; `what` names the guarantee.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WATCHDOG;
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still not true after {WATCHDOG:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -TERM failed");
+}
+
+fn wait_exit(child: &mut Child, what: &str) {
+    let deadline = Instant::now() + WATCHDOG;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            assert!(status.success(), "{what}: the worker exited with {status}");
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: the worker did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn report(child: &mut Child) -> BTreeMap<String, usize> {
+    let line = read_line(child, "report ");
+    line.trim_start_matches("report ")
+        .split(' ')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("k=v");
+            (k.to_owned(), v.parse().expect("count"))
+        })
+        .collect()
+}
+
+fn message(key: &str, destination: &str) -> NewMessage {
+    NewMessage {
+        idempotency_key: key.to_owned(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: destination.to_owned(),
+        content: format!("message {key}"),
+        ..Default::default()
+    }
+}
+
+fn items(dir: &Path) -> BTreeMap<String, OutboxItem> {
+    Outbox::builder(dir)
+        .compact_on_open(false)
+        .open()
+        .expect("open")
+        .list_items()
+        .expect("list")
+        .into_iter()
+        .map(|i| (i.idempotency_key().to_owned(), i))
+        .collect()
+}
+
+/// Twelve messages, each to its own chat (so order does not hold any back).
+fn twelve(dir: &Path) {
+    let outbox = Outbox::open(dir).expect("open");
+    let batch = (0..12)
+        .map(|i| message(&format!("m{i:02}"), &format!("chat-{i}")))
+        .collect();
+    outbox.enqueue_many(batch).expect("enqueue");
+}
+
+#[test]
+fn sigterm_mid_batch_lets_running_sends_finish_and_leaves_the_rest_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    twelve(dir.path());
+    let mut child = serve(dir.path(), &log, 3, 400, 20_000);
+    wait_until("graceful shutdown: three sends running", || {
+        started(&log).len() >= 3
+    });
+    sigterm(&child);
+    wait_exit(&mut child, "graceful shutdown");
+    let report = report(&mut child);
+    let running = started(&log);
+    assert_eq!(running.len(), 3, "no new claims after SIGTERM: {running:?}");
+    assert_eq!(
+        report["sent"], 3,
+        "running sends finished and were recorded"
+    );
+    assert_eq!(report["cancelled"], 0);
+    let items = items(dir.path());
+    for (key, item) in &items {
+        if running.contains(key) {
+            assert_eq!(
+                item.state(),
+                ItemState::Sent,
+                "{key} finished during shutdown"
+            );
+        } else {
+            assert_eq!(
+                (item.state(), item.attempts(), item.dispatch_claimed()),
+                (ItemState::Queued, 0, false),
+                "graceful shutdown: {key} was never handed to send, so it is untouched"
+            );
+        }
+    }
+}
+
+#[test]
+fn sigterm_with_sends_past_the_deadline_cancels_only_those_sends() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    twelve(dir.path());
+    let mut child = serve(dir.path(), &log, 3, 600_000, 200);
+    wait_until("shutdown deadline: three sends running", || {
+        started(&log).len() >= 3
+    });
+    sigterm(&child);
+    wait_exit(&mut child, "shutdown deadline");
+    let report = report(&mut child);
+    assert_eq!((report["cancelled"], report["sent"]), (3, 0));
+    let running = started(&log);
+    for (key, item) in items(dir.path()) {
+        if running.contains(&key) {
+            assert_eq!(
+                (item.state(), item.error_code()),
+                (ItemState::Failed, Some(SEND_CANCELLED)),
+                "{key} was still sending at the deadline: cancelled, never resent"
+            );
+        } else {
+            assert_eq!(
+                (item.state(), item.attempts(), item.dispatch_claimed()),
+                (ItemState::Queued, 0, false),
+                "{key} was never handed to send: untouched"
+            );
+        }
+    }
+}
+
+/// After SIGKILL only sends that had started are in doubt.
+fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
+    let claimed: HashSet<String> = items(dir)
+        .into_iter()
+        .filter(|(_, i)| i.dispatch_claimed())
+        .map(|(k, _)| k)
+        .collect();
+    let running: HashSet<String> = running.iter().cloned().collect();
+    assert_eq!(
+        claimed, running,
+        "crash-sized ambiguity: claims = started sends"
+    );
+    let outbox = Outbox::open(dir).expect("reopen");
+    let report = outbox
+        .process_due(|item| {
+            assert!(
+                !running.contains(item.idempotency_key()),
+                "at-most-once: a started send was resent"
+            );
+            Ok(None)
+        })
+        .expect("drain");
+    assert_eq!(report.failed, running.len());
+    for (key, item) in items(dir) {
+        if running.contains(&key) {
+            assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART), "{key}");
+        } else {
+            assert_eq!(
+                (item.state(), item.attempts()),
+                (ItemState::Sent, 1),
+                "{key} never reached send before the crash: it went out normally after"
+            );
+        }
+    }
+}
+
+#[test]
+fn sigkill_of_a_worker_leaves_only_its_started_sends_ambiguous() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    twelve(dir.path());
+    let mut child = serve(dir.path(), &log, 3, 600_000, 20_000);
+    wait_until("crash-sized ambiguity: three sends running", || {
+        started(&log).len() >= 3
+    });
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reap");
+    only_started_sends_are_ambiguous(dir.path(), &started(&log));
+}
+
+#[test]
+fn sigkill_in_process_due_leaves_only_the_started_send_ambiguous() {
+    let dir = tempfile::tempdir().unwrap();
+    twelve(dir.path());
+    let mut child = Command::new(WORKER)
+        .arg("drain-hang")
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn");
+    let line = read_line(&mut child, "sending ");
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reap");
+    let key = line.trim_start_matches("sending ").to_owned();
+    only_started_sends_are_ambiguous(dir.path(), &[key]);
+}
+
+#[test]
+fn two_worker_processes_deliver_each_destination_in_enqueue_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    Outbox::open(dir.path()).expect("create");
+    let mut workers = vec![
+        serve(dir.path(), &log, 4, 15, 20_000),
+        serve(dir.path(), &log, 4, 15, 20_000),
+    ];
+    let outbox = Outbox::open(dir.path()).expect("open");
+    // Interleaved across three chats, from this (third) process; some fail
+    // retryably first, which must hold their followers back until they go.
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for i in 0..8 {
+        for chat in ["chat-a", "chat-b", "chat-c"] {
+            let key = if i % 3 == 1 {
+                format!("{chat}-{i}-retry")
+            } else {
+                format!("{chat}-{i}")
+            };
+            outbox.enqueue(message(&key, chat)).expect("enqueue");
+            expected.entry(chat.to_owned()).or_default().push(key);
+        }
+    }
+    wait_until("order across processes: everything sent", || {
+        outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .all(|i| i.state() == ItemState::Sent)
+    });
+    for worker in &workers {
+        sigterm(worker);
+    }
+    for worker in &mut workers {
+        wait_exit(worker, "order across processes: shutdown");
+    }
+    // Per chat: starts in enqueue order (a retried key starts twice in a row),
+    // and nothing starts before the previous message to that chat ended.
+    let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut open_send: BTreeMap<String, String> = BTreeMap::new();
+    for line in log_lines(&log) {
+        let parts: Vec<&str> = line.split(' ').collect();
+        match parts.as_slice() {
+            ["start", key, chat] => {
+                assert!(
+                    open_send
+                        .insert((*chat).to_owned(), (*key).to_owned())
+                        .is_none(),
+                    "order across processes: {key} started while another send to {chat} ran"
+                );
+                let seen = order.entry((*chat).to_owned()).or_default();
+                if seen.last().map(String::as_str) != Some(*key) {
+                    seen.push((*key).to_owned());
+                }
+            }
+            ["end", key, ..] => {
+                let chat = open_send
+                    .iter()
+                    .find(|(_, k)| k.as_str() == *key)
+                    .map(|(c, _)| c.clone())
+                    .expect("an end matches a start");
+                open_send.remove(&chat);
+            }
+            other => panic!("unexpected log line {other:?}"),
+        }
+    }
+    assert_eq!(
+        order, expected,
+        "order across processes: enqueue order per chat"
+    );
+}
+
+#[test]
+fn another_process_enqueue_wakes_an_idle_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    Outbox::open(dir.path()).expect("create");
+    let mut child = serve(dir.path(), &log, 2, 0, 20_000);
+    // Nothing is queued or deferred: the worker sleeps with no due time, so
+    // only its journal watcher can notice this enqueue from another process.
+    std::thread::sleep(Duration::from_millis(200));
+    let outbox = Outbox::open(dir.path()).expect("open");
+    for i in 0..3 {
+        outbox
+            .enqueue(message(&format!("late-{i}"), &format!("chat-{i}")))
+            .expect("enqueue");
+        wait_until("cross-process wake-up: the enqueue is delivered", || {
+            outbox
+                .get(&format!("late-{i}"))
+                .unwrap()
+                .is_some_and(|item| item.state() == ItemState::Sent)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    sigterm(&child);
+    wait_exit(&mut child, "cross-process wake-up: shutdown");
+    assert_eq!(report(&mut child)["sent"], 3);
+}
