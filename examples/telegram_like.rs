@@ -8,6 +8,9 @@
 //! times out, so that message is ambiguous and never resent) and does not know
 //! another (permanent failure). Then users reply, quoting the message ids, and the
 //! bot finds which outbound message each reply answers.
+//!
+//! The bot runs the outbox's delivery worker and stops on Ctrl-C or SIGTERM
+//! (finishing running sends, leaving unsent messages queued for the next start).
 
 #[path = "../tests/support/bot_client.rs"]
 mod bot_client;
@@ -29,6 +32,39 @@ fn message(key: &str, chat: &str, text: &str) -> NewMessage {
         destination: chat.into(),
         content: text.into(),
         ..Default::default()
+    }
+}
+
+/// Completes on Ctrl-C or SIGTERM — what a bot waits for. So that the demo
+/// ends by itself, it also completes once every message is settled (nothing
+/// queued, nothing in flight).
+async fn stop_signal(outbox: Outbox) {
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    let settled = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let busy = outbox.list_items().map_or(true, |items| {
+                items.iter().any(|i| i.state() == ItemState::Queued)
+            });
+            if !busy {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => println!("\nCtrl-C: stopping gracefully"),
+        () = terminate => println!("\nSIGTERM: stopping gracefully"),
+        () = settled => println!("\nevery message settled (a bot would keep running until a signal)"),
     }
 }
 
@@ -59,47 +95,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         outbox.enqueue(message(key, chat, text))?;
     }
 
-    let mut round = 0;
-    loop {
-        round += 1;
-        let send_client = client.clone();
-        let report = outbox
-            .process_due_async(4, move |item| {
-                let client = send_client.clone();
-                async move { client.send(item).await }
-            })
-            .await?;
+    // The delivery loop: it sleeps until a message is due (a retry, a rate
+    // slot, a platform's Retry-After) or enqueued, never on a fixed tick, and
+    // keeps each chat's messages in order. On Ctrl-C or SIGTERM it stops
+    // claiming, gives running sends up to 10 s, and leaves the rest queued.
+    let send_client = client.clone();
+    let worker = outbox
+        .worker(move |item| {
+            let client = send_client.clone();
+            async move { client.send(item).await }
+        })
+        .concurrency(4)
+        .shutdown_timeout(Duration::from_secs(10));
+    let report = worker.run(stop_signal(outbox.clone())).await?;
+    println!(
+        "\nworker stopped: {} sent, {} failed, {} deferred, {} retried, {} released, {} cancelled",
+        report.sent,
+        report.failed,
+        report.deferred,
+        report.retried,
+        report.released,
+        report.cancelled
+    );
+    for item in outbox.list_items()? {
         println!(
-            "\nround {round}: {} sent, {} failed, {} deferred, {} retried",
-            report.sent, report.failed, report.deferred, report.retried
+            "  {:<14} {:<7} attempts={} {}",
+            item.idempotency_key(),
+            item.state().as_str(),
+            item.attempts(),
+            item.transport_ref()
+                .map(|id| format!("message_id={id}"))
+                .or_else(|| item.error_code().map(str::to_owned))
+                .unwrap_or_default()
         );
-        for r in &report.receipts {
-            println!(
-                "  {:<14} {:<9} attempts={} {}",
-                r.idempotency_key,
-                r.outcome.as_str(),
-                r.attempts,
-                r.transport_ref
-                    .as_ref()
-                    .map(|id| format!("message_id={id}"))
-                    .or_else(|| r.error_code.clone())
-                    .unwrap_or_default()
-            );
-        }
-        let queued: Vec<_> = outbox
-            .list_items()?
-            .into_iter()
-            .filter(|i| i.state() == ItemState::Queued)
-            .collect();
-        let Some(next) = queued
-            .iter()
-            .filter_map(durable_outbox::OutboxItem::next_attempt_at)
-            .min()
-        else {
-            break;
-        };
-        let wait = (next - chrono::Utc::now()).to_std().unwrap_or_default();
-        tokio::time::sleep(wait + Duration::from_millis(20)).await;
     }
 
     println!("\nreplies arrive, quoting the messages they answer:");
@@ -123,6 +151,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let requests = platform.requests();
     println!("\nthe platform's view:");
     println!("  deliveries: {}", platform.deliveries().len());
+    let alice: Vec<String> = platform
+        .deliveries()
+        .into_iter()
+        .filter(|d| d.chat_id == "chat-alice")
+        .map(|d| d.text)
+        .collect();
+    println!("  chat-alice received, in order: {alice:?}");
     println!("  429 answers: {}", platform.rate_limited());
     println!(
         "  requests ignoring a Retry-After: {}",

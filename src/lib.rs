@@ -45,11 +45,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! Messages to one destination are handed to `send` in enqueue order, one at a
+//! time, across threads and processes ([`Ordering`]; `Ordering::Unordered` for
+//! broadcasts); a later one answers [`Outcome::Waiting`] until the earlier ones
+//! are sent or failed. With the `tokio` feature, `Outbox::worker` runs the
+//! delivery loop: woken by enqueues, asleep until the next due moment, stopping
+//! gracefully. Without it, [`Outbox::next_due_at`] says when to call
+//! [`Outbox::process_due`] again.
+//!
 //! # Features
 //!
 //! | feature | what it adds |
 //! |---|---|
-//! | `tokio` | async forms for tokio bots: `Outbox::process_async`, `Outbox::process_due_async`, and `_async` forms of `enqueue`, `get`, `find_*`, `list_items`, `requeue`, `cancel` and the bulk actions, all running file work on the blocking pool |
+//! | `tokio` | the delivery worker (`Outbox::worker`) and async forms for tokio bots: `Outbox::process_async`, `Outbox::process_due_async`, and `_async` forms of `enqueue`, `get`, `find_*`, `list_items`, `requeue`, `cancel` and the bulk actions, all running file work on the blocking pool |
 //! | `metrics` | counters per outcome and error code, an enqueue-to-sent latency histogram and queue gauges through the [`metrics`](https://docs.rs/metrics) facade (names in the README's "Observability" table) |
 //! | `cli` | the `durable-outbox` operator tool (a binary; no library items) |
 //!

@@ -65,7 +65,7 @@ impl OrderKey {
 #[derive(Debug, Default)]
 pub(crate) struct Lines {
     /// Per destination, its queued items (claimed or not) in enqueue order.
-    lines: HashMap<String, BTreeSet<OrderKey>>,
+    by_destination: HashMap<String, BTreeSet<OrderKey>>,
     /// Per destination, its unclaimed queued items by due time.
     unclaimed: HashMap<String, BTreeSet<(DateTime<Utc>, OrderKey)>>,
     /// Per queued item: when it falls due, and whether it is claimed.
@@ -95,7 +95,7 @@ impl Lines {
         }
         let (place, due, destination) = (OrderKey::of(item), due_of(item), &item.destination);
         let claimed = item.claim.is_some();
-        self.lines
+        self.by_destination
             .entry(destination.clone())
             .or_default()
             .insert(place.clone());
@@ -117,10 +117,10 @@ impl Lines {
             return;
         }
         let (place, destination) = (OrderKey::of(item), &item.destination);
-        if let Some(line) = self.lines.get_mut(destination) {
+        if let Some(line) = self.by_destination.get_mut(destination) {
             line.remove(&place);
             if line.is_empty() {
-                self.lines.remove(destination);
+                self.by_destination.remove(destination);
             }
         }
         if let Some((due, claimed)) = self.pending.remove(&item.idempotency_key) {
@@ -144,7 +144,10 @@ impl Lines {
         if let Some(old) = self.front_of.remove(destination) {
             self.fronts.remove(&old);
         }
-        let head = self.lines.get(destination).and_then(BTreeSet::first);
+        let head = self
+            .by_destination
+            .get(destination)
+            .and_then(BTreeSet::first);
         if let Some(head) = head
             && let Some((due, false)) = self.pending.get(&head.key)
         {
@@ -160,7 +163,7 @@ impl Lines {
 
     /// `destination`'s queued items in enqueue order.
     pub(crate) fn line(&self, destination: &str) -> impl Iterator<Item = &OrderKey> {
-        self.lines.get(destination).into_iter().flatten()
+        self.by_destination.get(destination).into_iter().flatten()
     }
 
     /// One unclaimed item per destination (its head, or under `Unordered` its
@@ -210,6 +213,7 @@ const SERVED_MEMORY: usize = 4096;
 
 impl Picker {
     /// For a worker: any due item, for as long as it runs.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn worker() -> Self {
         Self::default()
     }

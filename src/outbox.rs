@@ -433,6 +433,7 @@ pub(crate) struct DueSummary {
     /// The earliest due moment of a claimable item.
     pub(crate) next_due: Option<DateTime<Utc>>,
     /// Some line is held by a claim of another handle.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) foreign_claim: bool,
 }
 

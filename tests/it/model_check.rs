@@ -313,6 +313,9 @@ fn millis(ms: u64) -> chrono::Duration {
     chrono::Duration::milliseconds(ms as i64)
 }
 
+/// An item's place in its destination's line: sequence, creation time, key.
+type Place = (u64, DateTime<Utc>, String);
+
 struct Model {
     settings: Settings,
     now: DateTime<Utc>,
@@ -550,7 +553,7 @@ impl Model {
     }
 
     /// The place of an item in its destination's line.
-    fn place(&self, key: &str) -> (u64, DateTime<Utc>, String) {
+    fn place(&self, key: &str) -> Place {
         let item = &self.items[key];
         (item.seq, item.created_at, key.to_owned())
     }
@@ -588,8 +591,7 @@ impl Model {
             let mut tried = BTreeSet::new();
             let mut claimed = None;
             'pick: loop {
-                let mut candidates: Vec<(u64, (u64, DateTime<Utc>, String), usize)> = (0
-                    ..DESTINATIONS.len())
+                let mut candidates: Vec<(u64, Place, usize)> = (0..DESTINATIONS.len())
                     .filter_map(|d| self.head(d).map(|key| (d, key)))
                     .filter(|(_, key)| {
                         let item = &self.items[key];

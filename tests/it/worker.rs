@@ -24,10 +24,9 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Awaits `f` under the watchdog; a hang fails naming `what`.
 async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(WATCHDOG, f).await {
-        Ok(value) => value,
-        Err(_) => panic!("{what}: nothing happened within {WATCHDOG:?}"),
-    }
+    tokio::time::timeout(WATCHDOG, f)
+        .await
+        .unwrap_or_else(|_elapsed| panic!("{what}: nothing happened within {WATCHDOG:?}"))
 }
 
 /// Polls `done` (a cheap state read) until it holds, under the watchdog.

@@ -19,7 +19,32 @@ const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
 /// Generous: the machine may be loaded; a hang fails, a slow pass does not.
 const WATCHDOG: Duration = Duration::from_secs(60);
 
-fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u64) -> Child {
+/// A child process killed when dropped, so a failing test leaves none behind.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for Reaped {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u64) -> Reaped {
     let mut child = Command::new(WORKER)
         .arg("serve")
         .arg(dir)
@@ -34,7 +59,7 @@ fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u6
         .spawn()
         .expect("spawn the worker");
     read_line(&mut child, "ready");
-    child
+    Reaped(child)
 }
 
 /// Reads the child's stdout until a line starts with `prefix`.
