@@ -68,23 +68,95 @@ pub(crate) struct Lines {
     by_destination: HashMap<String, BTreeSet<OrderKey>>,
     /// Per destination, its unclaimed queued items by due time.
     unclaimed: HashMap<String, BTreeSet<(DateTime<Utc>, OrderKey)>>,
-    /// Per queued item: when it falls due, and whether it is claimed.
-    pending: HashMap<String, (DateTime<Utc>, bool)>,
-    /// Each destination's head, if unclaimed, by due time (per-destination order).
-    heads: BTreeSet<(DateTime<Utc>, OrderKey)>,
-    head_of: HashMap<String, (DateTime<Utc>, OrderKey)>,
-    /// Each destination's earliest-due unclaimed item, by due time (unordered).
-    fronts: BTreeSet<(DateTime<Utc>, OrderKey)>,
-    front_of: HashMap<String, (DateTime<Utc>, OrderKey)>,
+    /// Per queued item: its due entry, and whether it is claimed.
+    pending: HashMap<String, (Due, bool)>,
+    /// Each destination's head, if unclaimed (per-destination order).
+    heads: Fronts,
+    /// Each destination's earliest-due unclaimed item (unordered).
+    fronts: Fronts,
     /// Claimed queued items: in flight, or left by a worker that died.
     claimed: BTreeSet<OrderKey>,
     /// The largest enqueue sequence of any live item.
     max_seq: u64,
 }
 
-/// When a queued item may go: its next attempt, or its creation.
-fn due_of(item: &OutboxItem) -> DateTime<Utc> {
-    item.next_attempt_at.unwrap_or(item.created_at)
+/// When a queued item may go: `fresh` items (never deferred) are due from
+/// their creation, and always due, even if a clock stepped back since;
+/// deferred ones at their `next_attempt_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Due {
+    at: DateTime<Utc>,
+    fresh: bool,
+}
+
+impl Due {
+    fn of(item: &OutboxItem) -> Self {
+        Self {
+            at: item.next_attempt_at.unwrap_or(item.created_at),
+            fresh: item.next_attempt_at.is_none(),
+        }
+    }
+}
+
+/// One entry per destination, split by whether it is fresh (always due) or
+/// deferred (due at its time), each ordered by time.
+#[derive(Debug, Default)]
+struct Fronts {
+    fresh: BTreeSet<(DateTime<Utc>, OrderKey)>,
+    deferred: BTreeSet<(DateTime<Utc>, OrderKey)>,
+    of: HashMap<String, (Due, OrderKey)>,
+}
+
+impl Fronts {
+    fn set(&mut self, destination: &str, entry: Option<(Due, OrderKey)>) {
+        if let Some((due, place)) = self.of.remove(destination) {
+            self.side(due.fresh).remove(&(due.at, place));
+        }
+        if let Some((due, place)) = entry {
+            self.side(due.fresh).insert((due.at, place.clone()));
+            self.of.insert(destination.to_owned(), (due, place));
+        }
+    }
+
+    fn side(&mut self, fresh: bool) -> &mut BTreeSet<(DateTime<Utc>, OrderKey)> {
+        if fresh {
+            &mut self.fresh
+        } else {
+            &mut self.deferred
+        }
+    }
+
+    /// The entries due at `now`, earliest first: every fresh one, and the
+    /// deferred ones whose time has come.
+    fn due(&self, now: DateTime<Utc>) -> impl Iterator<Item = &OrderKey> {
+        let mut fresh = self.fresh.iter().peekable();
+        let mut deferred = self
+            .deferred
+            .iter()
+            .take_while(move |(at, _)| *at <= now)
+            .peekable();
+        std::iter::from_fn(move || {
+            let take_fresh = match (fresh.peek(), deferred.peek()) {
+                (Some(f), Some(d)) => f <= d,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            let next = if take_fresh {
+                fresh.next()
+            } else {
+                deferred.next()
+            };
+            next.map(|(_, place)| place)
+        })
+    }
+
+    /// The earliest moment an entry is due (at most `now` if one is fresh).
+    fn next_due(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        match self.fresh.first() {
+            Some((at, _)) => Some((*at).min(now)),
+            None => self.deferred.first().map(|(at, _)| *at),
+        }
+    }
 }
 
 impl Lines {
@@ -93,7 +165,7 @@ impl Lines {
         if item.state != ItemState::Queued {
             return;
         }
-        let (place, due, destination) = (OrderKey::of(item), due_of(item), &item.destination);
+        let (place, due, destination) = (OrderKey::of(item), Due::of(item), &item.destination);
         let claimed = item.claim.is_some();
         self.by_destination
             .entry(destination.clone())
@@ -107,7 +179,7 @@ impl Lines {
             self.unclaimed
                 .entry(destination.clone())
                 .or_default()
-                .insert((due, place));
+                .insert((due.at, place));
         }
         self.refresh(destination);
     }
@@ -127,7 +199,7 @@ impl Lines {
             if claimed {
                 self.claimed.remove(&place);
             } else if let Some(set) = self.unclaimed.get_mut(destination) {
-                set.remove(&(due, place));
+                set.remove(&(due.at, place));
                 if set.is_empty() {
                     self.unclaimed.remove(destination);
                 }
@@ -138,27 +210,25 @@ impl Lines {
 
     /// Recomputes `destination`'s head and front entries.
     fn refresh(&mut self, destination: &str) {
-        if let Some(old) = self.head_of.remove(destination) {
-            self.heads.remove(&old);
-        }
-        if let Some(old) = self.front_of.remove(destination) {
-            self.fronts.remove(&old);
-        }
         let head = self
             .by_destination
             .get(destination)
-            .and_then(BTreeSet::first);
-        if let Some(head) = head
-            && let Some((due, false)) = self.pending.get(&head.key)
-        {
-            let entry = (*due, head.clone());
-            self.heads.insert(entry.clone());
-            self.head_of.insert(destination.to_owned(), entry);
-        }
-        if let Some(front) = self.unclaimed.get(destination).and_then(BTreeSet::first) {
-            self.fronts.insert(front.clone());
-            self.front_of.insert(destination.to_owned(), front.clone());
-        }
+            .and_then(BTreeSet::first)
+            .and_then(|head| match self.pending.get(&head.key) {
+                Some((due, false)) => Some((*due, head.clone())),
+                _ => None,
+            });
+        self.heads.set(destination, head);
+        let front = self
+            .unclaimed
+            .get(destination)
+            .and_then(BTreeSet::first)
+            .and_then(|(_, place)| {
+                self.pending
+                    .get(&place.key)
+                    .map(|(due, _)| (*due, place.clone()))
+            });
+        self.fronts.set(destination, front);
     }
 
     /// `destination`'s queued items in enqueue order.
@@ -166,15 +236,25 @@ impl Lines {
         self.by_destination.get(destination).into_iter().flatten()
     }
 
-    /// One unclaimed item per destination (its head, or under `Unordered` its
-    /// earliest-due item), earliest due first.
-    pub(crate) fn fronts(
+    /// The unclaimed items due at `now`, one per destination (its head, or
+    /// under `Unordered` its earliest-due item), earliest due first.
+    pub(crate) fn due_fronts(
         &self,
         ordering: Ordering,
-    ) -> impl Iterator<Item = &(DateTime<Utc>, OrderKey)> {
+        now: DateTime<Utc>,
+    ) -> impl Iterator<Item = &OrderKey> {
+        self.side(ordering).due(now)
+    }
+
+    /// When the earliest front is due (at most `now` if one is due already).
+    pub(crate) fn next_due(&self, ordering: Ordering, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.side(ordering).next_due(now)
+    }
+
+    fn side(&self, ordering: Ordering) -> &Fronts {
         match ordering {
-            Ordering::PerDestination => self.heads.iter(),
-            Ordering::Unordered => self.fronts.iter(),
+            Ordering::PerDestination => &self.heads,
+            Ordering::Unordered => &self.fronts,
         }
     }
 
@@ -287,6 +367,81 @@ mod tests {
             created_at: Utc.timestamp_opt(secs, 0).single().unwrap_or_default(),
             key: key.into(),
         }
+    }
+
+    fn item(key: &str, destination: &str, seq: u64) -> OutboxItem {
+        let at = Utc.timestamp_opt(1_000, 0).single().unwrap_or_default();
+        OutboxItem {
+            idempotency_key: key.into(),
+            connector: "c".into(),
+            grant_id: "g".into(),
+            destination: destination.into(),
+            content: String::new(),
+            content_hash: String::new(),
+            state: ItemState::Queued,
+            attempts: 0,
+            claim: None,
+            created_at: at,
+            updated_at: at,
+            next_attempt_at: None,
+            sent_at: None,
+            error_code: None,
+            lane: "l".into(),
+            direction: "d".into(),
+            risk_class: None,
+            transport_ref: None,
+            last_audit_id: None,
+            cooldown_until: None,
+            maybe_sent_at: None,
+            seq: Some(seq),
+        }
+    }
+
+    fn front_keys(lines: &Lines, ordering: Ordering) -> Vec<String> {
+        let later = Utc.timestamp_opt(100_000, 0).single().unwrap_or_default();
+        lines
+            .due_fronts(ordering, later)
+            .map(|p| p.key.clone())
+            .collect()
+    }
+
+    /// Replaces `old` by `new` the way `store` applies a change.
+    fn change(lines: &mut Lines, old: &OutboxItem, new: &OutboxItem) {
+        lines.remove(old);
+        lines.insert(new);
+    }
+
+    #[test]
+    fn the_lines_index_follows_claims_retries_and_outcomes() {
+        let mut lines = Lines::default();
+        let (a1, a2, b1) = (item("a1", "a", 1), item("a2", "a", 2), item("b1", "b", 3));
+        for i in [&a1, &a2, &b1] {
+            lines.insert(i);
+        }
+        assert_eq!(lines.max_seq(), 3);
+        assert_eq!(front_keys(&lines, Ordering::PerDestination), ["a1", "b1"]);
+        // Claiming a1: a's head is in flight, so a has no front; a2 still waits.
+        let mut claimed = a1.clone();
+        claimed.claim = Some(crate::item::Claim {
+            owner: None,
+            at: None,
+        });
+        change(&mut lines, &a1, &claimed);
+        assert_eq!(front_keys(&lines, Ordering::PerDestination), ["b1"]);
+        assert_eq!(front_keys(&lines, Ordering::Unordered), ["a2", "b1"]);
+        assert_eq!(lines.claimed().count(), 1);
+        // A retry puts a1 back, due later: still a's head, now after b1.
+        let mut retried = a1.clone();
+        retried.next_attempt_at = Some(a1.created_at + chrono::Duration::seconds(5));
+        change(&mut lines, &claimed, &retried);
+        assert_eq!(front_keys(&lines, Ordering::PerDestination), ["b1", "a1"]);
+        // Sent: a2 becomes the head.
+        let mut sent = retried.clone();
+        sent.state = ItemState::Sent;
+        change(&mut lines, &retried, &sent);
+        assert_eq!(front_keys(&lines, Ordering::PerDestination), ["a2", "b1"]);
+        assert_eq!(lines.line("a").count(), 1);
+        assert_eq!(lines.claimed().count(), 0);
     }
 
     #[test]

@@ -321,15 +321,12 @@ impl Txn<'_> {
                 consider(&head);
             }
         }
-        let mut taken = 0;
-        for (due, place) in lines.fronts(ordering) {
-            if *due > self.now || taken >= CANDIDATE_WINDOW {
-                break;
-            }
-            if !self.overlay.contains_key(&place.key) {
-                taken += 1;
-                consider(place);
-            }
+        for place in lines
+            .due_fronts(ordering, self.now)
+            .filter(|place| !self.overlay.contains_key(&place.key))
+            .take(CANDIDATE_WINDOW)
+        {
+            consider(place);
         }
         out
     }
@@ -1002,6 +999,7 @@ impl Outbox {
     pub(crate) fn due_summary(&self) -> Result<DueSummary> {
         let ordering = self.inner.config.ordering;
         let own = self.inner.owner.id().to_owned();
+        let now = self.inner.config.clock.now();
         self.read(|loaded, _| {
             let lines = &loaded.index.lines;
             let foreign_claim = lines.claimed().any(|place| {
@@ -1012,7 +1010,7 @@ impl Outbox {
                     .is_some_and(|item| item.claim_owner() != Some(own.as_str()))
             });
             Ok(DueSummary {
-                next_due: lines.fronts(ordering).next().map(|(due, _)| *due),
+                next_due: lines.next_due(ordering, now),
                 foreign_claim,
             })
         })

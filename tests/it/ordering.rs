@@ -224,3 +224,37 @@ fn threads_with_separate_handles_keep_each_destinations_order() {
         );
     }
 }
+
+/// Items written before sequences existed (here by the Python reference) have
+/// no `enqueue_seq`: they come before anything enqueued since.
+#[test]
+fn a_seed_item_without_a_sequence_goes_before_newer_messages() {
+    let h = Harness::new();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json"),
+        dir.path().join("outbox.json"),
+    )
+    .unwrap();
+    let outbox = uncapped(builder(dir.path(), &h.clock)).open().unwrap();
+    assert_eq!(
+        outbox.get("seed-queued").unwrap().unwrap().enqueue_seq(),
+        None
+    );
+    let newer = outbox.enqueue(msg("new-1", "chat-1")).unwrap();
+    assert!(newer.enqueue_seq().is_some());
+    let r = outbox
+        .process("new-1", |_| panic!("jumped the queue"))
+        .unwrap();
+    assert_eq!(r.outcome, Outcome::Waiting);
+    let mut seen = Vec::new();
+    outbox
+        .process_due(|item| {
+            if item.destination() == "chat-1" {
+                seen.push(item.idempotency_key().to_owned());
+            }
+            Ok(None)
+        })
+        .unwrap();
+    assert_eq!(seen, ["seed-queued", "new-1"]);
+}

@@ -405,3 +405,45 @@ fn another_process_enqueue_wakes_an_idle_worker() {
     wait_exit(&mut child, "cross-process wake-up: shutdown");
     assert_eq!(report(&mut child)["sent"], 3);
 }
+
+#[test]
+fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("transport.log");
+    let outbox = Outbox::open(dir.path()).expect("open");
+    outbox.enqueue(message("m1", "chat-1")).unwrap();
+    outbox.enqueue(message("m2", "chat-1")).unwrap();
+    // Another process claims m1 and hangs inside its send.
+    let mut claimant = Reaped(
+        Command::new(WORKER)
+            .arg("process")
+            .arg(dir.path())
+            .args(["m1", "hang"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the claimant"),
+    );
+    read_line(&mut claimant, "sending m1");
+    let mut worker = serve(dir.path(), &log, 2, 0, 20_000);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        started(&log).is_empty(),
+        "order: m2 must wait while m1 is in flight in another process"
+    );
+    // The claimant dies mid-send: nothing is written, yet the worker must
+    // notice, fail m1 as ambiguous (never resent) and deliver m2.
+    claimant.kill().expect("SIGKILL");
+    claimant.wait().expect("reap");
+    wait_until("a dead claim does not block its line forever", || {
+        outbox
+            .get("m2")
+            .unwrap()
+            .is_some_and(|i| i.state() == ItemState::Sent)
+    });
+    assert_eq!(started(&log), ["m2"], "m1 is never resent");
+    let m1 = outbox.get("m1").unwrap().unwrap();
+    assert_eq!(m1.error_code(), Some(AMBIGUOUS_AFTER_RESTART));
+    sigterm(&worker);
+    wait_exit(&mut worker, "shutdown");
+}
