@@ -192,17 +192,7 @@ fn main() {
         "maintain" => maintain(arg(1)),
         "rotate" => rotate(arg(1), arg(2), arg(3)),
         "remove-audit" => remove_audit(arg(1), arg(2)),
-        "drain" => {
-            let outbox = open(arg(1));
-            let log = Path::new(arg(2));
-            let report = outbox
-                .process_due(|item| deliver(log, item))
-                .unwrap_or_else(|e| fail(&format!("drain: {e}")));
-            say(&format!(
-                "drained sent={} failed={} in_flight={}",
-                report.sent, report.failed, report.in_flight
-            ));
-        }
+        "drain" => drain(arg(1), Path::new(arg(2))),
         "torture" => {
             let outbox = open(arg(1));
             let log = Path::new(arg(2));
@@ -241,6 +231,17 @@ fn main() {
         "serve" => serve::run(&args),
         other => fail(&format!("unknown command {other}")),
     }
+}
+
+/// `process_due` once with the delivering send; prints the tally.
+fn drain(dir: &str, log: &Path) {
+    let report = open(dir)
+        .process_due(|item| deliver(log, item))
+        .unwrap_or_else(|e| fail(&format!("drain: {e}")));
+    say(&format!(
+        "drained sent={} failed={} in_flight={}",
+        report.sent, report.failed, report.in_flight
+    ));
 }
 
 /// `process_due` with a send that announces itself and never returns.
