@@ -207,6 +207,8 @@ impl OutboxItem {
     /// class was stored (seed files); read those by their error code.
     pub fn failure_class(&self) -> Option<FailureClass> {
         self.failure_class
+    }
+
     /// Its place in enqueue order: a number larger than that of every item
     /// live when it was enqueued (or requeued). `None` for items written by
     /// releases (or the reference design) that had no sequence; they come first.

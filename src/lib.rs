@@ -140,11 +140,11 @@ pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 pub use crate::retry::Backoff;
 pub use crate::send::{FailureClass, SendError};
 pub use crate::settings::Settings;
+#[cfg(feature = "tokio")]
+pub use crate::worker::{Worker, WorkerReport};
 /// The timestamp types of the API (`DateTime<Utc>`), re-exported so a bot
 /// names them without depending on `chrono` itself.
 pub use chrono::{DateTime, Utc};
-#[cfg(feature = "tokio")]
-pub use crate::worker::{Worker, WorkerReport};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

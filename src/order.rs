@@ -393,6 +393,7 @@ mod tests {
             last_audit_id: None,
             cooldown_until: None,
             maybe_sent_at: None,
+            failure_class: None,
             seq: Some(seq),
         }
     }

@@ -4,14 +4,15 @@ use durable_outbox::{ItemState, SendError};
 
 use crate::harness::{Fixture, message};
 
-/// Three retryable failures after an outage (two in chat-1), the demo's
+/// Three retryable failures after an outage (two in chat-1, one in a chat with
+/// nothing queued before it), the demo's
 /// situations besides.
 fn after_an_outage() -> Fixture {
     let f = Fixture::demo();
     for (key, chat) in [
         ("down-1", "chat-1"),
         ("down-2", "chat-1"),
-        ("down-3", "chat-2"),
+        ("down-3", "chat-6"),
     ] {
         f.outbox.enqueue(message(key, chat)).unwrap();
     }

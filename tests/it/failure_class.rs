@@ -12,8 +12,10 @@ use crate::harness::{Harness, builder, secs};
 
 const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
 
+/// Enqueues `key` to a chat of its own (so no earlier message holds it back)
+/// and fails its one send with `error`.
 fn fail_with(h: &Harness, key: &str, error: SendError) {
-    h.enqueue(key, "chat-1");
+    h.enqueue(key, &format!("chat-{key}"));
     let mut error = Some(error);
     h.outbox
         .process(key, |_| Err(error.take().expect("sent once")))
