@@ -169,24 +169,27 @@ impl Locked {
             history,
             history_generation,
         } = self;
-        if with_audit && audit.is_fresh() {
-            // First look: start after the sealed segments, and resume the active
-            // log where the last compaction verified it, so opening costs the
-            // recent records, not the whole history.
-            audit.load_base()?;
-            let state = &store.refresh(loaded)?.state;
-            if let (Some(head), Some(offset)) = (&state.audit_head, state.audit_offset)
-                && !audit.resume_at(head, offset)?
-            {
-                tracing::warn!(
-                    "the audit log does not match the resume point in outbox.json; verifying it from the start"
-                );
-            }
-        }
+        let loaded = store.refresh(loaded)?;
         if with_audit {
+            let state = &loaded.state;
+            if audit.is_fresh() {
+                // First look: start after the sealed segments, and resume the
+                // active log where the last compaction verified it, so opening
+                // costs the recent records, not the whole history.
+                audit.load_base()?;
+                if let (Some(head), Some(offset)) = (&state.audit_head, state.audit_offset)
+                    && !audit.resume_at(head, offset)?
+                {
+                    tracing::warn!(
+                        "the audit log does not match the resume point in outbox.json; verifying it from the start"
+                    );
+                }
+            }
+            // The snapshot's head was fsynced before the snapshot was written:
+            // past it, the log may hold whatever a power cut left.
+            audit.note_durable(state.audit_head.as_ref().map_or(0, |h| h.seq));
             audit.catch_up()?;
         }
-        let loaded = store.refresh(loaded)?;
         if *history_generation != Some(loaded.state.generation) {
             history.refresh()?;
             *history_generation = Some(loaded.state.generation);

@@ -534,6 +534,10 @@ pub(crate) struct AuditTail {
     recent: VecDeque<Head>,
     /// A crash remnant after the last whole record, waiting to be set aside.
     torn: Option<Vec<u8>>,
+    /// The last record known to be durable in the log itself (fsynced before a
+    /// snapshot recorded it). A bad line after it is a crash remnant, whatever
+    /// its shape, since the journal holds every later record; before it, damage.
+    durable_seq: u64,
     /// The last record before the active file (the sealed segments' head), or genesis.
     base: Head,
     /// Identity of the active file this tail has read or written, to notice a
@@ -567,6 +571,7 @@ impl AuditTail {
             lines: 0,
             recent,
             torn: None,
+            durable_seq: 0,
             base: Head::genesis(),
             file_id: None,
         }
@@ -754,6 +759,12 @@ impl AuditTail {
         self.recent.push_back(head);
     }
 
+    /// Records that the log is durable up to record `seq` (the head a snapshot
+    /// recorded after fsyncing the log). Never moves back.
+    pub(crate) fn note_durable(&mut self, seq: u64) {
+        self.durable_seq = self.durable_seq.max(seq);
+    }
+
     /// Reads and verifies whatever other writers appended since the last call, and
     /// quarantines a torn tail left by a crash. O(new bytes).
     pub(crate) fn catch_up(&mut self) -> Result<()> {
@@ -787,7 +798,7 @@ impl AuditTail {
             self.torn = None;
             return Ok(());
         }
-        self.absorb_from(&self.path.clone())
+        self.absorb_from(&self.path.clone(), true)
     }
 
     /// Another handle sealed the file this tail was following, maybe several
@@ -824,7 +835,7 @@ impl AuditTail {
                     },
                 ));
             }
-            self.absorb_from(&path)?;
+            self.absorb_from(&path, false)?;
             if self.torn.take().is_some() {
                 return Err(broken(
                     &path,
@@ -853,7 +864,16 @@ impl AuditTail {
     }
 
     /// Reads and verifies records of `path` past `verified_len`; notes a torn tail.
-    fn absorb_from(&mut self, path: &Path) -> Result<()> {
+    ///
+    /// In the active file (`active`), everything after the last durable record
+    /// was appended without an fsync of its own: a power cut can leave it in any
+    /// shape (zeros, then a later record; a line with zeros inside; fragments out
+    /// of order). From the first bad line past that point, the rest is a remnant
+    /// to set aside: the journal holds those records and they are re-appended.
+    /// A bad line at or before the durable record is damage, and an error.
+    /// Sealed segments were fsynced before they were sealed: only a clean tear
+    /// is tolerated there (and then reported by the caller).
+    fn absorb_from(&mut self, path: &Path, active: bool) -> Result<()> {
         let len = fs::metadata(path)
             .map_err(|e| Error::io(path, "stat", e))?
             .len();
@@ -891,9 +911,12 @@ impl AuditTail {
             }
             let body = line.strip_suffix(b"\n").unwrap_or(line);
             let line_no = self.lines + heads.len() as u64 + 1;
-            chain
-                .check(body)
-                .map_err(|fault| broken(path, line_no, fault))?;
+            if let Err(fault) = chain.check(body) {
+                if active && chain.head.seq >= self.durable_seq {
+                    break;
+                }
+                return Err(broken(path, line_no, fault));
+            }
             heads.push(chain.head.clone());
             offset += line.len();
         }
@@ -1026,7 +1049,10 @@ impl AuditTail {
         faults
             .check("audit.fsync")
             .and_then(|()| file.sync_data())
-            .map_err(|e| Error::io(&path, "fsync", e))
+            .map_err(|e| Error::io(&path, "fsync", e))?;
+        let head = self.head().seq;
+        self.note_durable(head);
+        Ok(())
     }
 
     /// The append-mode descriptor, opened (and the file created durably) on first use.

@@ -303,8 +303,9 @@ pub(crate) struct Loaded {
     snapshot: Option<Stamp>,
     /// `None` when there is no journal of the snapshot's generation yet.
     cursor: Option<Cursor>,
-    /// An unacknowledged, torn entry at the cursor, waiting to be set aside.
-    torn: Option<Vec<u8>>,
+    /// Bytes past the cursor that no acknowledged entry owns (a write a power
+    /// cut tore), waiting to be set aside before anything is written over them.
+    torn: Option<Torn>,
     /// Journal offset before which no further automatic compaction is tried.
     compaction_retry_at: u64,
 }
@@ -366,6 +367,14 @@ fn fold_cooldown(cooldowns: &mut HashMap<String, DateTime<Utc>>, item: &OutboxIt
         let current = cooldowns.entry(item.destination.clone()).or_insert(until);
         *current = (*current).max(until);
     }
+}
+
+/// A crash remnant found past the last whole entry: where it starts (the cursor
+/// when it was found) and its bytes up to its last non-zero byte.
+#[derive(Debug)]
+struct Torn {
+    at: u64,
+    bytes: Vec<u8>,
 }
 
 /// How far a failed commit got.
@@ -611,6 +620,7 @@ impl Store {
             }
         }
         let torn_at = start + pos as u64;
+        let advanced = !entries.is_empty();
         for (items, audit, settings, len) in entries {
             for item in items {
                 loaded.apply(item);
@@ -625,7 +635,7 @@ impl Store {
             cursor.offset += len as u64;
             cursor.next_seq += 1;
         }
-        loaded.torn = if pos < fresh.len() && fresh[pos] != 0 {
+        if pos < fresh.len() && fresh[pos] != 0 {
             let Some(cursor) = loaded.cursor.as_ref() else {
                 unreachable!("checked above")
             };
@@ -633,10 +643,18 @@ impl Store {
                 .map_err(|e| Error::io(&self.journal_path, "read", e))?;
             let end = tail.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
             tail.truncate(end);
-            Some(tail)
-        } else {
-            None
-        };
+            loaded.torn = Some(Torn {
+                at: torn_at,
+                bytes: tail,
+            });
+        } else if advanced {
+            // Another handle wrote entries here, so it set aside whatever lay
+            // past the old end first: what this handle knew of is gone.
+            loaded.torn = None;
+        }
+        // Nothing new at the cursor: a remnant found earlier (possibly beyond a
+        // zeroed gap, by `check_beyond_end`) is still there and must be kept in
+        // mind until it is set aside, however often the state is refreshed.
         Ok(())
     }
 
@@ -667,26 +685,51 @@ impl Store {
                 "whole entries follow a zeroed region: acknowledged entries were lost",
             ));
         }
-        loaded.torn = Some(rest);
+        loaded.torn = Some(Torn {
+            at: cursor.offset,
+            bytes: rest,
+        });
         Ok(())
     }
 
     /// Copies an unacknowledged, torn journal tail aside, then zeroes it. Called
     /// only once the state has been checked, so an open that fails leaves the
     /// journal untouched, and before any new entry is written over it.
+    ///
+    /// The bytes are read again first: another handle may have set them aside
+    /// already (then there is nothing left to do), and only the bytes that were
+    /// judged a remnant are ever zeroed.
     pub(crate) fn settle_torn(&self, loaded: &mut Loaded) -> Result<()> {
-        let (Some(tail), Some(cursor)) = (loaded.torn.take(), loaded.cursor.as_mut()) else {
+        let (Some(torn), Some(cursor)) = (loaded.torn.take(), loaded.cursor.as_mut()) else {
             return Ok(());
         };
+        if torn.at != cursor.offset {
+            // Entries were written past where it was found: someone settled it.
+            return Ok(());
+        }
+        let mut now = vec![0; torn.bytes.len()];
+        let n = read_at(&cursor.file, &mut now, torn.at)
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+        now.truncate(n);
+        if now.iter().all(|b| *b == 0) {
+            return Ok(());
+        }
+        if now != torn.bytes {
+            return Err(invalid(
+                &self.journal_path,
+                format!("byte {}", torn.at),
+                "the unacknowledged tail changed while the directory was locked",
+            ));
+        }
         let quarantine =
-            fsutil::write_quarantine(&self.dir, &format!("{JOURNAL_FILE}.torn"), &tail)?;
-        write_all_at(&cursor.file, &vec![0; tail.len()], cursor.offset)
+            fsutil::write_quarantine(&self.dir, &format!("{JOURNAL_FILE}.torn"), &torn.bytes)?;
+        write_all_at(&cursor.file, &vec![0; torn.bytes.len()], torn.at)
             .and_then(|()| cursor.file.sync_data())
             .map_err(|e| Error::io(&self.journal_path, "zero torn tail", e))?;
         tracing::warn!(
             journal = %self.journal_path.display(),
             quarantine = %quarantine.display(),
-            bytes = tail.len(),
+            bytes = torn.bytes.len(),
             "moved an unacknowledged, torn journal tail aside"
         );
         Ok(())

@@ -21,6 +21,7 @@ mod model_check;
 mod observability;
 mod operator_actions;
 mod ordering;
+mod power_loss_regressions;
 mod rate_caps;
 mod replies;
 mod retries;
