@@ -598,8 +598,10 @@ impl History {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(Error::io(&path, "remove pruned segment", e)),
             }
+            // One fsync per removal: unsynced name changes may reach the disk in
+            // any order, and an index whose log is still there cannot be read.
+            fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
         }
-        fsutil::sync_dir(&self.dir).map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
         self.forget(at);
         Ok(())
     }

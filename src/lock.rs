@@ -213,16 +213,44 @@ pub(crate) fn sweep_dead_owners<T>(dir: &Path, _held: &DirGuard<'_, T>) -> Resul
     Ok(())
 }
 
-/// Creates a directory (mode 0700 on Unix) if it does not exist.
+/// Creates a directory (mode 0700 on Unix) and its missing parents, if it does
+/// not exist. Each new directory is made durable: its name survives a power cut
+/// only once the directory holding it is fsynced, and everything written inside
+/// it would be lost with it.
 pub(crate) fn create_private_dir(path: &Path) -> Result<()> {
+    let mut missing = Vec::new();
+    let mut at = path;
+    while fs::symlink_metadata(at).is_err() {
+        missing.push(at);
+        match at.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => at = parent,
+            _ => break,
+        }
+    }
     let mut builder = fs::DirBuilder::new();
-    builder.recursive(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::DirBuilderExt;
         builder.mode(0o700);
     }
-    builder
-        .create(path)
-        .map_err(|e| Error::io(path, "create directory", e))
+    if missing.is_empty() {
+        // It exists: succeed for a directory, name the problem for anything else.
+        builder.recursive(true);
+        return builder
+            .create(path)
+            .map_err(|e| Error::io(path, "create directory", e));
+    }
+    for dir in missing.into_iter().rev() {
+        match builder.create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => continue,
+            Err(e) => return Err(Error::io(dir, "create directory", e)),
+        }
+        let parent = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        crate::fsutil::sync_dir(parent).map_err(|e| Error::io(parent, "fsync directory", e))?;
+    }
+    Ok(())
 }
