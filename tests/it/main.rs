@@ -49,6 +49,8 @@ mod history;
 mod http_loopback;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
+#[cfg(all(target_os = "linux", feature = "test-failpoints"))]
+mod power_loss;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod processes;
 #[cfg(feature = "tokio")]

@@ -27,6 +27,9 @@
 //!   sleeps `SEND_MS` (a key containing `retry` fails retryably on its first
 //!   attempt instead), appends `end KEY`. Prints `ready` once running and
 //!   `report sent=… failed=… deferred=… retried=… released=… cancelled=…` at the end.
+//! - `powerloss DIR`: the power-loss harness's workload (see [`power_loss`]): a
+//!   fixed life of an outbox that passes through every kind of durable write,
+//!   with its acknowledgements recorded in the filesystem's own operation log.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -229,6 +232,7 @@ fn main() {
         "drain-hang" => drain_hang(arg(1)),
         #[cfg(feature = "tokio")]
         "serve" => serve::run(&args),
+        "powerloss" => power_loss(Path::new(arg(1))),
         other => fail(&format!("unknown command {other}")),
     }
 }
@@ -339,4 +343,110 @@ mod serve {
             report.cancelled
         ));
     }
+/// Tells the recording filesystem mounted at `dir` that something happened, in
+/// order with the writes: a lookup of a name it answers "not found" and logs.
+/// Everything done before the call has reached the filesystem by then.
+fn mark(dir: &Path, what: &str) {
+    let _ = std::fs::symlink_metadata(dir.join(format!(".powerloss-mark-{what}")));
+}
+
+/// The settings the power-loss harness opens its crash states with, too: every
+/// compaction moves finished items to history, rotates the audit log once it
+/// passes 2 KiB, and keeps two history segments.
+fn power_loss_builder(dir: &Path) -> durable_outbox::OutboxBuilder {
+    Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_millis(1))
+        .max_inline_wait(Duration::ZERO)
+        .history_after(Duration::ZERO)
+        .audit_rotate_bytes(2048)
+        .history_retention(durable_outbox::Retention::MaxSegments(2))
+}
+
+/// The power-loss workload. Marks: `ack-KEY` once an enqueue returned `Ok`;
+/// `send-KEY` when a send starts (the message may have left from then on);
+/// `mayprune-KEY` before a compaction that may prune KEY's history segment,
+/// `kept-KEY` after it for the keys still there.
+fn power_loss(dir: &Path) {
+    let open = || {
+        power_loss_builder(dir)
+            .open()
+            .unwrap_or_else(|e| fail(&format!("open: {e}")))
+    };
+    let send = |item: &OutboxItem| {
+        let key = item.idempotency_key();
+        mark(dir, &format!("send-{key}"));
+        if key.ends_with("-refused") {
+            Err(SendError::permanent("refused"))
+        } else {
+            Ok(Some(format!("tr-{key}")))
+        }
+    };
+    let enqueue = |outbox: &Outbox, keys: &[&str]| {
+        for (i, key) in keys.iter().enumerate() {
+            outbox
+                .enqueue(message(key, i as u64))
+                .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+            mark(dir, &format!("ack-{key}"));
+        }
+    };
+    // Before a compaction (which may prune history): every key in history.
+    let may_prune = |outbox: &Outbox| {
+        let keys: Vec<String> = outbox
+            .history_items()
+            .unwrap_or_else(|e| fail(&format!("history: {e}")))
+            .map(|item| item.map(|i| i.idempotency_key().to_owned()))
+            .collect::<Result<_, _>>()
+            .unwrap_or_else(|e| fail(&format!("history: {e}")));
+        for key in &keys {
+            mark(dir, &format!("mayprune-{key}"));
+        }
+        keys
+    };
+    let kept = |outbox: &Outbox, keys: Vec<String>| {
+        for key in keys {
+            if outbox.get(&key).ok().flatten().is_some() {
+                mark(dir, &format!("kept-{key}"));
+            }
+        }
+    };
+    let compact = |outbox: &Outbox| {
+        // Past the 1 ms rate window, so finished items may move to history.
+        std::thread::sleep(Duration::from_millis(3));
+        let keys = may_prune(outbox);
+        outbox
+            .compact()
+            .unwrap_or_else(|e| fail(&format!("compact: {e}")));
+        kept(outbox, keys);
+    };
+    let process = |outbox: &Outbox, key: &str| {
+        outbox
+            .process(key, send)
+            .unwrap_or_else(|e| fail(&format!("process: {e}")));
+    };
+
+    let outbox = open();
+    enqueue(&outbox, &["a0", "a1-refused", "a2", "a3"]);
+    process(&outbox, "a0");
+    process(&outbox, "a1-refused");
+    compact(&outbox);
+    enqueue(&outbox, &["b0", "b1"]);
+    outbox
+        .process_due(send)
+        .unwrap_or_else(|e| fail(&format!("drain: {e}")));
+    compact(&outbox);
+    enqueue(&outbox, &["c0"]);
+    process(&outbox, "c0");
+    compact(&outbox);
+    enqueue(&outbox, &["c1"]);
+    process(&outbox, "c1");
+    std::thread::sleep(Duration::from_millis(3));
+    let keys = may_prune(&outbox);
+    drop(outbox);
+    // A second life: opening compacts what the first left in the journal.
+    let outbox = open();
+    kept(&outbox, keys);
+    enqueue(&outbox, &["d0"]);
+    process(&outbox, "d0");
+    drop(outbox);
+    say("done");
 }

@@ -1,0 +1,435 @@
+//! Power loss: every state a power cut can leave opens, recovers, and loses
+//! nothing that was acknowledged.
+//!
+//! The workload (`outbox-test-worker powerloss`, a real process) runs against a
+//! recording FUSE filesystem mounted by this test ([`recorder`]), which logs
+//! every write, truncation, creation, unlink, rename, fsync and directory fsync
+//! the kernel delivers, with the workload's acknowledgements in between. The
+//! enumerator ([`crash_states`]) replays that log into the states a power cut
+//! at each point can leave (unsynced writes lost, torn at sector boundaries,
+//! zero-filled, landed out of order; names not yet made durable by a directory
+//! fsync missing), writes each into a plain directory, and checks it:
+//!
+//! - it opens (a typed error is a failure: a power cut never damages anything
+//!   before a durable point);
+//! - every enqueue acknowledged before the cut is there;
+//! - an item is `Sent` only if its send ran before the cut;
+//! - `verify_audit` passes;
+//! - a second open sees exactly what the first saw;
+//! - a drain sends nothing whose send already ran.
+//!
+//! Because it sees the real syscalls, deleting the journal's `fdatasync` or the
+//! directory fsync after a rename makes it report an acknowledged enqueue lost.
+//!
+//! Knobs: `OUTBOX_POWERLOSS_STATES` (distinct states to check; default
+//! [`DEFAULT_STATES`]), `OUTBOX_POWERLOSS_SEED` (replay a sample). Needs
+//! `/dev/fuse` and the right to mount (root, or `fusermount3` from Debian's
+//! `fuse3`); without them it fails when `CI` is set and skips otherwise.
+
+mod crash_states;
+mod recorder;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use durable_outbox::{ItemState, Outbox, OutboxItem};
+
+use crash_states::{Fate, Recording, Rng, Shape};
+use recorder::{Op, RecordingFs};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+
+/// Distinct crash states checked by default (about 40 s on a loaded 2-core
+/// machine in a debug build).
+const DEFAULT_STATES: usize = 1000;
+
+/// The worker must finish its workload within this (it takes about a second).
+const WORKLOAD_WATCHDOG: Duration = Duration::from_secs(300);
+
+/// Each of these must have been at risk (unsynced at the cut) in at least this
+/// many checked states, or the campaign did not cover what it claims.
+const MUST_COVER: &[&str] = &[
+    "outbox.journal",
+    "names: outbox.journal (rename)",
+    "outbox.json (snapshot)",
+    "names: outbox.json (rename)",
+    "audit.jsonl",
+    "names: audit rotation (rename)",
+    "history/ segments",
+    "names: history/ segments",
+    "names: temp files",
+];
+const MIN_PER_FILE: usize = 5;
+
+/// The settings the workload runs with (`power_loss_builder` in the worker),
+/// except retention: pruning history is an operator's policy that deletes
+/// acknowledged items on purpose, so recovery opens keep every segment, and
+/// the workload's own prunes are covered by its `mayprune-` markers.
+fn builder(dir: &Path) -> durable_outbox::OutboxBuilder {
+    Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_millis(1))
+        .max_inline_wait(Duration::ZERO)
+        .history_after(Duration::ZERO)
+        .audit_rotate_bytes(2048)
+}
+
+/// Skips locally, fails under CI, when the machine cannot run the harness.
+fn unavailable(reason: &str) {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "power-loss harness: {reason}. It needs /dev/fuse and the right to mount a \
+         FUSE filesystem (root, or `apt-get install -y fuse3` for fusermount3)"
+    );
+    eprintln!("skipping the power-loss harness: {reason}");
+}
+
+/// Runs the workload on a recording mount and returns its operation log.
+fn record_workload() -> Option<Vec<Op>> {
+    use std::os::unix::fs::MetadataExt;
+    if !Path::new("/dev/fuse").exists() {
+        unavailable("/dev/fuse does not exist");
+        return None;
+    }
+    let base = tempfile::tempdir().unwrap();
+    let mount = base.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let meta = std::fs::metadata(&mount).unwrap();
+    let fs = RecordingFs::new(meta.uid(), meta.gid());
+    let state = fs.state.clone();
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![fuser::MountOption::FSName("outbox-powerloss".into())];
+    let session = match fuser::spawn_mount(fs, &mount, &config) {
+        Ok(session) => session,
+        Err(e) => {
+            unavailable(&format!("cannot mount a FUSE filesystem: {e}"));
+            return None;
+        }
+    };
+    let mut child = Command::new(WORKER)
+        .arg("powerloss")
+        .arg(&mount)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > WORKLOAD_WATCHDOG {
+            let _ = child.kill();
+            let _ = child.wait();
+            drop(session);
+            panic!(
+                "watchdog: the power-loss workload did not finish in {WORKLOAD_WATCHDOG:?} \
+                 (a hang on the recording filesystem)"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    session.umount_and_join().unwrap();
+    assert!(
+        status.success() && out.contains("done"),
+        "the workload failed on the recording filesystem: {status}\n{out}\n{err}"
+    );
+    let log = std::mem::take(&mut state.lock().unwrap().log);
+    Some(log)
+}
+
+/// What the workload had been told by the cut.
+#[derive(Default)]
+struct Oracle {
+    acked: Vec<String>,
+    sends: HashSet<String>,
+    /// Keys whose history segment a compaction in progress may have pruned.
+    may_be_pruned: HashSet<String>,
+}
+
+impl Oracle {
+    fn at(ops: &[Op]) -> Self {
+        let mut oracle = Self::default();
+        for op in ops {
+            let Op::Mark(mark) = op else { continue };
+            if let Some(key) = mark.strip_prefix("ack-") {
+                oracle.acked.push(key.to_owned());
+            } else if let Some(key) = mark.strip_prefix("send-") {
+                oracle.sends.insert(key.to_owned());
+            } else if let Some(key) = mark.strip_prefix("mayprune-") {
+                oracle.may_be_pruned.insert(key.to_owned());
+            } else if let Some(key) = mark.strip_prefix("kept-") {
+                oracle.may_be_pruned.remove(key);
+            }
+        }
+        oracle
+    }
+}
+
+/// What an open handle shows: the live items, the history, the audit head.
+#[derive(PartialEq)]
+struct Picture {
+    items: Vec<OutboxItem>,
+    history: Vec<OutboxItem>,
+    audit_head: (u64, String),
+}
+
+fn picture(outbox: &Outbox) -> Result<Picture, String> {
+    let items = outbox
+        .list_items()
+        .map_err(|e| format!("list_items: {e}"))?;
+    let history = outbox
+        .history_items()
+        .map_err(|e| format!("history_items: {e}"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("history_items: {e}"))?;
+    let head = outbox
+        .audit_head()
+        .map_err(|e| format!("audit_head: {e}"))?;
+    Ok(Picture {
+        items,
+        history,
+        audit_head: (head.seq, head.hash),
+    })
+}
+
+/// Opens one crash state and checks every invariant.
+fn check_state(dir: &Path, oracle: &Oracle) -> Result<(), String> {
+    let first = builder(dir)
+        .open()
+        .map_err(|e| format!("it does not open: {e}"))?;
+    for key in &oracle.acked {
+        let found = first.get(key).map_err(|e| format!("get {key}: {e}"))?;
+        if found.is_none() && !oracle.may_be_pruned.contains(key) {
+            return Err(format!("acknowledged enqueue {key:?} lost"));
+        }
+    }
+    let seen = picture(&first)?;
+    for item in seen.items.iter().chain(&seen.history) {
+        let key = item.idempotency_key();
+        if item.state() == ItemState::Sent && !oracle.sends.contains(key) {
+            return Err(format!("{key:?} is Sent but its send never ran"));
+        }
+    }
+    first
+        .verify_audit()
+        .map_err(|e| format!("verify_audit: {e}"))?;
+    let seen = picture(&first)?;
+    drop(first);
+    let second = builder(dir)
+        .open()
+        .map_err(|e| format!("the second open fails: {e}"))?;
+    if picture(&second)? != seen {
+        return Err("a second open sees something else than the first".into());
+    }
+    let mut drained = Vec::new();
+    second
+        .process_due(|item| {
+            drained.push(item.idempotency_key().to_owned());
+            Ok(Some("again".into()))
+        })
+        .map_err(|e| format!("drain: {e}"))?;
+    if let Some(key) = drained.iter().find(|k| oracle.sends.contains(*k)) {
+        return Err(format!("{key:?} was sent again by a drain after the cut"));
+    }
+    second
+        .verify_audit()
+        .map_err(|e| format!("verify_audit after the drain: {e}"))?;
+    Ok(())
+}
+
+/// Where crash states are written: memory when there is a tmpfs for it.
+fn scratch() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir()
+        && let Ok(dir) = tempfile::Builder::new()
+            .prefix("outbox-powerloss-")
+            .tempdir_in(shm)
+    {
+        return dir;
+    }
+    tempfile::tempdir().unwrap()
+}
+
+fn describe(op: Option<&Op>) -> String {
+    match op {
+        Some(Op::Write { ino, offset, data }) => {
+            format!("write of {} bytes at {offset} to inode {ino}", data.len())
+        }
+        Some(other) => format!("{other:?}"),
+        None => "the end of the log".into(),
+    }
+}
+
+struct Campaign {
+    checked: usize,
+    by_shape: BTreeMap<&'static str, usize>,
+    at_risk: BTreeMap<&'static str, usize>,
+    failures: Vec<String>,
+}
+
+fn shape_name(shape: Shape) -> &'static str {
+    match shape {
+        Shape::DurableOnly => "durable only",
+        Shape::Everything => "everything kept",
+        Shape::InOrderPrefix => "in-order prefix, torn",
+        Shape::Scrambled => "scrambled",
+        Shape::TornTails => "torn tails",
+        Shape::ZerosForData => "zeros for data",
+        Shape::LaterNamesOnly => "later names only",
+    }
+}
+
+/// Checks up to `budget` distinct states: first the durable-only and the
+/// reordered-names states at every cut, then sampled cuts and shapes.
+fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
+    let n = recording.ops.len();
+    let mut rng = Rng::new(seed);
+    let mut distinct = HashSet::new();
+    let mut campaign = Campaign {
+        checked: 0,
+        by_shape: BTreeMap::new(),
+        at_risk: BTreeMap::new(),
+        failures: Vec::new(),
+    };
+    let scratch = scratch();
+    let mut plan: Vec<(usize, Shape)> = Shape::EVERY_CUT
+        .iter()
+        .flat_map(|&shape| (0..=n).map(move |cut| (cut, shape)))
+        .collect();
+    plan.reverse();
+    // Sampling is stratified by what is at risk, so files that are unsynced
+    // only briefly (a rename just before its directory fsync) get their share.
+    let mut cuts_by_label: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
+    for cut in 1..=n {
+        for label in recording.labels_at_risk(cut) {
+            cuts_by_label.entry(label).or_default().push(cut);
+        }
+    }
+    let strata: Vec<&Vec<usize>> = cuts_by_label.values().collect();
+    let mut attempts = 0;
+    while campaign.checked < budget && campaign.failures.len() < 10 && attempts < budget * 20 {
+        attempts += 1;
+        let (cut, shape) = plan.pop().unwrap_or_else(|| {
+            let cuts = strata[rng.below(strata.len() as u64) as usize];
+            let cut = cuts[rng.below(cuts.len() as u64) as usize];
+            let shape = Shape::SAMPLED[rng.below(Shape::SAMPLED.len() as u64) as usize];
+            (cut, shape)
+        });
+        let fates: BTreeMap<usize, Fate> = recording.fates(cut, shape, &mut rng);
+        if !distinct.insert(recording.state_key(cut, &fates)) {
+            continue;
+        }
+        let dir = scratch.path().join(format!("state-{}", campaign.checked));
+        std::fs::create_dir(&dir).unwrap();
+        recording.materialise(cut, &fates, &dir).unwrap();
+        let oracle = Oracle::at(&recording.ops[..cut]);
+        if let Err(why) = check_state(&dir, &oracle) {
+            let mut risk: Vec<_> = recording.labels_at_risk(cut).into_iter().collect();
+            risk.sort_unstable();
+            campaign.failures.push(format!(
+                "cut after op {cut} of {n} (next: {}), shape {:?}, seed {seed}: {why}\n    \
+                 unsynced at the cut: {risk:?}",
+                describe(recording.ops.get(cut)),
+                shape,
+            ));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        campaign.checked += 1;
+        *campaign.by_shape.entry(shape_name(shape)).or_default() += 1;
+        for label in recording.labels_at_risk(cut) {
+            *campaign.at_risk.entry(label).or_default() += 1;
+        }
+    }
+    campaign
+}
+
+fn env_number(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{name} must be a number, not {v:?}"))
+    })
+}
+
+#[test]
+fn every_state_a_power_cut_can_leave_opens_and_loses_nothing_acknowledged() {
+    let Some(ops) = record_workload() else {
+        return;
+    };
+    let budget = env_number("OUTBOX_POWERLOSS_STATES").map_or(DEFAULT_STATES, |n| n as usize);
+    let seed = env_number("OUTBOX_POWERLOSS_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    if std::env::var_os("OUTBOX_POWERLOSS_DUMP").is_some() {
+        for (i, op) in ops.iter().enumerate() {
+            eprintln!("{i:5} {}", describe(Some(op)));
+        }
+    }
+    let recording = Recording::new(ops);
+    let mut kinds: HashMap<&str, usize> = HashMap::new();
+    for op in &recording.ops {
+        let kind = match op {
+            Op::Create { .. } => "create",
+            Op::Unlink { .. } => "unlink",
+            Op::Rename { .. } => "rename",
+            Op::Write { .. } => "write",
+            Op::SetLen { .. } => "truncate",
+            Op::Fsync { .. } => "fsync",
+            Op::FsyncDir { .. } => "directory fsync",
+            Op::Mark(_) => "marker",
+        };
+        *kinds.entry(kind).or_default() += 1;
+    }
+    let started = Instant::now();
+    let campaign = run_campaign(&recording, budget, seed);
+    let mut kinds: Vec<_> = kinds.into_iter().collect();
+    kinds.sort_unstable();
+    eprintln!(
+        "power loss: {} operations recorded {kinds:?}; {} distinct crash states checked in {:.1?} \
+         (seed {seed}; OUTBOX_POWERLOSS_STATES={budget})",
+        recording.ops.len(),
+        campaign.checked,
+        started.elapsed()
+    );
+    eprintln!("  states by shape: {:?}", campaign.by_shape);
+    eprintln!("  states in which each file had unsynced changes at the cut:");
+    for (label, count) in &campaign.at_risk {
+        eprintln!("    {label:<34} {count}");
+    }
+    assert!(
+        campaign.failures.is_empty(),
+        "{} crash state(s) broke an invariant:\n  {}",
+        campaign.failures.len(),
+        campaign.failures.join("\n  ")
+    );
+    let floor = budget.min(300);
+    assert!(
+        campaign.checked >= floor,
+        "only {} crash states were checked (at least {floor} expected)",
+        campaign.checked
+    );
+    for label in MUST_COVER {
+        let count = campaign.at_risk.get(label).copied().unwrap_or(0);
+        assert!(
+            count >= MIN_PER_FILE,
+            "{label}: at risk in only {count} checked states (at least {MIN_PER_FILE} expected)"
+        );
+    }
+}
