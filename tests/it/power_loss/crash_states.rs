@@ -62,7 +62,7 @@ pub enum Shape {
 
 impl Shape {
     /// Checked at every cut.
-    pub const EVERY_CUT: [Shape; 2] = [Shape::DurableOnly, Shape::LaterNamesOnly];
+    pub const EVERY_CUT: [Shape; 3] = [Shape::DurableOnly, Shape::TornTails, Shape::LaterNamesOnly];
     /// Sampled over the cuts.
     pub const SAMPLED: [Shape; 5] = [
         Shape::InOrderPrefix,
