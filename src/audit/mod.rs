@@ -62,10 +62,15 @@
 //!
 //! # Crashes
 //!
-//! Appends are not atomic: a crash can leave a partial last line (or zeros). Such a
-//! torn tail is moved, byte for byte, to `audit.jsonl.torn-<seq>-<n>` and cut from
-//! the log, and the chain continues from the last whole record. Damage anywhere
-//! else is an error, and the file is never modified.
+//! Appends are not atomic and not fsynced one by one (the journal holds every
+//! record, sealed, before it is appended): after a power cut, the log past the
+//! last record known to be durable (the head a snapshot recorded after fsyncing
+//! the log) can hold anything: a partial line, zeros, zeros and then a later
+//! record, a line with zeros inside. From the first line there that does not
+//! verify, the rest is moved, byte for byte, to `audit.jsonl.torn-<seq>-<n>` and
+//! cut from the log, and the missing records are re-appended from the journal.
+//! Damage at or before the durable record is an error, and the file is never
+//! modified.
 
 mod anchor;
 mod record;
