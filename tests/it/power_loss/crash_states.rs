@@ -598,3 +598,121 @@ impl Model {
         Ok(())
     }
 }
+
+/// The persistence model itself, on hand-written logs.
+mod model {
+    use std::collections::BTreeMap;
+    use std::ffi::OsString;
+
+    use super::{Fate, Recording, Rng, Shape};
+    use crate::power_loss::recorder::{Op, ROOT};
+
+    fn create(name: &str, ino: u64) -> Op {
+        Op::Create {
+            dir: ROOT,
+            name: OsString::from(name),
+            ino,
+            is_dir: false,
+        }
+    }
+
+    fn write(ino: u64, offset: u64, data: &[u8]) -> Op {
+        Op::Write {
+            ino,
+            offset,
+            data: data.to_vec(),
+        }
+    }
+
+    fn state(
+        recording: &Recording,
+        cut: usize,
+        fates: &BTreeMap<usize, Fate>,
+    ) -> Vec<(String, Vec<u8>)> {
+        let dir = tempfile::tempdir().unwrap();
+        recording.materialise(cut, fates, dir.path()).unwrap();
+        let mut files: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn only_what_an_fsync_covered_survives_a_cut_that_drops_everything_else() {
+        let recording = Recording::new(vec![
+            create("f", 2),
+            Op::FsyncDir { ino: ROOT },
+            write(2, 0, b"synced "),
+            Op::Fsync { ino: 2 },
+            write(2, 7, b"unsynced"),
+            create("g", 3),
+        ]);
+        let cut = recording.ops.len();
+        let fates = recording.fates(cut, Shape::DurableOnly, &mut Rng::new(1));
+        assert_eq!(
+            state(&recording, cut, &fates),
+            [("f".into(), b"synced ".to_vec())]
+        );
+        let fates = recording.fates(cut, Shape::Everything, &mut Rng::new(1));
+        assert_eq!(
+            state(&recording, cut, &fates),
+            [
+                ("f".into(), b"synced unsynced".to_vec()),
+                ("g".into(), Vec::new())
+            ]
+        );
+    }
+
+    #[test]
+    fn a_rename_is_lost_until_its_directory_is_fsynced() {
+        let mut ops = vec![
+            create("tmp", 2),
+            write(2, 0, b"new"),
+            Op::Fsync { ino: 2 },
+            Op::Rename {
+                from_dir: ROOT,
+                from: "tmp".into(),
+                to_dir: ROOT,
+                to: "file".into(),
+            },
+        ];
+        let recording = Recording::new(ops.clone());
+        let fates = recording.fates(4, Shape::DurableOnly, &mut Rng::new(1));
+        assert!(
+            state(&recording, 4, &fates).is_empty(),
+            "neither name is durable"
+        );
+        ops.push(Op::FsyncDir { ino: ROOT });
+        let recording = Recording::new(ops);
+        let fates = recording.fates(5, Shape::DurableOnly, &mut Rng::new(1));
+        assert_eq!(
+            state(&recording, 5, &fates),
+            [("file".into(), b"new".to_vec())]
+        );
+    }
+
+    #[test]
+    fn a_torn_tail_is_zeros_then_the_end_of_the_write() {
+        let data: Vec<u8> = (0..1500u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let recording = Recording::new(vec![
+            create("f", 2),
+            Op::FsyncDir { ino: ROOT },
+            write(2, 0, &data),
+        ]);
+        let fates = recording.fates(3, Shape::TornTails, &mut Rng::new(7));
+        let files = state(&recording, 3, &fates);
+        let torn = &files[0].1;
+        assert_eq!(torn.len(), 1500);
+        let split = torn.iter().position(|b| *b != 0).unwrap();
+        assert!(split == 512 || split == 1024, "cut at a sector: {split}");
+        assert_eq!(&torn[split..], &data[split..]);
+    }
+}
