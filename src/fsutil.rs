@@ -109,7 +109,8 @@ const O_NOFOLLOW: i32 = 0x0100;
 /// Makes sure `path`, a directory the outbox keeps inside its own (`owners/`,
 /// `history/`), is a real directory, creating it (mode 0700) if missing. A
 /// symlink or a file in its place is refused, never followed: a planted link
-/// must not make the outbox write bodies or lock files somewhere else.
+/// must not make the outbox write bodies or lock files somewhere else. A new
+/// directory is made durable (its parent fsynced) before this returns.
 pub(crate) fn private_subdir(path: &Path) -> Result<()> {
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.is_dir() => return Ok(()),
@@ -132,7 +133,12 @@ pub(crate) fn private_subdir(path: &Path) -> Result<()> {
     // Not recursive: the parent is the outbox directory, which exists, and a
     // link planted between the check above and here makes this fail.
     match builder.create(path) {
-        Ok(()) => Ok(()),
+        // The new name is durable only once the parent is fsynced: without it a
+        // power cut can keep later changes that rely on it and lose the directory.
+        Ok(()) => {
+            let parent = path.parent().unwrap_or(Path::new("."));
+            sync_dir(parent).map_err(|e| Error::io(parent, "fsync directory", e))
+        }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match fs::symlink_metadata(path) {
             Ok(meta) if meta.is_dir() => Ok(()),
             _ => Err(Error::io(path, "create directory", e)),
