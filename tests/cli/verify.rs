@@ -4,8 +4,11 @@
 use crate::harness::Fixture;
 
 /// Changes one hex digit of the content hash in line `line` of audit.jsonl: the
-/// line stays valid JSON, so only the chain can tell.
+/// line stays valid JSON, so only the chain can tell. The log is compacted
+/// first, so the record is durable: past the durable head, a bad line is what
+/// a power cut leaves, and opening rebuilds it from the journal instead.
 pub fn flip_a_byte_in_line(f: &Fixture, line: usize) {
+    f.outbox.compact().unwrap();
     let path = f.file("audit.jsonl");
     let mut bytes = std::fs::read(&path).unwrap();
     let start: usize = bytes
