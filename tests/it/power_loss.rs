@@ -85,12 +85,10 @@ fn builder(dir: &Path) -> durable_outbox::OutboxBuilder {
 
 /// Skips locally, fails under CI, when the machine cannot run the harness.
 fn unavailable(reason: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "power-loss harness: {reason}. It needs /dev/fuse and the right to mount a \
-         FUSE filesystem (root, or `apt-get install -y fuse3` for fusermount3)"
+    crate::harness::missing_tool(
+        "FUSE (/dev/fuse, and the right to mount: root, or fusermount3 from Debian's fuse3)",
+        reason,
     );
-    eprintln!("skipping the power-loss harness: {reason}");
 }
 
 /// Runs the workload on a recording mount and returns its operation log.
@@ -395,7 +393,12 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         std::fs::create_dir(&dir).unwrap();
         recording.materialise(cut, &fates, &dir).unwrap();
         let oracle = Oracle::at(&recording.ops[..cut]);
-        if let Err(why) = check_state(&dir, &oracle) {
+        let checked = crate::harness::within(
+            "recovery from a power cut finishes (no deadlock)",
+            crate::harness::DEADLOCK_LIMIT,
+            || check_state(&dir, &oracle),
+        );
+        if let Err(why) = checked {
             let mut risk: Vec<_> = recording.labels_at_risk(cut).into_iter().collect();
             risk.sort_unstable();
             campaign.failures.push(format!(
