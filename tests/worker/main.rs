@@ -343,6 +343,8 @@ mod serve {
             report.cancelled
         ));
     }
+}
+
 /// Tells the recording filesystem mounted at `dir` that something happened, in
 /// order with the writes: a lookup of a name it answers "not found" and logs.
 /// Everything done before the call has reached the filesystem by then.
