@@ -131,6 +131,7 @@ impl OutboxBuilder {
     /// must be positive.
     pub fn give_up_after(mut self, age: Duration) -> Self {
         self.give_up_after = age;
+        self.explicit.give_up_after = Some(age);
         self
     }
 

@@ -104,8 +104,6 @@ struct Config {
     /// This handle's builder values of the stored settings: what a setting the
     /// outbox does not store falls back to (see `settings`).
     defaults: Settings,
-    /// How long after enqueue an item is still retried (a handle setting).
-    give_up_after: Duration,
     ordering: order::Ordering,
     max_inline_wait: Duration,
     audit_rotate_bytes: u64,
@@ -486,6 +484,7 @@ impl Outbox {
             retention: builder.retention,
             max_attempts: builder.max_attempts,
             backoff: builder.backoff.clone(),
+            give_up_after: builder.give_up_after,
             stored: Vec::new(),
         };
         let (owner, initial_settings) = {
@@ -524,7 +523,6 @@ impl Outbox {
                 wakers: Wakers::default(),
                 config: Config {
                     defaults,
-                    give_up_after: builder.give_up_after,
                     ordering: builder.ordering,
                     max_inline_wait: builder.max_inline_wait,
                     audit_rotate_bytes: builder.audit_rotate_bytes,
@@ -2064,7 +2062,7 @@ impl Outbox {
             }
             Ok(Err(error)) => {
                 let code = sanitize(error.code(), limits::TRANSPORT_REF);
-                let give_up_after = self.inner.config.give_up_after;
+                let give_up_after = txn.settings.give_up_after;
                 // A `retry_after` is the platform pacing us (HTTP 429), not a
                 // failed attempt: it does not count against `max_attempts`.
                 let paced = error.retry_after_hint().is_some();

@@ -33,6 +33,7 @@ pub(crate) struct Stored {
     pub(crate) history_retention: Option<Retention>,
     pub(crate) max_attempts: Option<u32>,
     pub(crate) backoff: Option<Backoff>,
+    pub(crate) give_up_after: Option<Duration>,
 }
 
 impl Stored {
@@ -51,6 +52,7 @@ impl Stored {
             history_retention: Some(settings.retention),
             max_attempts: Some(settings.max_attempts),
             backoff: Some(settings.backoff.clone()),
+            give_up_after: Some(settings.give_up_after),
         }
     }
 
@@ -74,6 +76,12 @@ impl Stored {
         if let Some(backoff) = &self.backoff {
             backoff.validate()?;
         }
+        if self.give_up_after.is_some_and(|age| age.is_zero()) {
+            return Err(crate::Error::invalid_config(
+                "give_up_after",
+                "must be positive",
+            ));
+        }
         Ok(())
     }
 }
@@ -88,6 +96,7 @@ pub struct Settings {
     pub(crate) retention: Retention,
     pub(crate) max_attempts: u32,
     pub(crate) backoff: Backoff,
+    pub(crate) give_up_after: Duration,
     /// The names of the settings the outbox stores (the rest are this handle's).
     pub(crate) stored: Vec<&'static str>,
 }
@@ -134,6 +143,12 @@ impl Settings {
         &self.backoff
     }
 
+    /// How long after its enqueue an item that keeps failing retryably (or is
+    /// kept waiting by a platform's `retry_after`) is given up.
+    pub fn give_up_after(&self) -> Duration {
+        self.give_up_after
+    }
+
     /// Whether the outbox stores this setting (named as its builder method, e.g.
     /// `"rate_limit"`), rather than taking it from this handle's builder.
     pub fn is_stored(&self, name: &str) -> bool {
@@ -155,6 +170,7 @@ impl Settings {
         pick("history_retention", stored.history_retention.is_some());
         pick("max_attempts", stored.max_attempts.is_some());
         pick("backoff", stored.backoff.is_some());
+        pick("give_up_after", stored.give_up_after.is_some());
         Self {
             rates: RatePolicy {
                 per_destination: stored.rate_limit.unwrap_or(self.rates.per_destination),
@@ -171,6 +187,7 @@ impl Settings {
                 .backoff
                 .clone()
                 .unwrap_or_else(|| self.backoff.clone()),
+            give_up_after: stored.give_up_after.unwrap_or(self.give_up_after),
             stored: names,
         }
     }
@@ -265,6 +282,15 @@ pub(crate) fn plan(
         explicit.backoff.as_ref(),
         "backoff",
         show_backoff,
+        update,
+        &mut note,
+        &mut ignored,
+    );
+    merge(
+        &mut next.give_up_after,
+        explicit.give_up_after.as_ref(),
+        "give_up_after",
+        |d| show_duration(*d),
         update,
         &mut note,
         &mut ignored,

@@ -1303,6 +1303,7 @@ fn settings_to_disk(stored: &Stored) -> SettingsV1 {
                 jitter: *jitter,
             },
         }),
+        give_up_after: stored.give_up_after,
     }
 }
 
@@ -1349,6 +1350,7 @@ fn settings_from_disk(path: &Path, place: &str, raw: SettingsV1) -> Result<Store
                 Backoff::Exponential { base, cap, jitter }
             }
         }),
+        give_up_after: raw.give_up_after,
     };
     stored.validate().map_err(|e| match e {
         Error::InvalidConfig { setting, reason } => {

@@ -57,6 +57,8 @@ pub(crate) struct SettingsV1 {
     pub(crate) max_attempts: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) backoff: Option<BackoffV1>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) give_up_after: Option<Duration>,
 }
 
 /// A rate cap.

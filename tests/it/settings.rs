@@ -258,3 +258,42 @@ fn a_damaged_setting_in_the_journal_is_refused_naming_its_place() {
         "nothing written"
     );
 }
+
+#[test]
+fn a_handle_with_a_shorter_give_up_age_never_gives_up_the_bots_items_early() {
+    let h = Harness::with(|b| b.give_up_after(secs(2 * 3600)));
+    h.enqueue("a", "chat-1");
+    // A maintenance job (or a second worker) opened with a one-second deadline.
+    let impatient = builder(h.dir.path(), &h.clock)
+        .give_up_after(secs(1))
+        .max_inline_wait(secs(0))
+        .open()
+        .unwrap();
+    assert_eq!(impatient.settings().unwrap().give_up_after(), secs(7200));
+    assert!(impatient.settings().unwrap().is_stored("give_up_after"));
+    h.clock.advance(secs(600));
+    let receipt = impatient
+        .process("a", |_| {
+            Err(durable_outbox::SendError::retryable("http_503").retry_after(secs(5)))
+        })
+        .unwrap();
+    assert_eq!(
+        receipt.outcome,
+        Outcome::Deferred,
+        "ten minutes is inside the bot's two hours: paced, not given up"
+    );
+    // The bot can change it, audited.
+    let bot = builder(h.dir.path(), &h.clock)
+        .give_up_after(secs(600))
+        .update_settings()
+        .open()
+        .unwrap();
+    assert_eq!(h.outbox.settings().unwrap().give_up_after(), secs(600));
+    let records = settings_records(&h);
+    assert_eq!(records.len(), 1);
+    assert!(
+        records[0].starts_with("give_up_after 7200s -> 600s"),
+        "{records:?}"
+    );
+    drop(bot);
+}
