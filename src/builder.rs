@@ -261,7 +261,8 @@ impl OutboxBuilder {
     /// The settings that shape state every process shares — [`rate_limit`](Self::rate_limit),
     /// [`rate_limit_for`](Self::rate_limit_for), [`global_rate_limit`](Self::global_rate_limit),
     /// [`history_after`](Self::history_after), [`history_retention`](Self::history_retention),
-    /// [`max_attempts`](Self::max_attempts) and [`backoff`](Self::backoff) — live in the
+    /// [`max_attempts`](Self::max_attempts), [`backoff`](Self::backoff) and
+    /// [`give_up_after`](Self::give_up_after) — live in the
     /// outbox directory, so every handle, the operator CLI and a maintenance job
     /// opened with defaults work with the same caps:
     ///

@@ -394,6 +394,7 @@ mod tests {
             retention: Retention::KeepAll,
             max_attempts: 3,
             backoff: Backoff::default(),
+            give_up_after: Duration::from_secs(86_400),
             stored: Vec::new(),
         }
     }
