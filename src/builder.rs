@@ -195,11 +195,12 @@ impl OutboxBuilder {
     /// Whether messages to one destination leave in enqueue order. Default
     /// [`Ordering::PerDestination`](crate::Ordering::PerDestination): one at a
     /// time, oldest first (see [`Ordering`](crate::Ordering) for the rule);
-    /// [`Ordering::Unordered`](crate::Ordering::Unordered) for broadcasts. It
-    /// binds the handle it configures: give every process on a directory the
-    /// same setting.
+    /// [`Ordering::Unordered`](crate::Ordering::Unordered) for broadcasts. It is
+    /// a stored setting (see [`update_settings`](Self::update_settings)): the
+    /// outbox keeps the rule it was created with, whatever another handle asks.
     pub fn ordering(mut self, ordering: crate::order::Ordering) -> Self {
         self.ordering = ordering;
+        self.explicit.ordering = Some(ordering);
         self
     }
 
@@ -261,8 +262,8 @@ impl OutboxBuilder {
     /// The settings that shape state every process shares — [`rate_limit`](Self::rate_limit),
     /// [`rate_limit_for`](Self::rate_limit_for), [`global_rate_limit`](Self::global_rate_limit),
     /// [`history_after`](Self::history_after), [`history_retention`](Self::history_retention),
-    /// [`max_attempts`](Self::max_attempts), [`backoff`](Self::backoff) and
-    /// [`give_up_after`](Self::give_up_after) — live in the
+    /// [`max_attempts`](Self::max_attempts), [`backoff`](Self::backoff),
+    /// [`give_up_after`](Self::give_up_after) and [`ordering`](Self::ordering) — live in the
     /// outbox directory, so every handle, the operator CLI and a maintenance job
     /// opened with defaults work with the same caps:
     ///

@@ -38,6 +38,25 @@ pub enum Ordering {
     Unordered,
 }
 
+impl Ordering {
+    /// The name stored in the outbox's settings: `per_destination` or `unordered`.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::PerDestination => "per_destination",
+            Self::Unordered => "unordered",
+        }
+    }
+
+    /// The ordering a stored name means.
+    pub(crate) fn parse(name: &str) -> Option<Self> {
+        match name {
+            "per_destination" => Some(Self::PerDestination),
+            "unordered" => Some(Self::Unordered),
+            _ => None,
+        }
+    }
+}
+
 /// An item's place in its destination's line: sequence, then creation time,
 /// then key (items without a sequence sort first, by time).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

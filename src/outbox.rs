@@ -104,7 +104,6 @@ struct Config {
     /// This handle's builder values of the stored settings: what a setting the
     /// outbox does not store falls back to (see `settings`).
     defaults: Settings,
-    ordering: order::Ordering,
     max_inline_wait: Duration,
     audit_rotate_bytes: u64,
     clock: Arc<dyn Clock>,
@@ -485,6 +484,7 @@ impl Outbox {
             max_attempts: builder.max_attempts,
             backoff: builder.backoff.clone(),
             give_up_after: builder.give_up_after,
+            ordering: builder.ordering,
             stored: Vec::new(),
         };
         let (owner, initial_settings) = {
@@ -523,7 +523,6 @@ impl Outbox {
                 wakers: Wakers::default(),
                 config: Config {
                     defaults,
-                    ordering: builder.ordering,
                     max_inline_wait: builder.max_inline_wait,
                     audit_rotate_bytes: builder.audit_rotate_bytes,
                     clock: builder.clock,
@@ -935,7 +934,8 @@ impl Outbox {
             let mut tried = HashSet::new();
             let own = self.inner.owner.id();
             loop {
-                let mut candidates = txn.candidates(self.inner.config.ordering, |item| {
+                let ordering = txn.settings.ordering;
+                let mut candidates = txn.candidates(ordering, |item| {
                     let key = item.idempotency_key.as_str();
                     // Our own sends in progress need no look.
                     let ours = item.claim_owner() == Some(own) && self.in_flight().contains(key);
@@ -998,10 +998,14 @@ impl Outbox {
     /// is held by another process's claim (which a crash could leave behind
     /// without any write to wake a worker).
     pub(crate) fn due_summary(&self) -> Result<DueSummary> {
-        let ordering = self.inner.config.ordering;
         let own = self.inner.owner.id().to_owned();
         let now = self.inner.config.clock.now();
         self.read(|loaded, _| {
+            let ordering = loaded
+                .state
+                .settings
+                .ordering
+                .unwrap_or(self.inner.config.defaults.ordering);
             let lines = &loaded.index.lines;
             let foreign_claim = lines.claimed().any(|place| {
                 loaded
@@ -1901,7 +1905,7 @@ impl Outbox {
             );
             return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
         }
-        if self.inner.config.ordering == order::Ordering::PerDestination
+        if txn.settings.ordering == order::Ordering::PerDestination
             && txn
                 .head_of(&item.destination)
                 .is_some_and(|head| head.key != key)

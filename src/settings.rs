@@ -20,6 +20,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::history::Retention;
+use crate::order::Ordering;
 use crate::rate::{RateLimit, RatePolicy};
 use crate::retry::Backoff;
 
@@ -34,6 +35,7 @@ pub(crate) struct Stored {
     pub(crate) max_attempts: Option<u32>,
     pub(crate) backoff: Option<Backoff>,
     pub(crate) give_up_after: Option<Duration>,
+    pub(crate) ordering: Option<Ordering>,
 }
 
 impl Stored {
@@ -53,6 +55,7 @@ impl Stored {
             max_attempts: Some(settings.max_attempts),
             backoff: Some(settings.backoff.clone()),
             give_up_after: Some(settings.give_up_after),
+            ordering: Some(settings.ordering),
         }
     }
 
@@ -97,6 +100,7 @@ pub struct Settings {
     pub(crate) max_attempts: u32,
     pub(crate) backoff: Backoff,
     pub(crate) give_up_after: Duration,
+    pub(crate) ordering: Ordering,
     /// The names of the settings the outbox stores (the rest are this handle's).
     pub(crate) stored: Vec<&'static str>,
 }
@@ -149,6 +153,11 @@ impl Settings {
         self.give_up_after
     }
 
+    /// Whether messages to one destination leave in enqueue order.
+    pub fn ordering(&self) -> Ordering {
+        self.ordering
+    }
+
     /// Whether the outbox stores this setting (named as its builder method, e.g.
     /// `"rate_limit"`), rather than taking it from this handle's builder.
     pub fn is_stored(&self, name: &str) -> bool {
@@ -171,6 +180,7 @@ impl Settings {
         pick("max_attempts", stored.max_attempts.is_some());
         pick("backoff", stored.backoff.is_some());
         pick("give_up_after", stored.give_up_after.is_some());
+        pick("ordering", stored.ordering.is_some());
         Self {
             rates: RatePolicy {
                 per_destination: stored.rate_limit.unwrap_or(self.rates.per_destination),
@@ -188,6 +198,7 @@ impl Settings {
                 .clone()
                 .unwrap_or_else(|| self.backoff.clone()),
             give_up_after: stored.give_up_after.unwrap_or(self.give_up_after),
+            ordering: stored.ordering.unwrap_or(self.ordering),
             stored: names,
         }
     }
@@ -221,80 +232,66 @@ pub(crate) fn plan(
         };
     }
     let mut next = stored.clone();
-    let mut note = String::new();
-    let mut ignored = Vec::new();
-    merge(
+    let mut m = Merge {
+        update,
+        note: String::new(),
+        ignored: Vec::new(),
+    };
+    m.field(
         &mut next.rate_limit,
         explicit.rate_limit.as_ref(),
         "rate_limit",
         show_cap,
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.rate_limit_for,
         explicit.rate_limit_for.as_ref(),
         "rate_limit_for",
         |v| show_overrides(v),
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.global_rate_limit,
         explicit.global_rate_limit.as_ref(),
         "global_rate_limit",
         show_cap,
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.history_after,
         explicit.history_after.as_ref(),
         "history_after",
         |d| show_duration(*d),
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.history_retention,
         explicit.history_retention.as_ref(),
         "history_retention",
         show_retention,
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.max_attempts,
         explicit.max_attempts.as_ref(),
         "max_attempts",
         u32::to_string,
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.backoff,
         explicit.backoff.as_ref(),
         "backoff",
         show_backoff,
-        update,
-        &mut note,
-        &mut ignored,
     );
-    merge(
+    m.field(
         &mut next.give_up_after,
         explicit.give_up_after.as_ref(),
         "give_up_after",
         |d| show_duration(*d),
-        update,
-        &mut note,
-        &mut ignored,
     );
+    m.field(
+        &mut next.ordering,
+        explicit.ordering.as_ref(),
+        "ordering",
+        |o| o.as_str().to_owned(),
+    );
+    let Merge { note, ignored, .. } = m;
     if note.is_empty() {
         return Plan {
             ignored,
@@ -308,36 +305,43 @@ pub(crate) fn plan(
     }
 }
 
-/// One setting of [`plan`]: store `wanted` where nothing is stored, or where
-/// `update` says so; otherwise note that it is ignored.
-fn merge<T: PartialEq + Clone>(
-    stored: &mut Option<T>,
-    wanted: Option<&T>,
-    name: &str,
-    show: impl Fn(&T) -> String,
+/// What [`plan`] has decided so far.
+struct Merge {
     update: bool,
-    note: &mut String,
-    ignored: &mut Vec<String>,
-) {
-    let Some(wanted) = wanted else { return };
-    let old = match stored.as_ref() {
-        Some(old) if old == wanted => return,
-        Some(old) if !update => {
-            ignored.push(format!(
-                "{name}: the builder says {}, the outbox stores {}",
-                show(wanted),
-                show(old)
-            ));
-            return;
+    note: String,
+    ignored: Vec<String>,
+}
+
+impl Merge {
+    /// One setting of [`plan`]: store `wanted` where nothing is stored, or where
+    /// `update` says so; otherwise note that it is ignored.
+    fn field<T: PartialEq + Clone>(
+        &mut self,
+        stored: &mut Option<T>,
+        wanted: Option<&T>,
+        name: &str,
+        show: impl Fn(&T) -> String,
+    ) {
+        let Some(wanted) = wanted else { return };
+        let old = match stored.as_ref() {
+            Some(old) if old == wanted => return,
+            Some(old) if !self.update => {
+                self.ignored.push(format!(
+                    "{name}: the builder says {}, the outbox stores {}",
+                    show(wanted),
+                    show(old)
+                ));
+                return;
+            }
+            Some(old) => show(old),
+            None => "not stored".to_owned(),
+        };
+        if !self.note.is_empty() {
+            self.note.push_str("; ");
         }
-        Some(old) => show(old),
-        None => "not stored".to_owned(),
-    };
-    if !note.is_empty() {
-        note.push_str("; ");
+        let _ = write!(self.note, "{name} {old} -> {}", show(wanted));
+        *stored = Some(wanted.clone());
     }
-    let _ = write!(note, "{name} {old} -> {}", show(wanted));
-    *stored = Some(wanted.clone());
 }
 
 fn show_duration(d: Duration) -> String {
@@ -395,6 +399,7 @@ mod tests {
             max_attempts: 3,
             backoff: Backoff::default(),
             give_up_after: Duration::from_secs(86_400),
+            ordering: Ordering::PerDestination,
             stored: Vec::new(),
         }
     }

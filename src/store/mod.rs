@@ -1304,6 +1304,7 @@ fn settings_to_disk(stored: &Stored) -> SettingsV1 {
             },
         }),
         give_up_after: stored.give_up_after,
+        ordering: stored.ordering.map(|o| o.as_str().to_owned()),
     }
 }
 
@@ -1351,6 +1352,18 @@ fn settings_from_disk(path: &Path, place: &str, raw: SettingsV1) -> Result<Store
             }
         }),
         give_up_after: raw.give_up_after,
+        ordering: raw
+            .ordering
+            .map(|name| {
+                crate::order::Ordering::parse(&name).ok_or_else(|| {
+                    invalid(
+                        path,
+                        format!("{place} ordering"),
+                        format!("{name:?} is not per_destination or unordered"),
+                    )
+                })
+            })
+            .transpose()?,
     };
     stored.validate().map_err(|e| match e {
         Error::InvalidConfig { setting, reason } => {

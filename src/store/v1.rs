@@ -59,6 +59,9 @@ pub(crate) struct SettingsV1 {
     pub(crate) backoff: Option<BackoffV1>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) give_up_after: Option<Duration>,
+    /// `per_destination` or `unordered`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) ordering: Option<String>,
 }
 
 /// A rate cap.

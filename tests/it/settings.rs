@@ -297,3 +297,43 @@ fn a_handle_with_a_shorter_give_up_age_never_gives_up_the_bots_items_early() {
     );
     drop(bot);
 }
+
+#[test]
+fn the_order_rule_is_the_outboxs_not_each_handles() {
+    // A broadcast bot lifted the per-chat order; a second worker opened with
+    // the default does not put it back.
+    let h = Harness::with(|b| b.ordering(durable_outbox::Ordering::Unordered));
+    h.enqueue("first", "chat-1");
+    h.enqueue("second", "chat-1");
+    let other = h.reopen();
+    assert_eq!(
+        other.settings().unwrap().ordering(),
+        durable_outbox::Ordering::Unordered
+    );
+    assert_eq!(
+        other.process("second", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent,
+        "unordered: the second message need not wait for the first"
+    );
+
+    // And the other way round: a handle opened with Unordered never breaks
+    // the order a chat bot's outbox keeps.
+    let chat_bot = Harness::new();
+    chat_bot.enqueue("m1", "chat-1");
+    chat_bot.enqueue("m2", "chat-1");
+    let careless = builder(chat_bot.dir.path(), &chat_bot.clock)
+        .ordering(durable_outbox::Ordering::Unordered)
+        .open()
+        .unwrap();
+    assert_eq!(
+        careless
+            .process("m2", |_| panic!("m2 overtook m1"))
+            .unwrap()
+            .outcome,
+        Outcome::Waiting
+    );
+    assert!(
+        settings_records(&chat_bot).is_empty(),
+        "nothing was changed"
+    );
+}
