@@ -233,6 +233,11 @@ where
         let mut slots: JoinSet<Result<SlotEnd>> = JoinSet::new();
         let mut failure: Option<Error> = None;
         let mut shutdown = std::pin::pin!(shutdown);
+        tracing::info!(
+            dir = %outbox.dir().display(),
+            concurrency,
+            "delivery worker started"
+        );
         loop {
             if let Err(e) = fill(&shared, &mut slots, concurrency).await {
                 failure = Some(e);
@@ -262,6 +267,18 @@ where
             }
         }
         shared.stopping.store(true, Ordering::Release);
+        match &failure {
+            Some(e) => tracing::error!(
+                error = %e,
+                running = slots.len(),
+                "delivery worker stopping on an error: no new claims, running sends finish"
+            ),
+            None => tracing::info!(
+                running = slots.len(),
+                timeout = ?shutdown_timeout,
+                "delivery worker stopping: no new claims, running sends get the shutdown timeout"
+            ),
+        }
         let graceful = tokio::time::timeout(shutdown_timeout, async {
             let mut first = None;
             while let Some(done) = slots.join_next().await {
@@ -276,6 +293,10 @@ where
             Ok(error) => error,
             Err(_deadline) => {
                 // Sends still running: drop them, recording each as cancelled.
+                tracing::warn!(
+                    running = slots.len(),
+                    "shutdown timeout reached: cancelling the sends still running (each fails as send_cancelled)"
+                );
                 let _ = cancel.send(true);
                 let mut first = None;
                 while let Some(done) = slots.join_next().await {
@@ -290,7 +311,17 @@ where
             return Err(e);
         }
         let tally = std::mem::take(&mut *shared.tally());
-        Ok(tally.into_worker_report())
+        let report = tally.into_worker_report();
+        tracing::info!(
+            sent = report.sent,
+            failed = report.failed,
+            deferred = report.deferred,
+            retried = report.retried,
+            released = report.released,
+            cancelled = report.cancelled,
+            "delivery worker stopped"
+        );
+        Ok(report)
     }
 }
 

@@ -20,6 +20,8 @@ type SpanFields = (&'static str, HashMap<String, String>);
 #[derive(Default)]
 struct Spans {
     spans: Mutex<HashMap<u64, SpanFields>>,
+    /// Every event's message, in order.
+    events: Mutex<Vec<String>>,
 }
 
 struct Fields<'a>(&'a mut HashMap<String, String>);
@@ -82,7 +84,14 @@ impl Subscriber for Router {
         }
     }
     fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, _: &Event<'_>) {}
+    fn event(&self, event: &Event<'_>) {
+        if let Some(spans) = Self::collector() {
+            let mut fields = HashMap::new();
+            event.record(&mut Fields(&mut fields));
+            let message = fields.remove("message").unwrap_or_default();
+            spans.events.lock().unwrap().push(message);
+        }
+    }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
@@ -328,4 +337,40 @@ mod metrics_facade {
             Some(&vec![2.0])
         );
     }
+}
+
+/// The worker says what it is doing: started, stopping, stopped with its tally.
+#[cfg(feature = "tokio")]
+#[test]
+fn the_worker_logs_its_state_changes() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let spans = collecting_spans(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let report = runtime
+            .block_on(
+                h.outbox
+                    .worker(|_| async { Ok(Some("tg-1".to_owned())) })
+                    .run(async {
+                        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    }),
+            )
+            .unwrap();
+        assert_eq!(report.sent, 1);
+    });
+    let events = spans.events.lock().unwrap().clone();
+    let position = |text: &str| {
+        events
+            .iter()
+            .position(|e| e.starts_with(text))
+            .unwrap_or_else(|| panic!("no {text:?} in {events:?}"))
+    };
+    assert!(
+        position("delivery worker started") < position("delivery worker stopping")
+            && position("delivery worker stopping") < position("delivery worker stopped"),
+        "{events:?}"
+    );
 }
