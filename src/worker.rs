@@ -267,46 +267,20 @@ where
             }
         }
         shared.stopping.store(true, Ordering::Release);
-        match &failure {
-            Some(e) => tracing::error!(
+        if let Some(e) = &failure {
+            tracing::error!(
                 error = %e,
                 running = slots.len(),
                 "delivery worker stopping on an error: no new claims, running sends finish"
-            ),
-            None => tracing::info!(
+            );
+        } else {
+            tracing::info!(
                 running = slots.len(),
                 timeout = ?shutdown_timeout,
                 "delivery worker stopping: no new claims, running sends get the shutdown timeout"
-            ),
+            );
         }
-        let graceful = tokio::time::timeout(shutdown_timeout, async {
-            let mut first = None;
-            while let Some(done) = slots.join_next().await {
-                if let Err(e) = slot_ended(&outbox, done) {
-                    first.get_or_insert(e);
-                }
-            }
-            first
-        })
-        .await;
-        let late = match graceful {
-            Ok(error) => error,
-            Err(_deadline) => {
-                // Sends still running: drop them, recording each as cancelled.
-                tracing::warn!(
-                    running = slots.len(),
-                    "shutdown timeout reached: cancelling the sends still running (each fails as send_cancelled)"
-                );
-                let _ = cancel.send(true);
-                let mut first = None;
-                while let Some(done) = slots.join_next().await {
-                    if let Err(e) = slot_ended(&outbox, done) {
-                        first.get_or_insert(e);
-                    }
-                }
-                first
-            }
-        };
+        let late = wind_down(&outbox, &mut slots, shutdown_timeout, &cancel).await;
         if let Some(e) = failure.or(late) {
             return Err(e);
         }
@@ -322,6 +296,44 @@ where
             "delivery worker stopped"
         );
         Ok(report)
+    }
+}
+
+/// The end of a shutdown: running sends get `timeout` to finish and record
+/// their outcome; those still running then are cancelled (each recorded as
+/// `send_cancelled`). Returns the first error recording any of them.
+async fn wind_down(
+    outbox: &Outbox,
+    slots: &mut JoinSet<Result<SlotEnd>>,
+    timeout: Duration,
+    cancel: &watch::Sender<bool>,
+) -> Option<Error> {
+    let graceful = tokio::time::timeout(timeout, async {
+        let mut first = None;
+        while let Some(done) = slots.join_next().await {
+            if let Err(e) = slot_ended(outbox, done) {
+                first.get_or_insert(e);
+            }
+        }
+        first
+    })
+    .await;
+    match graceful {
+        Ok(error) => error,
+        Err(_deadline) => {
+            tracing::warn!(
+                running = slots.len(),
+                "shutdown timeout reached: cancelling the sends still running (each fails as send_cancelled)"
+            );
+            let _ = cancel.send(true);
+            let mut first = None;
+            while let Some(done) = slots.join_next().await {
+                if let Err(e) = slot_ended(outbox, done) {
+                    first.get_or_insert(e);
+                }
+            }
+            first
+        }
     }
 }
 
