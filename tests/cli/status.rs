@@ -261,3 +261,30 @@ fn an_outbox_that_stores_no_cap_says_it_shows_the_library_default() {
     let again = crate::harness::cli(["status", dir_arg, "--json"]).json();
     assert_eq!(again["settings"]["stored"], serde_json::json!([]));
 }
+
+/// A power cut left garbage past the audit log's durable point: the next open
+/// sets it aside and rebuilds, and `status` tells the operator where it went.
+#[test]
+fn files_recovery_set_aside_are_listed() {
+    let f = Fixture::empty();
+    f.outbox.enqueue(message("a", "chat-1")).unwrap();
+    f.run("status", &[]).exits(0);
+    let status = f.run("status", &["--json"]).exits(0).json();
+    assert_eq!(status["set_aside"], serde_json::json!([]));
+    // An unsynced append that reached the disk torn: zeros, then a fragment.
+    let mut audit = std::fs::OpenOptions::new()
+        .append(true)
+        .open(f.path().join("audit.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut audit, b"\0\0\0\0{\"seq\":99,\"tor").unwrap();
+    drop(audit);
+    let run = f.run("status", &[]);
+    run.exits(0).says("set aside 1 file(s)");
+    let status = f.run("status", &["--json"]).exits(0).json();
+    let names = status["set_aside"].as_array().unwrap();
+    assert_eq!(names.len(), 1);
+    assert!(
+        names[0].as_str().unwrap().starts_with("audit.jsonl.torn-"),
+        "{names:?}"
+    );
+}

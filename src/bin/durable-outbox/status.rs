@@ -32,6 +32,10 @@ struct Status {
     rate_window: Option<RateWindow>,
     settings: Option<SettingsView>,
     audit: Audit,
+    /// Files recovery set aside: bytes a crash or power cut left past a file's
+    /// last durable point (`outbox.journal.torn-*`, `audit.jsonl.torn-*`).
+    /// Nothing acknowledged is in them; kept for inspection.
+    set_aside: Vec<String>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -157,6 +161,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
             records: None,
             error: None,
         },
+        set_aside: Vec::new(),
     };
     match crate::open(&args.target) {
         Ok(outbox) => {
@@ -194,6 +199,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         }
         Err(e) => return Err(e),
     }
+    status.set_aside = set_aside_files(&args.target.dir)?;
     status.healthy = status.attention.is_empty();
     if args.json {
         view::write_json(out, &status)?;
@@ -205,6 +211,21 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
     } else {
         ExitCode::from(ATTENTION)
     })
+}
+
+/// The names of the files recovery set aside in `dir`, sorted.
+fn set_aside_files(dir: &std::path::Path) -> std::io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    if dir.is_dir() {
+        for entry in std::fs::read_dir(dir)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if name.contains(".torn-") {
+                names.push(name);
+            }
+        }
+    }
+    names.sort();
+    Ok(names)
 }
 
 fn record_verification(
@@ -404,10 +425,22 @@ fn write_text(status: &Status, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "audit    head seq {seq}, hash {hash}")?;
     }
     match (&audit.error, audit.records) {
-        (Some(error), _) => writeln!(out, "audit    chain BROKEN: {}", clean(error)),
-        (None, Some(records)) => writeln!(out, "audit    chain verified ({records} records)"),
-        (None, None) => writeln!(out, "audit    chain not checked"),
+        (Some(error), _) => writeln!(out, "audit    chain BROKEN: {}", clean(error))?,
+        (None, Some(records)) => writeln!(out, "audit    chain verified ({records} records)")?,
+        (None, None) => writeln!(out, "audit    chain not checked")?,
     }
+    if !status.set_aside.is_empty() {
+        writeln!(
+            out,
+            "set aside {} file(s): what a crash left past a durable point, rebuilt from the \
+             journal; nothing acknowledged is in them (keep for inspection, then archive)",
+            status.set_aside.len()
+        )?;
+        for name in &status.set_aside {
+            writeln!(out, "  {}", clean(name))?;
+        }
+    }
+    Ok(())
 }
 
 /// The rate section of the text report.
