@@ -25,8 +25,12 @@ impl Drop for Bot {
 
 impl Bot {
     fn start(dir: &std::path::Path) -> Self {
+        // The cap is a stored setting the fixture already wrote: raising it
+        // takes an explicit, audited update (a plain builder value is ignored,
+        // and the default cap would defer this bot's messages after a few rounds).
         let outbox = Outbox::builder(dir)
             .rate_limit(1_000_000, Duration::from_secs(60))
+            .update_settings()
             .open()
             .unwrap();
         let stop = Arc::new(AtomicBool::new(false));

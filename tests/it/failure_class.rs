@@ -204,17 +204,31 @@ fn a_cancelled_async_send_is_stored_as_ambiguous() {
         .enable_all()
         .build()
         .unwrap();
-    let timed_out = rt.block_on(async {
-        tokio::time::timeout(
-            Duration::from_millis(50),
-            h.outbox.process_async("k", |_| async {
+    // Drop the future once the send is running (a timer could fire before the
+    // claim commits on a loaded machine, and then nothing was sent at all).
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let started_tx = std::sync::Mutex::new(Some(started_tx));
+    let dropped_mid_send = rt.block_on(async {
+        let process = h.outbox.process_async("k", move |_| {
+            let started = started_tx.lock().unwrap().take();
+            async move {
+                if let Some(started) = started {
+                    let _ = started.send(());
+                }
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 Ok(None)
-            }),
-        )
-        .await
+            }
+        });
+        tokio::pin!(process);
+        tokio::select! {
+            _ = &mut process => false,
+            _ = started_rx => true,
+        }
     });
-    assert!(timed_out.is_err());
+    assert!(
+        dropped_mid_send,
+        "the send started and its future was dropped"
+    );
     // Recorded on the blocking pool: wait for it, under a generous watchdog.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let item = loop {
