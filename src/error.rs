@@ -135,6 +135,41 @@ pub enum Error {
         fix: String,
     },
 
+    /// A PostgreSQL operation failed: the server is unreachable, refused the
+    /// login, or a statement failed. A failed commit wrote nothing.
+    #[error("postgres: {op} failed")]
+    Database {
+        /// What was being done, e.g. `connect`, `commit`.
+        op: &'static str,
+        /// The client's error (the server's message and SQLSTATE, when it sent one).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// A PostgreSQL outbox's tables are at a schema version newer than this
+    /// release knows (a newer release migrated them). Nothing was written.
+    #[error(
+        "postgres schema {schema:?} is at outbox schema version {found}; this release knows up to {known}: upgrade the crate"
+    )]
+    UnsupportedSchema {
+        /// The PostgreSQL schema the outbox lives in.
+        schema: String,
+        /// The version the tables declare.
+        found: i64,
+        /// The newest version this release knows.
+        known: i64,
+    },
+
+    /// Session-level advisory locks do not work on this connection, so owner
+    /// liveness (and with it at-most-once) cannot be guaranteed: typically a
+    /// transaction-mode pooler such as pgbouncer sits between the outbox and
+    /// the server. Connect directly or through a session-mode pool.
+    #[error("postgres: session locks are unusable here: {reason}")]
+    SessionLocksUnavailable {
+        /// What was observed.
+        reason: String,
+    },
+
     /// An earlier durability failure (a failed fsync after data reached the kernel)
     /// left the on-disk state uncertain; this handle refuses further writes.
     /// Open the outbox again to re-read what is really on disk.

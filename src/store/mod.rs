@@ -1040,6 +1040,21 @@ pub(crate) fn decode_item_line(path: &Path, offset: u64, line: &[u8]) -> Result<
     item_from_disk(path, &place, raw)
 }
 
+/// One item as the JSON object `outbox.json` stores (no framing): how other
+/// engines store an item, so every engine reads and writes the same fields.
+pub(crate) fn item_to_json(item: &OutboxItem) -> Vec<u8> {
+    #[expect(clippy::expect_used, reason = "plain data always serialises")]
+    serde_json::to_vec(&item_to_disk(item)).expect("items serialise")
+}
+
+/// Parses and checks one item stored by [`item_to_json`]; `place` names where
+/// it was read (e.g. `row "order-17"`) in errors about `path`.
+pub(crate) fn item_from_json(path: &Path, place: &str, json: &[u8]) -> Result<OutboxItem> {
+    let raw: ItemV1 = serde_json::from_slice(json)
+        .map_err(|e| invalid(path, place.to_owned(), format!("invalid item: {e}")))?;
+    item_from_disk(path, place, raw)
+}
+
 /// Serialises a state as version 2, pretty-printed, newline-terminated.
 pub(crate) fn encode(state: &State) -> Vec<u8> {
     let file = FileV1 {

@@ -1,0 +1,111 @@
+//! Owner liveness: a session-level advisory lock held on a dedicated connection.
+//!
+//! Each open handle registers a fresh owner id (never reused: `owners` has it
+//! as a primary key) and locks it with `pg_advisory_lock` on a connection used
+//! for nothing else. The server releases the lock exactly when that session
+//! ends: the process died, the connection was cut, the server restarted. So an
+//! owner whose lock another session can take is dead, and its claims are
+//! orphans — with no clock involved, a slow send is never declared dead.
+//!
+//! A transaction-mode pooler (pgbouncer `pool_mode = transaction`) hands each
+//! transaction whichever server session is free, so a session lock taken
+//! through it belongs to no client in particular. [`Liveness::verify`] checks
+//! that the session we talk to is the one `pg_locks` says holds our lock, and
+//! that it stays the same session; a pooler in between fails that check and
+//! the open is refused with [`Error::SessionLocksUnavailable`].
+
+use postgres::Client;
+
+use super::{Connector, db, lock_key};
+use crate::error::{Error, Result};
+
+/// The lock that makes one owner alive.
+pub(crate) struct Liveness {
+    client: Client,
+    /// The server process of `client`'s session when the lock was taken.
+    pid: i32,
+    key: i64,
+}
+
+impl Liveness {
+    /// Connects and locks `owner`. `Ok(None)` when the lock is taken already
+    /// (only possible for an id someone else registered: pick another).
+    pub(crate) fn take(connector: &Connector, schema: &str, owner: &str) -> Result<Option<Self>> {
+        let mut client = connector.connect()?;
+        let key = lock_key(schema, owner);
+        let locked: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+            .map_err(db("take the owner lock"))?
+            .get(0);
+        if !locked {
+            return Ok(None);
+        }
+        let pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .map_err(db("read the owner session's pid"))?
+            .get(0);
+        Ok(Some(Self { client, pid, key }))
+    }
+
+    /// Checks, from another session `other`, that the lock is held by this
+    /// connection's own server session, and that the session is still the one
+    /// that took it. Either failing means something between us and the server
+    /// (a transaction-mode pooler) moves statements between sessions.
+    pub(crate) fn verify(&mut self, other: &mut Client) -> Result<()> {
+        let now: i32 = self
+            .client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .map_err(db("read the owner session's pid"))?
+            .get(0);
+        let holder: Option<i32> = other
+            .query_opt(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+                   AND objsubid = 1
+                   AND classid = ((($1::bigint >> 32) & 4294967295)::bigint)::oid
+                   AND objid = (($1::bigint & 4294967295)::bigint)::oid",
+                &[&self.key],
+            )
+            .map_err(db("look up the owner lock"))?
+            .map(|row| row.get(0));
+        if now != self.pid || holder != Some(self.pid) {
+            return Err(Error::SessionLocksUnavailable {
+                reason: format!(
+                    "the owner lock was taken by server session {}, the connection now talks to \
+                     session {now}, and the server says session {} holds the lock: a \
+                     transaction-mode pooler (e.g. pgbouncer pool_mode=transaction) is in \
+                     between; connect directly or through a session-mode pool",
+                    self.pid,
+                    holder.map_or_else(|| "none".to_owned(), |p| p.to_string()),
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the session that holds the lock is still there (a cheap round
+    /// trip on the dedicated connection). `false` after a cut or a restart:
+    /// the lock is gone, and other handles may already treat our claims as orphans.
+    pub(crate) fn is_held(&mut self) -> bool {
+        !self.client.is_closed()
+            && self
+                .client
+                .query_one("SELECT pg_backend_pid()", &[])
+                .is_ok_and(|row| row.get::<_, i32>(0) == self.pid)
+    }
+}
+
+/// Whether `owner`'s lock is free, probed through `client` without keeping it.
+pub(crate) fn is_dead(client: &mut Client, schema: &str, owner: &str) -> Result<bool> {
+    let mut tx = client.transaction().map_err(db("begin a liveness probe"))?;
+    // A transaction-level lock: released at the end of the probe, so a probe
+    // never keeps a dead owner's id locked.
+    let free: bool = tx
+        .query_one(
+            "SELECT pg_try_advisory_xact_lock($1)",
+            &[&lock_key(schema, owner)],
+        )
+        .map_err(db("probe an owner lock"))?
+        .get(0);
+    tx.commit().map_err(db("end a liveness probe"))?;
+    Ok(free)
+}

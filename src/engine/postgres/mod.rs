@@ -1,0 +1,599 @@
+//! The PostgreSQL engine: one outbox shared by handles on many hosts.
+//!
+//! Client: the synchronous `postgres` crate. The library's core API is
+//! blocking (async forms wrap it), so a blocking client keeps one code path;
+//! it runs its own small runtime internally and does not need the caller's.
+//!
+//! Connections per handle: one for reads and commits, one dedicated to the
+//! owner's advisory lock ([`liveness`]), and one for `LISTEN` once a worker
+//! waits ([`notify`]). A closed reads/commits connection is reopened on the
+//! next call; a lost owner lock is taken again before the next claim.
+//!
+//! Tables (in the schema named on open, see [`schema`]): `items` (the item as
+//! the same JSON object `outbox.json` stores, plus the columns claims and
+//! lookups filter on, and a `revision` for conditional writes), `owners`,
+//! `audit` (one row per record: `seq`, `hash` and the canonical line, the same
+//! bytes as a line of `audit.jsonl`) and `audit_head`, whose single row every
+//! commit that seals records locks: that is the chain's one total order.
+
+mod liveness;
+mod notify;
+mod schema;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use postgres::{Client, NoTls, Row};
+use sha2::{Digest, Sha256};
+
+use super::{ChangeSet, ClaimDecision, CommitError, Engine, Expect, Versioned};
+use crate::audit::{AuditRecord, Hasher};
+use crate::error::{Error, Result};
+use crate::item::{ItemState, OutboxItem};
+use crate::store::{item_from_json, item_to_json};
+
+#[cfg(test)]
+use schema::SCHEMA_VERSION;
+
+/// The schema used when the caller names none.
+pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
+
+/// How long opening a connection may take when the URL sets no `connect_timeout`.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Turns a client error into the crate's error, naming the operation.
+fn db(op: &'static str) -> impl Fn(postgres::Error) -> Error {
+    move |source| Error::Database {
+        op,
+        source: Box::new(source),
+    }
+}
+
+/// `"name"`: a schema name is checked to be a plain identifier, and quoted anyway.
+fn quoted(schema: &str) -> String {
+    format!("\"{schema}\"")
+}
+
+/// The advisory lock key for `name` in `schema`: 64 bits of SHA-256, so
+/// outboxes in different schemas never share a lock.
+fn lock_key(schema: &str, name: &str) -> i64 {
+    let digest = Sha256::new()
+        .chain_update(b"durable-outbox\0")
+        .chain_update(schema.as_bytes())
+        .chain_update(b"\0")
+        .chain_update(name.as_bytes())
+        .finalize();
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(bytes)
+}
+
+/// Checks a schema name: 1 to 48 lowercase ASCII letters, digits and `_`, not
+/// starting with a digit (so the wake-up channel name fits PostgreSQL's 63 bytes).
+pub(crate) fn check_schema(schema: &str) -> Result<()> {
+    let first_ok = schema
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = schema
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if schema.is_empty() || schema.len() > 48 || !first_ok || !rest_ok {
+        return Err(Error::invalid_config(
+            "schema",
+            format!(
+                "{schema:?} is not a schema name: use 1 to 48 lowercase letters, digits and '_', \
+                 not starting with a digit"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens connections to one server.
+pub(crate) struct Connector {
+    config: postgres::Config,
+}
+
+impl Connector {
+    /// Parses a `postgres://` URL (or `key=value` string). The error never
+    /// repeats the URL: it may hold a password.
+    pub(crate) fn parse(url: &str) -> Result<Self> {
+        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+            Error::invalid_config(
+                "url",
+                format!("not a PostgreSQL connection URL ({e}); expected postgres://user@host:port/database"),
+            )
+        })?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("durable-outbox");
+        }
+        Ok(Self { config })
+    }
+
+    pub(crate) fn connect(&self) -> Result<Client> {
+        self.config.connect(NoTls).map_err(db("connect"))
+    }
+}
+
+static OWNER_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh owner id candidate: host, process, time and a counter.
+fn owner_candidate() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "{host}-{}-{nanos:x}-{}",
+        std::process::id(),
+        OWNER_COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// An open PostgreSQL outbox: connections, the owner lock and the schema.
+pub(crate) struct PgEngine {
+    connector: Connector,
+    schema: String,
+    /// `"schema"`, ready to prefix table names.
+    s: String,
+    owner: String,
+    hasher: Hasher,
+    client: Mutex<Client>,
+    liveness: Mutex<liveness::Liveness>,
+    listener: Mutex<Option<notify::Listener>>,
+}
+
+impl std::fmt::Debug for PgEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgEngine")
+            .field("schema", &self.schema)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a connection leaves nothing half-written in it:
+    // an open transaction is rolled back when its guard drops.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl PgEngine {
+    /// Connects, creates or migrates the schema's tables, and registers and
+    /// locks a fresh owner id.
+    pub(crate) fn open(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
+        check_schema(schema)?;
+        let connector = Connector::parse(url)?;
+        let mut client = connector.connect()?;
+        schema::migrate(&mut client, schema)?;
+        let s = quoted(schema);
+        let (owner, mut liveness) = loop {
+            let candidate = owner_candidate();
+            let fresh = client
+                .execute(
+                    &format!(
+                        "INSERT INTO {s}.owners (owner_id) VALUES ($1) ON CONFLICT DO NOTHING"
+                    ),
+                    &[&candidate],
+                )
+                .map_err(db("register the owner"))?;
+            if fresh == 0 {
+                continue;
+            }
+            if let Some(liveness) = liveness::Liveness::take(&connector, schema, &candidate)? {
+                break (candidate, liveness);
+            }
+        };
+        liveness.verify(&mut client)?;
+        Ok(Self {
+            connector,
+            schema: schema.to_owned(),
+            s,
+            owner,
+            hasher,
+            client: Mutex::new(client),
+            liveness: Mutex::new(liveness),
+            listener: Mutex::new(None),
+        })
+    }
+
+    /// The schema this outbox lives in.
+    pub(crate) fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The reads/commits connection, reopened if the server closed it.
+    fn client(&self) -> Result<MutexGuard<'_, Client>> {
+        let mut client = lock(&self.client);
+        if client.is_closed() {
+            *client = self.connector.connect()?;
+        }
+        Ok(client)
+    }
+
+    /// Makes sure this handle's owner lock is held before a claim names it:
+    /// after a cut or a server restart it is taken again (same owner id: the
+    /// handle's sends in progress are alive, whatever other handles concluded
+    /// meanwhile) and verified.
+    fn ensure_owner(&self, client: &mut Client) -> Result<()> {
+        let mut liveness = lock(&self.liveness);
+        if liveness.is_held() {
+            return Ok(());
+        }
+        tracing::warn!(
+            owner = %self.owner,
+            "the owner lock's session is gone (network cut or server restart); \
+             taking it again: claims in progress may have been declared ambiguous"
+        );
+        let Some(mut fresh) = liveness::Liveness::take(&self.connector, &self.schema, &self.owner)?
+        else {
+            return Err(Error::SessionLocksUnavailable {
+                reason: format!(
+                    "owner lock {} is held by another session after the original one ended",
+                    self.owner
+                ),
+            });
+        };
+        fresh.verify(client)?;
+        *liveness = fresh;
+        Ok(())
+    }
+
+    fn place(&self) -> PathBuf {
+        PathBuf::from(format!("postgres:{}.items", self.schema))
+    }
+
+    fn versioned(&self, row: &Row) -> Result<Versioned> {
+        let key: String = row.get(0);
+        let revision: i64 = row.get(1);
+        let doc: String = row.get(2);
+        let item = item_from_json(&self.place(), &format!("row {key:?}"), doc.as_bytes())?;
+        Ok(Versioned {
+            item,
+            revision: revision as u64,
+        })
+    }
+
+    fn rows(&self, rows: &[Row]) -> Result<Vec<Versioned>> {
+        rows.iter().map(|row| self.versioned(row)).collect()
+    }
+
+    /// Writes one item conditionally; `false` when the expectation failed.
+    fn put(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        item: &OutboxItem,
+        expect: Expect,
+    ) -> Result<bool> {
+        let s = &self.s;
+        let doc = String::from_utf8_lossy(&item_to_json(item)).into_owned();
+        let claimed = item.claim.is_some();
+        let owner = item.claim_owner();
+        let state = item.state.as_str();
+        let written = match expect {
+            Expect::Absent => tx
+                .execute(
+                    &format!(
+                        "INSERT INTO {s}.items (idempotency_key, revision, destination, state,
+                           claimed, claim_owner, next_attempt_at, transport_ref, doc)
+                         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8)
+                         ON CONFLICT (idempotency_key) DO NOTHING"
+                    ),
+                    &[
+                        &item.idempotency_key,
+                        &item.destination,
+                        &state,
+                        &claimed,
+                        &owner,
+                        &item.next_attempt_at,
+                        &item.transport_ref,
+                        &doc,
+                    ],
+                )
+                .map_err(db("insert an item"))?,
+            Expect::Revision(revision) => tx
+                .execute(
+                    &format!(
+                        "UPDATE {s}.items SET revision = revision + 1, destination = $2,
+                           state = $3, claimed = $4, claim_owner = $5, next_attempt_at = $6,
+                           transport_ref = $7, doc = $8
+                         WHERE idempotency_key = $1 AND revision = $9"
+                    ),
+                    &[
+                        &item.idempotency_key,
+                        &item.destination,
+                        &state,
+                        &claimed,
+                        &owner,
+                        &item.next_attempt_at,
+                        &item.transport_ref,
+                        &doc,
+                        &(revision as i64),
+                    ],
+                )
+                .map_err(db("update an item"))?,
+        };
+        Ok(written == 1)
+    }
+
+    /// Seals `change.audit` onto the chain inside `tx`: locks the head row
+    /// (every sealing commit waits here, which gives the chain its one order),
+    /// appends, moves the head.
+    fn seal(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        change: &ChangeSet,
+    ) -> Result<Vec<AuditRecord>> {
+        if change.audit.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.s;
+        let head = tx
+            .query_one(
+                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
+                &[],
+            )
+            .map_err(db("lock the audit head"))?;
+        let mut seq = head.get::<_, i64>(0) as u64;
+        let mut prev: String = head.get(1);
+        let mut sealed = Vec::with_capacity(change.audit.len());
+        for event in &change.audit {
+            seq += 1;
+            let record = AuditRecord::seal(event, seq, &prev, false, &self.hasher);
+            let mut line = record.to_line();
+            line.pop();
+            let line = String::from_utf8_lossy(&line).into_owned();
+            tx.execute(
+                &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
+                &[&(seq as i64), &record.hash, &line],
+            )
+            .map_err(db("append an audit record"))?;
+            prev.clone_from(&record.hash);
+            sealed.push(record);
+        }
+        tx.execute(
+            &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
+            &[&(seq as i64), &prev],
+        )
+        .map_err(db("move the audit head"))?;
+        Ok(sealed)
+    }
+
+    /// Every audit line in `seq` order, newline-terminated: the same bytes a
+    /// file outbox's `audit.jsonl` would hold, for the offline verifier.
+    pub(crate) fn export_audit(&self) -> Result<Vec<u8>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!("SELECT line FROM {}.audit ORDER BY seq", self.s),
+                &[],
+            )
+            .map_err(db("read the audit log"))?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.extend_from_slice(row.get::<_, &str>(0).as_bytes());
+            out.push(b'\n');
+        }
+        Ok(out)
+    }
+}
+
+impl Engine for PgEngine {
+    fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Versioned>> {
+        let row = self
+            .client()?
+            .query_opt(
+                &format!(
+                    "SELECT idempotency_key, revision, doc FROM {}.items WHERE idempotency_key = $1",
+                    self.s
+                ),
+                &[&key],
+            )
+            .map_err(db("read an item"))?;
+        row.map(|row| self.versioned(&row)).transpose()
+    }
+
+    fn list(&self) -> Result<Vec<Versioned>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc FROM {}.items ORDER BY enqueue_order",
+                    self.s
+                ),
+                &[],
+            )
+            .map_err(db("list items"))?;
+        self.rows(&rows)
+    }
+
+    fn find_by_transport_ref(&self, transport_ref: &str) -> Result<Option<Versioned>> {
+        let row = self
+            .client()?
+            .query_opt(
+                &format!(
+                    "SELECT idempotency_key, revision, doc FROM {}.items
+                     WHERE transport_ref = $1 ORDER BY enqueue_order LIMIT 1",
+                    self.s
+                ),
+                &[&transport_ref],
+            )
+            .map_err(db("find an item by transport_ref"))?;
+        row.map(|row| self.versioned(&row)).transpose()
+    }
+
+    fn commit(&self, change: ChangeSet) -> Result<Vec<AuditRecord>, CommitError> {
+        let mut client = self.client()?;
+        let mut tx = client.transaction().map_err(db("begin a commit"))?;
+        for put in &change.puts {
+            if !self.put(&mut tx, &put.item, put.expect)? {
+                // Dropping `tx` rolls everything back.
+                return Err(CommitError::Conflict {
+                    key: put.item.idempotency_key.clone(),
+                });
+            }
+        }
+        let sealed = self.seal(&mut tx, &change)?;
+        if change.wake {
+            notify::wake(&mut tx, &self.schema)?;
+        }
+        tx.commit().map_err(db("commit"))?;
+        Ok(sealed)
+    }
+
+    fn claim_batch(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+        decide: &mut dyn FnMut(&OutboxItem) -> ClaimDecision,
+    ) -> Result<Vec<Versioned>> {
+        let mut client = self.client()?;
+        self.ensure_owner(&mut client)?;
+        let s = &self.s;
+        let mut tx = client.transaction().map_err(db("begin a claim"))?;
+        // Rows another claimer is deciding about are skipped, not waited for;
+        // an earlier queued item of the same destination (claimed or not,
+        // locked or not) keeps a later one out: per-destination order.
+        let rows = tx
+            .query(
+                &format!(
+                    "SELECT i.idempotency_key, i.revision, i.doc FROM {s}.items i
+                     WHERE i.state = 'queued' AND NOT i.claimed
+                       AND (i.next_attempt_at IS NULL OR i.next_attempt_at <= $1)
+                       AND NOT EXISTS (
+                         SELECT 1 FROM {s}.items e
+                         WHERE e.destination = i.destination AND e.state = 'queued'
+                           AND e.enqueue_order < i.enqueue_order)
+                     ORDER BY i.enqueue_order
+                     LIMIT $2
+                     FOR UPDATE OF i SKIP LOCKED"
+                ),
+                &[&now, &(limit as i64)],
+            )
+            .map_err(db("select items to claim"))?;
+        let candidates = self.rows(&rows)?;
+        let mut claimed = Vec::new();
+        for candidate in candidates {
+            let Some(item) = decide(&candidate.item) else {
+                continue;
+            };
+            if item.state != ItemState::Queued || item.claim_owner() != Some(self.owner.as_str()) {
+                return Err(Error::invalid_config(
+                    "claim",
+                    "a claim must keep the item queued and name this handle's owner",
+                ));
+            }
+            // The row is locked by this transaction: the write cannot conflict.
+            if !self.put(&mut tx, &item, Expect::Revision(candidate.revision))? {
+                return Err(Error::Database {
+                    op: "claim a locked item",
+                    source: "a row locked FOR UPDATE changed under its lock".into(),
+                });
+            }
+            claimed.push(Versioned {
+                item,
+                revision: candidate.revision + 1,
+            });
+        }
+        tx.commit().map_err(db("commit a claim"))?;
+        Ok(claimed)
+    }
+
+    fn owner_is_alive(&self, owner: &str) -> Result<bool> {
+        if owner == self.owner {
+            return Ok(lock(&self.liveness).is_held());
+        }
+        let mut client = self.client()?;
+        Ok(!liveness::is_dead(&mut client, &self.schema, owner)?)
+    }
+
+    fn orphaned_claims(&self) -> Result<Vec<Versioned>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, claim_owner FROM {}.items
+                     WHERE claimed ORDER BY enqueue_order",
+                    self.s
+                ),
+                &[],
+            )
+            .map_err(db("list claims"))?;
+        let mut verdicts: Vec<(String, bool)> = Vec::new();
+        let mut orphans = Vec::new();
+        for row in rows {
+            let owner: Option<String> = row.get(3);
+            let dead = match owner {
+                None => true,
+                Some(owner) => {
+                    if let Some((_, dead)) = verdicts.iter().find(|(o, _)| *o == owner) {
+                        *dead
+                    } else {
+                        let dead = !self.owner_is_alive(&owner)?;
+                        verdicts.push((owner, dead));
+                        dead
+                    }
+                }
+            };
+            if dead {
+                orphans.push(self.versioned(&row)?);
+            }
+        }
+        Ok(orphans)
+    }
+
+    fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
+        let mut listener = lock(&self.listener);
+        if listener.as_ref().is_none_or(notify::Listener::is_closed) {
+            *listener = Some(notify::Listener::start(&self.connector, &self.schema)?);
+        }
+        match listener.as_mut() {
+            Some(listener) => listener.wait(timeout),
+            None => Ok(false),
+        }
+    }
+
+    fn audit_records(&self, after: u64) -> Result<Vec<AuditRecord>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq",
+                    self.s
+                ),
+                &[&(after as i64)],
+            )
+            .map_err(db("read the audit log"))?;
+        rows.iter()
+            .map(|row| {
+                let seq: i64 = row.get(0);
+                let line: &str = row.get(1);
+                serde_json::from_str(line).map_err(|e| Error::InvalidRecord {
+                    path: PathBuf::from(format!("postgres:{}.audit", self.schema)),
+                    location: format!("seq {seq}"),
+                    reason: format!("not an audit record: {e}"),
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[path = "../../../tests/support/postgres.rs"]
+mod test_server;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,65 @@
+//! Wake-ups across hosts with `LISTEN`/`NOTIFY`.
+//!
+//! A commit that makes work due sends `NOTIFY` on the schema's channel inside
+//! its transaction, so the notification is delivered exactly when the change is
+//! visible (and never for a rolled-back one). A waiting worker holds a
+//! dedicated connection that `LISTEN`s. A wake-up is a hint: the waiter reads
+//! the items again, and waits with a timeout so a missed notification (the
+//! listener was reconnecting) only delays work, never loses it.
+
+use std::time::Duration;
+
+use postgres::fallible_iterator::FallibleIterator;
+use postgres::{Client, Transaction};
+
+use super::{Connector, db};
+use crate::error::Result;
+
+/// The channel of `schema`'s outbox.
+fn channel(schema: &str) -> String {
+    format!("durable_outbox_{schema}")
+}
+
+/// Queues a wake-up, delivered when `tx` commits.
+pub(crate) fn wake(tx: &mut Transaction<'_>, schema: &str) -> Result<()> {
+    tx.execute("SELECT pg_notify($1, '')", &[&channel(schema)])
+        .map_err(db("notify waiting workers"))?;
+    Ok(())
+}
+
+/// A connection that listens for wake-ups.
+pub(crate) struct Listener {
+    client: Client,
+}
+
+impl Listener {
+    /// Connects and subscribes. Wake-ups committed before this returns are not seen.
+    pub(crate) fn start(connector: &Connector, schema: &str) -> Result<Self> {
+        let mut client = connector.connect()?;
+        client
+            .batch_execute(&format!("LISTEN \"{}\"", channel(schema)))
+            .map_err(db("listen for wake-ups"))?;
+        Ok(Self { client })
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
+    /// Waits up to `timeout` for a wake-up; `true` when one came. Wake-ups that
+    /// arrived together count as one.
+    pub(crate) fn wait(&mut self, timeout: Duration) -> Result<bool> {
+        let mut notifications = self.client.notifications();
+        let woken = notifications
+            .timeout_iter(timeout)
+            .next()
+            .map_err(db("wait for a wake-up"))?
+            .is_some();
+        if woken {
+            // Drain what is already here: one re-read answers them all.
+            let mut pending = notifications.iter();
+            while pending.next().map_err(db("drain wake-ups"))?.is_some() {}
+        }
+        Ok(woken)
+    }
+}

@@ -1,0 +1,102 @@
+//! Tables, and the versioned, forward-only migrations that create them.
+//!
+//! Every outbox lives in its own PostgreSQL schema (a name given on open), so
+//! many outboxes can share one database. `outbox_meta` holds the version of the
+//! tables; opening applies each migration above it in one transaction under a
+//! transaction-level advisory lock (concurrent opens wait for each other), and
+//! refuses a version newer than this release knows: an older binary must not
+//! write to tables a newer one shaped.
+
+use postgres::Client;
+
+use super::{db, lock_key, quoted};
+use crate::audit::GENESIS_HASH;
+use crate::error::{Error, Result};
+
+/// Migrations in order; version `n` is `MIGRATIONS[n - 1]`. Never edit one that
+/// has shipped: add the next.
+const MIGRATIONS: &[&str] = &[
+    // 1: items, owners, the audit chain and its head.
+    "CREATE TABLE {s}.items (
+        idempotency_key text PRIMARY KEY,
+        revision bigint NOT NULL,
+        enqueue_order bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+        destination text NOT NULL,
+        state text NOT NULL CHECK (state IN ('queued', 'sent', 'failed')),
+        claimed boolean NOT NULL,
+        claim_owner text,
+        next_attempt_at timestamptz,
+        transport_ref text,
+        doc text NOT NULL
+     );
+     CREATE INDEX ON {s}.items (destination, enqueue_order) WHERE state = 'queued';
+     CREATE INDEX ON {s}.items (enqueue_order) WHERE state = 'queued' AND NOT claimed;
+     CREATE INDEX ON {s}.items (claim_owner) WHERE claimed;
+     CREATE INDEX ON {s}.items (transport_ref, enqueue_order) WHERE transport_ref IS NOT NULL;
+     CREATE TABLE {s}.owners (
+        owner_id text PRIMARY KEY,
+        opened_at timestamptz NOT NULL DEFAULT now()
+     );
+     CREATE TABLE {s}.audit (
+        seq bigint PRIMARY KEY,
+        hash text NOT NULL,
+        line text NOT NULL
+     );
+     CREATE TABLE {s}.audit_head (
+        id integer PRIMARY KEY CHECK (id = 1),
+        seq bigint NOT NULL,
+        hash text NOT NULL
+     );
+     INSERT INTO {s}.audit_head (id, seq, hash) VALUES (1, 0, '{genesis}');",
+];
+
+/// The schema version this release writes.
+pub(crate) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Creates or migrates the tables of `schema`; refuses a newer version.
+pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
+    let s = quoted(schema);
+    let mut tx = client.transaction().map_err(db("begin migration"))?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[&lock_key(schema, "migrate")],
+    )
+    .map_err(db("lock the schema for migration"))?;
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {s};
+         CREATE TABLE IF NOT EXISTS {s}.outbox_meta (
+            id integer PRIMARY KEY CHECK (id = 1),
+            version bigint NOT NULL
+         );
+         INSERT INTO {s}.outbox_meta (id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;"
+    ))
+    .map_err(db("create the schema"))?;
+    let row = tx
+        .query_one(&format!("SELECT version FROM {s}.outbox_meta"), &[])
+        .map_err(db("read the schema version"))?;
+    let found: i64 = row.get(0);
+    if found > SCHEMA_VERSION {
+        return Err(Error::UnsupportedSchema {
+            schema: schema.to_owned(),
+            found,
+            known: SCHEMA_VERSION,
+        });
+    }
+    for (index, migration) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+        let sql = migration
+            .replace("{s}", &s)
+            .replace("{genesis}", GENESIS_HASH);
+        tx.batch_execute(&sql).map_err(db("apply a migration"))?;
+        tracing::info!(
+            schema,
+            version = index + 1,
+            "applied an outbox schema migration"
+        );
+    }
+    tx.execute(
+        &format!("UPDATE {s}.outbox_meta SET version = $1"),
+        &[&SCHEMA_VERSION.max(found)],
+    )
+    .map_err(db("record the schema version"))?;
+    tx.commit().map_err(db("commit the migration"))
+}

@@ -1,0 +1,641 @@
+//! The PostgreSQL engine's primitives against a real, throwaway server.
+//!
+//! Each test takes a fresh database from a server shared by this test process
+//! (`tests/support/postgres.rs`); tests that restart the server start their own.
+//! Without PostgreSQL installed they skip with a printed reason, except under
+//! `CI`, where they fail.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests panic loudly"
+)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::Utc;
+
+use super::test_server::PgServer;
+use super::{DEFAULT_SCHEMA, PgEngine, lock_key};
+use crate::audit::{AuditEvent, AuditOutcome, Hasher};
+use crate::clock::format_timestamp;
+use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, Versioned};
+use crate::error::{AuditFault, Error};
+use crate::item::{Claim, ItemState, OutboxItem};
+use crate::message::content_hash;
+
+/// A watchdog for tests that wait on other threads: far beyond what they need.
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn open(url: &str) -> PgEngine {
+    PgEngine::open(url, DEFAULT_SCHEMA, Hasher::Plain).expect("open the postgres outbox")
+}
+
+fn item(key: &str, destination: &str) -> OutboxItem {
+    let now = Utc::now();
+    OutboxItem {
+        idempotency_key: key.into(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: destination.into(),
+        content: format!("body of {key}"),
+        content_hash: content_hash(&format!("body of {key}")),
+        state: ItemState::Queued,
+        attempts: 0,
+        claim: None,
+        created_at: now,
+        updated_at: now,
+        next_attempt_at: None,
+        sent_at: None,
+        error_code: None,
+        lane: "default".into(),
+        direction: "outbound".into(),
+        risk_class: None,
+        transport_ref: None,
+        last_audit_id: None,
+        cooldown_until: None,
+        maybe_sent_at: None,
+    }
+}
+
+fn event(item: &OutboxItem, outcome: AuditOutcome) -> AuditEvent {
+    AuditEvent {
+        attempts: item.attempts,
+        audit_id: format!(
+            "{}-{}-{}",
+            item.idempotency_key,
+            outcome.as_str(),
+            item.attempts
+        ),
+        connector: item.connector.clone(),
+        content_hash: item.content_hash.clone(),
+        destination: item.destination.clone(),
+        direction: item.direction.clone(),
+        error_code: item.error_code.clone(),
+        grant_id: item.grant_id.clone(),
+        idempotency_key: item.idempotency_key.clone(),
+        lane: item.lane.clone(),
+        outcome,
+        note: None,
+        reconciled: false,
+        recorded_at_utc: format_timestamp(Utc::now()),
+        risk_class: None,
+        transport_ref: item.transport_ref.clone(),
+    }
+}
+
+fn enqueue(engine: &PgEngine, item: OutboxItem) {
+    let audit = vec![event(&item, AuditOutcome::Queued)];
+    engine
+        .commit(ChangeSet {
+            puts: vec![Put {
+                item,
+                expect: Expect::Absent,
+            }],
+            audit,
+            wake: true,
+        })
+        .expect("enqueue");
+}
+
+/// The rules' claim, reduced to what the engine checks: queued, owner named.
+fn claim_as(owner: &str) -> impl FnMut(&OutboxItem) -> Option<OutboxItem> + '_ {
+    move |candidate| {
+        let mut claimed = candidate.clone();
+        claimed.attempts += 1;
+        claimed.claim = Some(Claim {
+            owner: Some(owner.to_owned()),
+            at: Some(Utc::now()),
+        });
+        Some(claimed)
+    }
+}
+
+/// Finishes a claimed item as sent; `Conflict` when its claim was lost.
+fn finish_sent(engine: &PgEngine, claimed: &Versioned) -> Result<(), CommitError> {
+    let mut item = claimed.item.clone();
+    item.state = ItemState::Sent;
+    item.claim = None;
+    item.sent_at = Some(Utc::now());
+    item.transport_ref = Some(format!("ref-{}", item.idempotency_key));
+    let audit = vec![event(&item, AuditOutcome::Sent)];
+    engine
+        .commit(ChangeSet {
+            puts: vec![Put {
+                item,
+                expect: Expect::Revision(claimed.revision),
+            }],
+            audit,
+            wake: false,
+        })
+        .map(|_| ())
+}
+
+/// Fails an orphaned claim as ambiguous, the way the rules do.
+fn fail_orphan(engine: &PgEngine, orphan: &Versioned) -> Result<(), CommitError> {
+    let mut item = orphan.item.clone();
+    item.state = ItemState::Failed;
+    item.maybe_sent_at = item.claim.as_ref().and_then(|c| c.at);
+    item.claim = None;
+    item.error_code = Some(crate::outbox::AMBIGUOUS_AFTER_RESTART.into());
+    let audit = vec![event(&item, AuditOutcome::Failed)];
+    engine
+        .commit(ChangeSet {
+            puts: vec![Put {
+                item,
+                expect: Expect::Revision(orphan.revision),
+            }],
+            audit,
+            wake: false,
+        })
+        .map(|_| ())
+}
+
+fn export_to_file(engine: &PgEngine) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), engine.export_audit().unwrap()).unwrap();
+    file
+}
+
+#[test]
+fn three_hosts_draining_one_backlog_claim_each_item_once_in_destination_order() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let first = open(&url);
+    let destinations = 6;
+    let per_destination = 8;
+    for n in 0..per_destination {
+        for d in 0..destinations {
+            enqueue(&first, item(&format!("d{d}-{n:02}"), &format!("chat-{d}")));
+        }
+    }
+    // Every claim, in the order claims committed across all hosts.
+    let claims: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let hosts: Vec<_> = (0..3)
+        .map(|host| {
+            let url = url.clone();
+            let claims = Arc::clone(&claims);
+            std::thread::spawn(move || {
+                let engine = open(&url);
+                let owner = engine.owner().to_owned();
+                let deadline = std::time::Instant::now() + LIMIT;
+                loop {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "at-most-once drain across hosts: host {host} is still draining after {LIMIT:?}"
+                    );
+                    let batch = engine.claim_batch(Utc::now(), 4, &mut claim_as(&owner)).unwrap();
+                    {
+                        let mut claims = claims.lock().unwrap();
+                        for claimed in &batch {
+                            claims.push((
+                                claimed.item.destination.clone(),
+                                claimed.item.idempotency_key.clone(),
+                            ));
+                        }
+                    }
+                    for claimed in &batch {
+                        finish_sent(&engine, claimed).expect("a live claim finishes");
+                    }
+                    if batch.is_empty() {
+                        let left = engine
+                            .list()
+                            .unwrap()
+                            .iter()
+                            .filter(|v| v.item.state == ItemState::Queued)
+                            .count();
+                        if left == 0 {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            })
+        })
+        .collect();
+    for host in hosts {
+        host.join().expect("host thread");
+    }
+    let claims = claims.lock().unwrap();
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for (_, key) in claims.iter() {
+        *seen.entry(key).or_default() += 1;
+    }
+    assert_eq!(
+        seen.len(),
+        destinations * per_destination,
+        "every item was claimed"
+    );
+    assert!(
+        seen.values().all(|&n| n == 1),
+        "an item was claimed twice: {seen:?}"
+    );
+    // Strict per-destination order: claims of one destination come in enqueue order.
+    let mut last: HashMap<&str, &str> = HashMap::new();
+    for (destination, key) in claims.iter() {
+        if let Some(previous) = last.insert(destination, key) {
+            assert!(
+                previous < key.as_str(),
+                "{key} was claimed after {previous}"
+            );
+        }
+    }
+    for versioned in first.list().unwrap() {
+        assert_eq!(versioned.item.state, ItemState::Sent);
+        assert_eq!(
+            versioned.item.attempts, 1,
+            "{}",
+            versioned.item.idempotency_key
+        );
+    }
+}
+
+#[test]
+fn a_live_owners_claim_is_not_an_orphan_a_closed_owners_is() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    let observer = open(&db.url());
+    enqueue(&worker, item("k1", "chat-1"));
+    let owner = worker.owner().to_owned();
+    let claimed = worker
+        .claim_batch(Utc::now(), 10, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert!(observer.owner_is_alive(&owner).unwrap());
+    assert!(
+        observer.orphaned_claims().unwrap().is_empty(),
+        "a live claim is not an orphan"
+    );
+    // A claimed item is not handed out again while its owner lives.
+    let observer_owner = observer.owner().to_owned();
+    assert!(
+        observer
+            .claim_batch(Utc::now(), 10, &mut claim_as(&observer_owner))
+            .unwrap()
+            .is_empty()
+    );
+    drop(worker);
+    let orphans = observer.orphaned_claims().unwrap();
+    assert_eq!(orphans.len(), 1, "the closed handle's claim is orphaned");
+    assert_eq!(orphans[0].item.claim_owner(), Some(owner.as_str()));
+    fail_orphan(&observer, &orphans[0]).unwrap();
+    // Failed, never handed out again.
+    assert!(
+        observer
+            .claim_batch(Utc::now(), 10, &mut claim_as(&observer_owner))
+            .unwrap()
+            .is_empty()
+    );
+    let stored = observer.get("k1").unwrap().unwrap().item;
+    assert_eq!(stored.state, ItemState::Failed);
+    assert_eq!(
+        stored.error_code.as_deref(),
+        Some(crate::outbox::AMBIGUOUS_AFTER_RESTART)
+    );
+}
+
+#[test]
+fn a_terminated_owner_connection_makes_its_claim_ambiguous_and_the_late_finish_sees_it() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    let observer = open(&db.url());
+    enqueue(&worker, item("k1", "chat-1"));
+    enqueue(&worker, item("k2", "chat-2"));
+    let owner = worker.owner().to_owned();
+    let claimed = worker
+        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    // Mid-send, the owner lock's session is killed (a network cut looks the same).
+    let key = lock_key(DEFAULT_SCHEMA, &owner);
+    let killed = db.psql(&format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' \
+         AND granted AND objsubid = 1 AND classid = ((({key}::bigint >> 32) & 4294967295))::oid \
+         AND objid = (({key}::bigint & 4294967295))::oid"
+    ));
+    assert_eq!(killed, "1", "exactly the owner's session was terminated");
+    // The server drops the lock when the backend exits; wait for that, bounded.
+    let deadline = std::time::Instant::now() + LIMIT;
+    let orphans = loop {
+        let orphans = observer.orphaned_claims().unwrap();
+        if !orphans.is_empty() {
+            break orphans;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "owner liveness: lock never released"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    fail_orphan(&observer, &orphans[0]).unwrap();
+    // The worker's send finishes after all: its claim is gone, and the commit says so.
+    match finish_sent(&worker, &claimed[0]) {
+        Err(CommitError::Conflict { key }) => assert_eq!(key, claimed[0].item.idempotency_key),
+        other => panic!("a lost claim must be detected at finish, got {other:?}"),
+    }
+    let stored = observer
+        .get(&claimed[0].item.idempotency_key)
+        .unwrap()
+        .unwrap()
+        .item;
+    assert_eq!(
+        stored.state,
+        ItemState::Failed,
+        "never resent, never silently sent"
+    );
+    // The worker takes its lock again and keeps claiming under the same owner.
+    let next = worker
+        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(next.len(), 1);
+    assert!(observer.owner_is_alive(&owner).unwrap());
+    assert!(observer.orphaned_claims().unwrap().is_empty());
+}
+
+#[test]
+fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
+    let Some(server) = PgServer::start() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    enqueue(&worker, item("k1", "chat-1"));
+    let owner = worker.owner().to_owned();
+    let claimed = worker
+        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    server.crash();
+    server.restart();
+    let observer = open(&db.url());
+    let orphans = observer.orphaned_claims().unwrap();
+    assert_eq!(orphans.len(), 1, "every session lock died with the server");
+    fail_orphan(&observer, &orphans[0]).unwrap();
+    // The worker's handle reconnects; its late finish is refused, not applied.
+    assert!(matches!(
+        finish_sent(&worker, &claimed[0]),
+        Err(CommitError::Conflict { .. } | CommitError::Failed(Error::Database { .. }))
+    ));
+    assert!(matches!(
+        finish_sent(&worker, &claimed[0]),
+        Err(CommitError::Conflict { .. })
+    ));
+    assert!(
+        worker
+            .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+            .unwrap()
+            .is_empty()
+    );
+    let stored = worker.get("k1").unwrap().unwrap().item;
+    assert_eq!(stored.state, ItemState::Failed);
+    assert_eq!(stored.attempts, 1, "never resent");
+    let file = export_to_file(&worker);
+    assert_eq!(crate::AuditLog::verify(file.path()).unwrap().records, 2);
+}
+
+#[test]
+fn the_audit_table_holds_one_chain_the_file_verifier_accepts_and_edits_break_it() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    // Two hosts commit concurrently: the chain still has one order.
+    let writers: Vec<_> = (0..2)
+        .map(|host| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let engine = open(&url);
+                for n in 0..15 {
+                    enqueue(&engine, item(&format!("h{host}-{n}"), "chat"));
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.join().unwrap();
+    }
+    let engine = open(&url);
+    let file = export_to_file(&engine);
+    let report = crate::AuditLog::verify(file.path()).expect("the export verifies offline");
+    assert_eq!(report.records, 30);
+    let records = engine.audit_records(0).unwrap();
+    assert_eq!(records.len(), 30);
+    assert_eq!(engine.audit_records(28).unwrap().len(), 2);
+    assert_eq!(records, crate::AuditLog::read(file.path()).unwrap());
+    // Someone edits a record in the table: the exported chain no longer verifies.
+    db.psql(&format!(
+        "UPDATE {DEFAULT_SCHEMA}.audit SET line = replace(line, '\"chat\"', '\"evil\"') WHERE seq = 7"
+    ));
+    let edited = export_to_file(&engine);
+    match crate::AuditLog::verify(edited.path()) {
+        Err(Error::AuditBroken { line, fault, .. }) => {
+            assert_eq!(line, 7);
+            assert_eq!(fault, AuditFault::HashMismatch);
+        }
+        other => panic!("an edited record must fail verification, got {other:?}"),
+    }
+}
+
+#[test]
+fn keyed_chains_need_the_key() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine =
+        PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Keyed(b"secret".to_vec())).unwrap();
+    enqueue(&engine, item("k1", "chat"));
+    let file = export_to_file(&engine);
+    assert!(crate::AuditLog::verify_keyed(file.path(), b"secret").is_ok());
+    assert!(crate::AuditLog::verify(file.path()).is_err());
+}
+
+#[test]
+fn a_conditional_write_that_lost_a_race_writes_nothing() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    enqueue(&engine, item("k1", "chat"));
+    // The same key again: refused, and its audit record with it.
+    let again = engine.commit(ChangeSet {
+        puts: vec![
+            Put {
+                item: item("k2", "chat"),
+                expect: Expect::Absent,
+            },
+            Put {
+                item: item("k1", "chat"),
+                expect: Expect::Absent,
+            },
+        ],
+        audit: vec![event(&item("k1", "chat"), AuditOutcome::Queued)],
+        wake: false,
+    });
+    assert!(matches!(again, Err(CommitError::Conflict { ref key }) if key == "k1"));
+    assert!(
+        engine.get("k2").unwrap().is_none(),
+        "the whole change set rolled back"
+    );
+    assert_eq!(engine.audit_records(0).unwrap().len(), 1);
+    let stale = engine.get("k1").unwrap().unwrap();
+    let owner = engine.owner().to_owned();
+    let claimed = engine
+        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(claimed[0].revision, stale.revision + 1);
+    assert!(matches!(
+        finish_sent(&engine, &stale),
+        Err(CommitError::Conflict { .. })
+    ));
+    finish_sent(&engine, &claimed[0]).unwrap();
+    assert_eq!(engine.audit_records(0).unwrap().len(), 2);
+}
+
+#[test]
+fn a_newer_schema_is_refused_and_concurrent_opens_migrate_once() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let openers: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                PgEngine::open(&url, "shared_one", Hasher::Plain).map(|_| ())
+            })
+        })
+        .collect();
+    for opener in openers {
+        opener
+            .join()
+            .unwrap()
+            .expect("concurrent opens all succeed");
+    }
+    assert_eq!(
+        db.psql("SELECT version FROM shared_one.outbox_meta"),
+        super::SCHEMA_VERSION.to_string()
+    );
+    db.psql("UPDATE shared_one.outbox_meta SET version = 99");
+    match PgEngine::open(&url, "shared_one", Hasher::Plain) {
+        Err(Error::UnsupportedSchema {
+            schema,
+            found,
+            known,
+        }) => {
+            assert_eq!(
+                (schema.as_str(), found, known),
+                ("shared_one", 99, super::SCHEMA_VERSION)
+            );
+        }
+        other => panic!("a newer schema must be refused, got {other:?}"),
+    }
+    assert_eq!(
+        db.psql("SELECT version FROM shared_one.outbox_meta"),
+        "99",
+        "nothing written"
+    );
+}
+
+#[test]
+fn schemas_keep_outboxes_apart_in_one_database() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let a = PgEngine::open(&db.url(), "bot_a", Hasher::Plain).unwrap();
+    let b = PgEngine::open(&db.url(), "bot_b", Hasher::Plain).unwrap();
+    enqueue(&a, item("same-key", "chat-a"));
+    enqueue(&b, item("same-key", "chat-b"));
+    assert_eq!(
+        a.get("same-key").unwrap().unwrap().item.destination,
+        "chat-a"
+    );
+    assert_eq!(
+        b.get("same-key").unwrap().unwrap().item.destination,
+        "chat-b"
+    );
+    assert_eq!(a.audit_records(0).unwrap().len(), 1);
+}
+
+#[test]
+fn a_commit_that_makes_work_due_wakes_a_waiter_on_another_handle() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let waiter = Arc::new(open(&db.url()));
+    // Subscribe first (a wait that times out), so the wake-up cannot be missed.
+    assert!(!waiter.wait_for_work(Duration::from_millis(50)).unwrap());
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        std::thread::spawn(move || waiter.wait_for_work(LIMIT).unwrap())
+    };
+    let producer = open(&db.url());
+    enqueue(&producer, item("k1", "chat"));
+    assert!(
+        waiting.join().unwrap(),
+        "wake-ups: the waiter timed out after {LIMIT:?}"
+    );
+}
+
+#[test]
+fn bad_urls_schemas_and_an_unreachable_server_are_typed_errors() {
+    for url in [
+        "postgres://sekrit:pw@host:notaport/db",
+        "sekrit not a url = = =",
+    ] {
+        match PgEngine::open(url, DEFAULT_SCHEMA, Hasher::Plain) {
+            Err(Error::InvalidConfig {
+                setting: "url",
+                reason,
+            }) => {
+                assert!(
+                    !reason.contains("sekrit"),
+                    "the URL is not echoed: {reason}"
+                );
+            }
+            other => panic!("{url:?} must be refused as a URL, got {other:?}"),
+        }
+    }
+    for schema in ["", "Upper", "1st", "with-dash", "x\"; DROP TABLE y; --"] {
+        assert!(
+            matches!(
+                PgEngine::open("postgres://u@127.0.0.1/db", schema, Hasher::Plain),
+                Err(Error::InvalidConfig {
+                    setting: "schema",
+                    ..
+                })
+            ),
+            "{schema:?} must be refused"
+        );
+    }
+    // A port nobody listens on: refused at once, as a typed error.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    match PgEngine::open(
+        &format!("postgres://u@127.0.0.1:{port}/db"),
+        DEFAULT_SCHEMA,
+        Hasher::Plain,
+    ) {
+        Err(Error::Database { op: "connect", .. }) => {}
+        other => panic!("an unreachable server must be a typed error, got {other:?}"),
+    }
+}
