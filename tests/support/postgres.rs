@@ -391,3 +391,113 @@ fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free loopback port")
 }
+
+/// A `pgbouncer` in front of a [`PgServer`]; stopped on drop.
+pub struct PgBouncer<'a> {
+    server: &'a PgServer,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl PgServer {
+    /// Starts `pgbouncer` with `pool_mode` (`session` or `transaction`) in front
+    /// of this server, or `None` (after printing why) when it is not installed
+    /// and `CI` is not set.
+    ///
+    /// # Panics
+    /// When it is missing under `CI`, or does not start.
+    pub fn pgbouncer(&self, pool_mode: &str) -> Option<PgBouncer<'_>> {
+        let Some(program) = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+        else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "pgbouncer is required in CI and is missing; .ci/run installs it"
+            );
+            eprintln!("SKIPPED: pgbouncer is not available here; CI would fail");
+            return None;
+        };
+        let dir = self.root.path().join(format!(
+            "bouncer-{}",
+            DATABASES.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&dir).expect("pgbouncer dir");
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").expect("pgbouncer users");
+        let mut last = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let ini = format!(
+                "[databases]\n* = host=127.0.0.1 port={server}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {dir}/users.txt\npool_mode = {pool_mode}\n\
+                 default_pool_size = 4\npidfile = {dir}/pgbouncer.pid\n\
+                 logfile = {dir}/pgbouncer.log\n",
+                server = self.port,
+                dir = dir.display(),
+            );
+            std::fs::write(dir.join("pgbouncer.ini"), ini).expect("pgbouncer.ini");
+            if self.as_postgres {
+                let status = Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(&dir)
+                    .status()
+                    .expect("chown the pgbouncer dir");
+                assert!(status.success());
+            }
+            let mut command = if self.as_postgres {
+                let mut c = Command::new("runuser");
+                c.args(["-u", "postgres", "--"]).arg(&program);
+                c
+            } else {
+                Command::new(&program)
+            };
+            let status = command
+                .arg("-d")
+                .arg(dir.join("pgbouncer.ini"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("run pgbouncer");
+            let bouncer = PgBouncer {
+                server: self,
+                dir: dir.clone(),
+                port,
+            };
+            if status.success() && bouncer.wait_until_listening() {
+                return Some(bouncer);
+            }
+            last = std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default();
+        }
+        panic!("pgbouncer did not start five times; its log:\n{last}");
+    }
+}
+
+impl PgBouncer<'_> {
+    fn wait_until_listening(&self) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// A URL for database `db` through the pooler.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+}
+
+impl Drop for PgBouncer<'_> {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pgbouncer.pid")) {
+            let _ = Command::new("kill").arg(pid.trim()).status();
+        }
+        let _ = self.server;
+    }
+}

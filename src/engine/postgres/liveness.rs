@@ -9,10 +9,11 @@
 //!
 //! A transaction-mode pooler (pgbouncer `pool_mode = transaction`) hands each
 //! transaction whichever server session is free, so a session lock taken
-//! through it belongs to no client in particular. [`Liveness::verify`] checks
-//! that the session we talk to is the one `pg_locks` says holds our lock, and
-//! that it stays the same session; a pooler in between fails that check and
-//! the open is refused with [`Error::SessionLocksUnavailable`].
+//! through it belongs to no client in particular. Opening refuses such a path
+//! with [`Error::SessionLocksUnavailable`] before writing anything
+//! ([`refuse_transaction_pooling`]: two client connections must never share a
+//! server session, and neither may move), and [`Liveness::verify`] checks that
+//! `pg_locks` names the owner connection's own session as the lock's holder.
 
 use postgres::Client;
 
@@ -92,6 +93,54 @@ impl Liveness {
                 .query_one("SELECT pg_backend_pid()", &[])
                 .is_ok_and(|row| row.get::<_, i32>(0) == self.pid)
     }
+}
+
+/// The server session (`pg_backend_pid`) a connection's next statement runs in,
+/// asked with the simple query protocol (no prepared statement, which a
+/// transaction-mode pooler could route to another session).
+fn session_of(client: &mut Client) -> Result<String> {
+    let messages = client
+        .simple_query("SELECT pg_backend_pid()")
+        .map_err(db("read the session's pid"))?;
+    messages
+        .iter()
+        .find_map(|message| match message {
+            postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .ok_or_else(|| Error::Database {
+            op: "read the session's pid",
+            source: "the server returned no row".into(),
+        })
+}
+
+/// Refuses a connection path on which a client does not keep one server
+/// session: two client connections that ever run in the same server session,
+/// or one that moves between sessions, are behind a transaction-mode pooler
+/// (pgbouncer hands the most recently freed session to the next transaction,
+/// so this shows at once). Directly connected or session-pooled clients each
+/// keep their own session for life.
+pub(crate) fn refuse_transaction_pooling(first: &mut Client, second: &mut Client) -> Result<()> {
+    let mut firsts = Vec::new();
+    let mut seconds = Vec::new();
+    for _ in 0..3 {
+        firsts.push(session_of(first)?);
+        seconds.push(session_of(second)?);
+    }
+    let moved =
+        firsts.iter().any(|pid| *pid != firsts[0]) || seconds.iter().any(|pid| *pid != seconds[0]);
+    let shared = firsts.iter().find(|pid| seconds.contains(pid));
+    if moved || shared.is_some() {
+        return Err(Error::SessionLocksUnavailable {
+            reason: format!(
+                "two connections were served by server sessions {firsts:?} and {seconds:?}: \
+                 statements move between sessions, as behind a transaction-mode pooler \
+                 (pgbouncer pool_mode=transaction); the owner lock would not belong to this \
+                 handle. Connect directly or through a session-mode pool"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Whether `owner`'s lock is free, probed through `client` without keeping it.

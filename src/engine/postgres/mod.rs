@@ -174,6 +174,10 @@ impl PgEngine {
         check_schema(schema)?;
         let connector = Connector::parse(url)?;
         let mut client = connector.connect()?;
+        {
+            let mut probe = connector.connect()?;
+            liveness::refuse_transaction_pooling(&mut client, &mut probe)?;
+        }
         schema::migrate(&mut client, schema)?;
         let s = quoted(schema);
         let (owner, mut liveness) = loop {

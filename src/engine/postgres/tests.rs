@@ -639,3 +639,40 @@ fn bad_urls_schemas_and_an_unreachable_server_are_typed_errors() {
         other => panic!("an unreachable server must be a typed error, got {other:?}"),
     }
 }
+
+#[test]
+fn a_transaction_mode_pooler_is_refused_before_anything_is_written_a_session_pool_works() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let Some(transaction_pool) = server.pgbouncer("transaction") else {
+        return;
+    };
+    match PgEngine::open(
+        &transaction_pool.url(db.name()),
+        DEFAULT_SCHEMA,
+        Hasher::Plain,
+    ) {
+        Err(Error::SessionLocksUnavailable { reason }) => {
+            assert!(reason.contains("transaction-mode pooler"), "{reason}");
+        }
+        other => panic!("a transaction-mode pooler must be refused, got {other:?}"),
+    }
+    assert_eq!(
+        db.psql(&format!(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = '{DEFAULT_SCHEMA}'"
+        )),
+        "0",
+        "nothing was created"
+    );
+    let session_pool = server.pgbouncer("session").expect("pgbouncer started once");
+    let engine = open(&session_pool.url(db.name()));
+    enqueue(&engine, item("k1", "chat"));
+    let owner = engine.owner().to_owned();
+    let claimed = engine
+        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    finish_sent(&engine, &claimed[0]).unwrap();
+}
