@@ -676,3 +676,182 @@ fn a_transaction_mode_pooler_is_refused_before_anything_is_written_a_session_poo
     assert_eq!(claimed.len(), 1);
     finish_sent(&engine, &claimed[0]).unwrap();
 }
+
+/// Environment of a child "host" process: the database URL, and what to do.
+const CHILD_URL: &str = "OUTBOX_PG_HOST_URL";
+const CHILD_MODE: &str = "OUTBOX_PG_HOST_MODE";
+
+/// One host process. Spawned by the tests below with [`CHILD_URL`] and
+/// [`CHILD_MODE`] set (`drain`: claim and send until nothing is queued,
+/// printing `HOST:SENT <key>` per send; `hang`: claim one item, print
+/// `HOST:CLAIMED <key>` and stay inside its "send"). Run without them, it is
+/// one host draining its own backlog, checked.
+#[test]
+fn host_process() {
+    let url = match std::env::var(CHILD_URL) {
+        Ok(url) => url,
+        Err(_) => {
+            let Some(server) = PgServer::shared() else {
+                return;
+            };
+            let db = server.database();
+            let engine = open(&db.url());
+            for n in 0..3 {
+                enqueue(&engine, item(&format!("k{n}"), "chat"));
+            }
+            let sent = drain(&engine, |_| {});
+            assert_eq!(sent, ["k0", "k1", "k2"]);
+            return;
+        }
+    };
+    let engine = open(&url);
+    let owner = engine.owner().to_owned();
+    match std::env::var(CHILD_MODE).as_deref() {
+        Ok("hang") => {
+            let claimed = engine
+                .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+                .unwrap();
+            println!("HOST:CLAIMED {}", claimed[0].item.idempotency_key);
+            // Inside the send until the parent kills us (bounded, in case it does not).
+            std::thread::sleep(LIMIT);
+        }
+        _ => {
+            drain(&engine, |key| println!("HOST:SENT {key}"));
+        }
+    }
+}
+
+/// Claims and sends until nothing is queued; returns the keys sent.
+fn drain(engine: &PgEngine, mut on_sent: impl FnMut(&str)) -> Vec<String> {
+    let owner = engine.owner().to_owned();
+    let deadline = std::time::Instant::now() + LIMIT;
+    let mut sent = Vec::new();
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "drain: still draining after {LIMIT:?}"
+        );
+        let batch = engine
+            .claim_batch(Utc::now(), 2, &mut claim_as(&owner))
+            .unwrap();
+        for claimed in &batch {
+            finish_sent(engine, claimed).expect("a live claim finishes");
+            on_sent(&claimed.item.idempotency_key);
+            sent.push(claimed.item.idempotency_key.clone());
+        }
+        if batch.is_empty() {
+            let queued = engine
+                .list()
+                .unwrap()
+                .iter()
+                .any(|v| v.item.state == ItemState::Queued);
+            if !queued {
+                return sent;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+fn spawn_host(url: &str, mode: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "engine::postgres::tests::host_process",
+            "--nocapture",
+        ])
+        .args(["--test-threads", "1", "-q"])
+        .env(CHILD_URL, url)
+        .env(CHILD_MODE, mode)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("spawn a host process")
+}
+
+#[test]
+fn host_processes_racing_one_backlog_send_each_key_once() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    for n in 0..10 {
+        for d in 0..3 {
+            enqueue(&engine, item(&format!("d{d}-{n:02}"), &format!("chat-{d}")));
+        }
+    }
+    let hosts: Vec<_> = (0..3).map(|_| spawn_host(&db.url(), "drain")).collect();
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for host in hosts {
+        let output = host.wait_with_output().unwrap();
+        assert!(output.status.success(), "a host process failed");
+        for line in String::from_utf8_lossy(&output.stdout).lines() {
+            if let Some(key) = line.strip_prefix("HOST:SENT ") {
+                *sent.entry(key.to_owned()).or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(sent.len(), 30, "every key was sent: {sent:?}");
+    assert!(
+        sent.values().all(|&n| n == 1),
+        "a key was sent twice: {sent:?}"
+    );
+    for versioned in engine.list().unwrap() {
+        assert_eq!(versioned.item.state, ItemState::Sent);
+        assert_eq!(versioned.item.attempts, 1);
+    }
+}
+
+#[test]
+fn sigkill_inside_send_leaves_an_ambiguous_claim_that_is_never_resent() {
+    use std::io::BufRead;
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let observer = open(&db.url());
+    enqueue(&observer, item("k1", "chat"));
+    let mut host = spawn_host(&db.url(), "hang");
+    let mut lines = std::io::BufReader::new(host.stdout.take().unwrap()).lines();
+    let claimed = loop {
+        let line = lines
+            .next()
+            .expect("the host claims before it exits")
+            .unwrap();
+        if let Some(key) = line.strip_prefix("HOST:CLAIMED ") {
+            break key.to_owned();
+        }
+    };
+    assert_eq!(claimed, "k1");
+    assert!(
+        observer.orphaned_claims().unwrap().is_empty(),
+        "a live send is not an orphan"
+    );
+    host.kill().unwrap(); // SIGKILL
+    host.wait().unwrap();
+    let deadline = std::time::Instant::now() + LIMIT;
+    let orphans = loop {
+        let orphans = observer.orphaned_claims().unwrap();
+        if !orphans.is_empty() {
+            break orphans;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "owner liveness: a killed host's lock stayed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    fail_orphan(&observer, &orphans[0]).unwrap();
+    let owner = observer.owner().to_owned();
+    assert!(
+        observer
+            .claim_batch(Utc::now(), 5, &mut claim_as(&owner))
+            .unwrap()
+            .is_empty()
+    );
+    let stored = observer.get("k1").unwrap().unwrap().item;
+    assert_eq!(stored.state, ItemState::Failed);
+    assert_eq!(stored.attempts, 1, "never resent");
+    assert!(stored.maybe_sent_at.is_some(), "counts as a possible send");
+}
