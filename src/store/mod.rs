@@ -1042,6 +1042,7 @@ pub(crate) fn decode_item_line(path: &Path, offset: u64, line: &[u8]) -> Result<
 
 /// One item as the JSON object `outbox.json` stores (no framing): how other
 /// engines store an item, so every engine reads and writes the same fields.
+#[cfg(feature = "postgres")]
 pub(crate) fn item_to_json(item: &OutboxItem) -> Vec<u8> {
     #[expect(clippy::expect_used, reason = "plain data always serialises")]
     serde_json::to_vec(&item_to_disk(item)).expect("items serialise")
@@ -1049,6 +1050,7 @@ pub(crate) fn item_to_json(item: &OutboxItem) -> Vec<u8> {
 
 /// Parses and checks one item stored by [`item_to_json`]; `place` names where
 /// it was read (e.g. `row "order-17"`) in errors about `path`.
+#[cfg(feature = "postgres")]
 pub(crate) fn item_from_json(path: &Path, place: &str, json: &[u8]) -> Result<OutboxItem> {
     let raw: ItemV1 = serde_json::from_slice(json)
         .map_err(|e| invalid(path, place.to_owned(), format!("invalid item: {e}")))?;
