@@ -109,6 +109,7 @@ mod outbox;
 mod rate;
 mod receipt;
 mod retry;
+mod rules;
 mod send;
 mod settings;
 mod store;

@@ -2510,7 +2510,7 @@ fn audit_outcome_of(state: ItemState) -> AuditOutcome {
 
 /// Makes a caller-supplied code or reference storable: no NUL or control
 /// characters, not blank, at most `max` bytes (cut on a character boundary).
-fn sanitize(text: &str, max: usize) -> String {
+pub(crate) fn sanitize(text: &str, max: usize) -> String {
     let mut clean: String = text
         .chars()
         .map(|c| if c.is_control() { '?' } else { c })

@@ -688,21 +688,18 @@ const CHILD_MODE: &str = "OUTBOX_PG_HOST_MODE";
 /// one host draining its own backlog, checked.
 #[test]
 fn host_process() {
-    let url = match std::env::var(CHILD_URL) {
-        Ok(url) => url,
-        Err(_) => {
-            let Some(server) = PgServer::shared() else {
-                return;
-            };
-            let db = server.database();
-            let engine = open(&db.url());
-            for n in 0..3 {
-                enqueue(&engine, item(&format!("k{n}"), "chat"));
-            }
-            let sent = drain(&engine, |_| {});
-            assert_eq!(sent, ["k0", "k1", "k2"]);
+    let Ok(url) = std::env::var(CHILD_URL) else {
+        let Some(server) = PgServer::shared() else {
             return;
+        };
+        let db = server.database();
+        let engine = open(&db.url());
+        for n in 0..3 {
+            enqueue(&engine, item(&format!("k{n}"), "chat"));
         }
+        let sent = drain(&engine, |_| {});
+        assert_eq!(sent, ["k0", "k1", "k2"]);
+        return;
     };
     let engine = open(&url);
     let owner = engine.owner().to_owned();
@@ -854,4 +851,199 @@ fn sigkill_inside_send_leaves_an_ambiguous_claim_that_is_never_resent() {
     assert_eq!(stored.state, ItemState::Failed);
     assert_eq!(stored.attempts, 1, "never resent");
     assert!(stored.maybe_sent_at.is_some(), "counts as a possible send");
+}
+
+/// Claims `key` on `worker` through the rules, then cuts the worker's owner
+/// session and lets `observer` repair the orphan: the state a network cut or
+/// a server restart leaves mid-send.
+fn claim_then_lose_it(
+    db: &super::test_server::PgDatabase<'_>,
+    worker: &PgEngine,
+    observer: &PgEngine,
+) -> Versioned {
+    use crate::rules::lifecycle;
+    let owner = worker.owner().to_owned();
+    let claimed = worker
+        .claim_batch(Utc::now(), 1, &mut |item| {
+            Some(lifecycle::claim(item, &owner, Utc::now()))
+        })
+        .unwrap()
+        .pop()
+        .expect("one claim");
+    let key = lock_key(DEFAULT_SCHEMA, &owner);
+    db.psql(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' \
+         AND granted AND objsubid = 1 AND classid = ((({key}::bigint >> 32) & 4294967295))::oid \
+         AND objid = (({key}::bigint & 4294967295))::oid"
+    ));
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let repaired = lifecycle::repair_orphans(observer, Utc::now()).unwrap();
+        if !repaired.is_empty() {
+            assert_eq!(
+                repaired.as_slice(),
+                std::slice::from_ref(&claimed.item.idempotency_key)
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "owner liveness: lock never released"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    claimed
+}
+
+#[test]
+fn a_delivery_that_finishes_after_its_claim_was_declared_ambiguous_is_corrected_on_record() {
+    use crate::rules::lifecycle::{CORRECTION_NOTE, Finished, finish};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    let observer = open(&db.url());
+    enqueue(&worker, item("k1", "chat"));
+    let claimed = claim_then_lose_it(&db, &worker, &observer);
+    let failed = observer.get("k1").unwrap().unwrap().item;
+    assert_eq!(
+        failed.error_code.as_deref(),
+        Some(crate::outbox::AMBIGUOUS_AFTER_RESTART)
+    );
+    // The send did reach the platform, and the worker now says so.
+    let finished = finish(
+        &worker,
+        &claimed,
+        &Ok(Some("tg-1".into())),
+        None,
+        Utc::now(),
+    )
+    .unwrap();
+    let Finished::Corrected(item) = finished else {
+        panic!("a lost claim's delivery must be corrected on record, got {finished:?}");
+    };
+    assert_eq!(item.state, ItemState::Sent);
+    assert_eq!(item.attempts, 1, "never resent");
+    let stored = observer
+        .find_by_transport_ref("tg-1")
+        .unwrap()
+        .unwrap()
+        .item;
+    assert_eq!(
+        (stored.idempotency_key.as_str(), stored.state),
+        ("k1", ItemState::Sent)
+    );
+    let records = observer.audit_records(0).unwrap();
+    let outcomes: Vec<_> = records
+        .iter()
+        .map(|r| (r.outcome, r.note.as_deref()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (AuditOutcome::Queued, None),
+            (AuditOutcome::Failed, None),
+            (AuditOutcome::Sent, Some(CORRECTION_NOTE)),
+        ]
+    );
+    let file = export_to_file(&observer);
+    assert_eq!(crate::AuditLog::verify(file.path()).unwrap().records, 3);
+    let owner = observer.owner().to_owned();
+    assert!(
+        observer
+            .claim_batch(Utc::now(), 5, &mut claim_as(&owner))
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[test]
+fn a_failed_send_after_a_lost_claim_keeps_the_item_failed_with_its_real_code() {
+    use crate::rules::lifecycle::{Finished, finish};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    let observer = open(&db.url());
+    enqueue(&worker, item("k1", "chat"));
+    let claimed = claim_then_lose_it(&db, &worker, &observer);
+    let result = Err(crate::SendError::permanent("chat_not_found"));
+    let finished = finish(&worker, &claimed, &result, None, Utc::now()).unwrap();
+    let Finished::Corrected(item) = finished else {
+        panic!("expected a correction, got {finished:?}");
+    };
+    assert_eq!(item.state, ItemState::Failed);
+    assert_eq!(item.error_code.as_deref(), Some("chat_not_found"));
+    assert_eq!(
+        item.maybe_sent_at, None,
+        "certainly not delivered: no longer a possible send"
+    );
+    let stored = observer.get("k1").unwrap().unwrap().item;
+    assert_eq!(
+        (
+            stored.state,
+            stored.error_code,
+            stored.maybe_sent_at,
+            stored.last_audit_id
+        ),
+        (item.state, item.error_code, None, item.last_audit_id),
+        "stored as returned"
+    );
+}
+
+#[test]
+fn a_late_delivery_of_an_item_an_operator_moved_on_is_put_on_record_and_the_item_left_alone() {
+    use crate::rules::lifecycle::{Finished, finish};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let worker = open(&db.url());
+    let observer = open(&db.url());
+    enqueue(&worker, item("k1", "chat"));
+    let claimed = claim_then_lose_it(&db, &worker, &observer);
+    // An operator requeues the ambiguous item before the late result arrives.
+    let current = observer.get("k1").unwrap().unwrap();
+    let mut requeued = current.item.clone();
+    requeued.state = ItemState::Queued;
+    requeued.error_code = None;
+    observer
+        .commit(ChangeSet {
+            puts: vec![Put {
+                item: requeued.clone(),
+                expect: Expect::Revision(current.revision),
+            }],
+            audit: vec![event(&requeued, AuditOutcome::Requeued)],
+            wake: true,
+        })
+        .unwrap();
+    let finished = finish(
+        &worker,
+        &claimed,
+        &Ok(Some("tg-9".into())),
+        None,
+        Utc::now(),
+    )
+    .unwrap();
+    let Finished::LeftAlone(item) = finished else {
+        panic!("an item that moved on must be left alone, got {finished:?}");
+    };
+    assert_eq!(
+        item.state,
+        ItemState::Queued,
+        "the operator's decision stands"
+    );
+    let last = observer.audit_records(0).unwrap().pop().unwrap();
+    assert_eq!(
+        last.outcome,
+        AuditOutcome::Sent,
+        "the delivery is on record"
+    );
+    assert_eq!(last.transport_ref.as_deref(), Some("tg-9"));
+    assert_eq!(
+        observer.get("k1").unwrap().unwrap().item.state,
+        ItemState::Queued
+    );
 }
