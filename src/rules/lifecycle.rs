@@ -43,6 +43,7 @@ pub(crate) fn claim(item: &OutboxItem, owner: &str, now: DateTime<Utc>) -> Outbo
     });
     claimed.next_attempt_at = None;
     claimed.error_code = None;
+    claimed.failure_class = None;
     claimed.updated_at = now;
     claimed
 }
@@ -61,6 +62,7 @@ pub(crate) fn fail_ambiguous(item: &OutboxItem, code: &str, now: DateTime<Utc>) 
     failed.claim = None;
     failed.next_attempt_at = None;
     failed.error_code = Some(code.to_owned());
+    failed.failure_class = Some(FailureClass::Ambiguous);
     failed.updated_at = now;
     failed
 }
@@ -95,6 +97,7 @@ pub(crate) fn event(
         destination: item.destination.clone(),
         direction: item.direction.clone(),
         error_code: item.error_code.clone(),
+        failure_class: item.failure_class,
         grant_id: item.grant_id.clone(),
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
@@ -193,6 +196,7 @@ pub(crate) fn finish(
             item.state = ItemState::Sent;
             item.sent_at = Some(now);
             item.error_code = None;
+            item.failure_class = None;
             item.transport_ref = transport_ref(reference);
             AuditOutcome::Sent
         }
@@ -205,12 +209,14 @@ pub(crate) fn finish(
                 }
                 (FailureClass::Retryable, Some(at)) => {
                     item.error_code = Some(code);
+                    item.failure_class = Some(FailureClass::Retryable);
                     item.next_attempt_at = Some(at);
                     AuditOutcome::Retrying
                 }
-                _ => {
+                (class, _) => {
                     item.state = ItemState::Failed;
                     item.error_code = Some(code);
+                    item.failure_class = Some(class);
                     AuditOutcome::Failed
                 }
             }
@@ -249,11 +255,13 @@ pub(crate) fn finish(
                 corrected.state = ItemState::Sent;
                 corrected.sent_at = Some(now);
                 corrected.error_code = None;
+                corrected.failure_class = None;
                 corrected.transport_ref = transport_ref(reference);
             }
             Err(error) => {
                 // Certainly not delivered: no longer a possible send.
                 corrected.error_code = Some(sanitize(error.code(), limits::TRANSPORT_REF));
+                corrected.failure_class = Some(error.class());
                 corrected.maybe_sent_at = None;
             }
         }

@@ -50,6 +50,7 @@ fn item(key: &str, destination: &str) -> OutboxItem {
         next_attempt_at: None,
         sent_at: None,
         error_code: None,
+        failure_class: None,
         lane: "default".into(),
         direction: "outbound".into(),
         risk_class: None,
@@ -74,6 +75,7 @@ fn event(item: &OutboxItem, outcome: AuditOutcome) -> AuditEvent {
         destination: item.destination.clone(),
         direction: item.direction.clone(),
         error_code: item.error_code.clone(),
+        failure_class: item.failure_class,
         grant_id: item.grant_id.clone(),
         idempotency_key: item.idempotency_key.clone(),
         lane: item.lane.clone(),
@@ -140,6 +142,7 @@ fn fail_orphan(engine: &PgEngine, orphan: &Versioned) -> Result<(), CommitError>
     item.maybe_sent_at = item.claim.as_ref().and_then(|c| c.at);
     item.claim = None;
     item.error_code = Some(crate::outbox::AMBIGUOUS_AFTER_RESTART.into());
+    item.failure_class = Some(crate::FailureClass::Ambiguous);
     let audit = vec![event(&item, AuditOutcome::Failed)];
     engine
         .commit(ChangeSet {
@@ -924,6 +927,7 @@ fn a_delivery_that_finishes_after_its_claim_was_declared_ambiguous_is_corrected_
         panic!("a lost claim's delivery must be corrected on record, got {finished:?}");
     };
     assert_eq!(item.state, ItemState::Sent);
+    assert_eq!((item.error_code, item.failure_class), (None, None));
     assert_eq!(item.attempts, 1, "never resent");
     let stored = observer
         .find_by_transport_ref("tg-1")
@@ -976,6 +980,7 @@ fn a_failed_send_after_a_lost_claim_keeps_the_item_failed_with_its_real_code() {
     };
     assert_eq!(item.state, ItemState::Failed);
     assert_eq!(item.error_code.as_deref(), Some("chat_not_found"));
+    assert_eq!(item.failure_class, Some(crate::FailureClass::Permanent));
     assert_eq!(
         item.maybe_sent_at, None,
         "certainly not delivered: no longer a possible send"
