@@ -111,6 +111,22 @@ impl From<Error> for CommitError {
 /// What the rules decide about one candidate of a batch claim.
 pub(crate) type ClaimDecision = Option<OutboxItem>;
 
+/// What a claim decision may look at besides the item: the times that count
+/// against caps (sends, sends in progress, possible sends; see
+/// `store::rate_times`) since the lookback the rules asked for, and the
+/// destination's cooldown. Read after every earlier claim decision, on any
+/// host, has committed, and including this batch's own claims so far: caps
+/// hold across hosts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RateView {
+    /// The candidate's destination's times.
+    pub(crate) destination_times: Vec<DateTime<Utc>>,
+    /// Every destination's times (for the global cap).
+    pub(crate) all_times: Vec<DateTime<Utc>>,
+    /// Until when the platform asked not to send to the destination, if ever.
+    pub(crate) cooldown_until: Option<DateTime<Utc>>,
+}
+
 /// The durable primitives the delivery rules need. See the module docs for
 /// each primitive's invariant.
 pub(crate) trait Engine: Send + Sync {
@@ -133,13 +149,15 @@ pub(crate) trait Engine: Send + Sync {
     /// Locks up to `limit` due candidates (queued, unclaimed, `next_attempt_at`
     /// not after `now`, oldest queued item of their destination) that no other
     /// claimer holds at this moment, lets `decide` turn each into its claimed
-    /// state (or skip it with `None`), and commits the claimed ones, naming
+    /// state (or skip it with `None`) seeing its [`RateView`] (times since
+    /// `now - lookback`), and commits the claimed ones, naming
     /// [`owner`](Self::owner). Returns them as committed.
     fn claim_batch(
         &self,
         now: DateTime<Utc>,
         limit: usize,
-        decide: &mut dyn FnMut(&OutboxItem) -> ClaimDecision,
+        lookback: Duration,
+        decide: &mut dyn FnMut(&OutboxItem, &RateView) -> ClaimDecision,
     ) -> Result<Vec<Versioned>>;
 
     /// Whether the handle with owner id `owner` still holds its liveness token.

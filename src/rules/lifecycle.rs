@@ -22,11 +22,14 @@ use sha2::{Digest, Sha256};
 
 use crate::audit::{AuditEvent, AuditOutcome};
 use crate::clock::format_timestamp;
-use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, Versioned};
+use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, RateView, Versioned};
 use crate::error::{Error, Result};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::limits;
-use crate::outbox::{AMBIGUOUS_AFTER_RESTART, sanitize};
+use crate::outbox::{
+    AMBIGUOUS_AFTER_RESTART, DESTINATION_COOLDOWN, GLOBAL_RATE_CAPPED, RATE_CAPPED, sanitize,
+};
+use crate::rate::RatePolicy;
 use crate::send::{FailureClass, SendError};
 
 /// The note on a correction's audit record.
@@ -46,6 +49,54 @@ pub(crate) fn claim(item: &OutboxItem, owner: &str, now: DateTime<Utc>) -> Outbo
     claimed.failure_class = None;
     claimed.updated_at = now;
     claimed
+}
+
+/// When a send to `item`'s destination at `now` would break a cap (the
+/// destination's, the global one, a platform's cooldown): the moment all allow
+/// it, and which one binds last. The same rule as the file engine's.
+pub(crate) fn capped(
+    policy: &RatePolicy,
+    item: &OutboxItem,
+    view: &RateView,
+    now: DateTime<Utc>,
+) -> Option<(DateTime<Utc>, &'static str)> {
+    let cap = policy.for_destination(&item.destination);
+    let per_destination = cap
+        .next_free_slot(now, view.destination_times.iter().copied())
+        .map(|at| (at, RATE_CAPPED));
+    let global = policy.global.and_then(|cap| {
+        cap.next_free_slot(now, view.all_times.iter().copied())
+            .map(|at| (at, GLOBAL_RATE_CAPPED))
+    });
+    let cooled = view
+        .cooldown_until
+        .filter(|until| *until > now)
+        .map(|until| (until, DESTINATION_COOLDOWN));
+    [per_destination, global, cooled]
+        .into_iter()
+        .flatten()
+        .max_by_key(|(at, _)| *at)
+}
+
+/// Claims up to `limit` due items for this handle, oldest first, one per
+/// destination at a time, skipping those a cap holds back (they stay queued
+/// and are tried again later). Caps hold across every handle of the outbox.
+///
+/// # Errors
+/// The engine's errors.
+pub(crate) fn claim_due(
+    engine: &dyn Engine,
+    policy: &RatePolicy,
+    now: DateTime<Utc>,
+    limit: usize,
+) -> Result<Vec<Versioned>> {
+    let owner = engine.owner().to_owned();
+    engine.claim_batch(now, limit, policy.longest_window(), &mut |item, view| {
+        if capped(policy, item, view, now).is_some() {
+            return None;
+        }
+        Some(claim(item, &owner, now))
+    })
 }
 
 /// A claimed item failed as ambiguous: its claim time stays on as
@@ -211,6 +262,10 @@ pub(crate) fn finish(
                     item.error_code = Some(code);
                     item.failure_class = Some(FailureClass::Retryable);
                     item.next_attempt_at = Some(at);
+                    // The platform's wait covers the whole destination.
+                    item.cooldown_until = error
+                        .retry_after_hint()
+                        .map(|hint| crate::clock::later(now, hint));
                     AuditOutcome::Retrying
                 }
                 (class, _) => {

@@ -29,11 +29,11 @@ use chrono::{DateTime, Utc};
 use postgres::{Client, NoTls, Row};
 use sha2::{Digest, Sha256};
 
-use super::{ChangeSet, ClaimDecision, CommitError, Engine, Expect, Versioned};
+use super::{ChangeSet, ClaimDecision, CommitError, Engine, Expect, RateView, Versioned};
 use crate::audit::{AuditRecord, Hasher};
 use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
-use crate::store::{item_from_json, item_to_json};
+use crate::store::{item_from_json, item_to_json, rate_times};
 
 #[cfg(test)]
 use schema::SCHEMA_VERSION;
@@ -326,7 +326,76 @@ impl PgEngine {
                 )
                 .map_err(db("update an item"))?,
         };
-        Ok(written == 1)
+        if written != 1 {
+            return Ok(false);
+        }
+        self.index_rates(tx, item)?;
+        Ok(true)
+    }
+
+    /// Keeps `rate_times` and `cooldowns` in step with one written item.
+    fn index_rates(&self, tx: &mut postgres::Transaction<'_>, item: &OutboxItem) -> Result<()> {
+        let s = &self.s;
+        tx.execute(
+            &format!("DELETE FROM {s}.rate_times WHERE idempotency_key = $1"),
+            &[&item.idempotency_key],
+        )
+        .map_err(db("index an item's send times"))?;
+        for at in rate_times(item) {
+            tx.execute(
+                &format!(
+                    "INSERT INTO {s}.rate_times (idempotency_key, destination, at)
+                     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
+                ),
+                &[&item.idempotency_key, &item.destination, &at],
+            )
+            .map_err(db("index an item's send times"))?;
+        }
+        if let Some(until) = item.cooldown_until {
+            // The cooldown belongs to the destination: only ever raised.
+            tx.execute(
+                &format!(
+                    "INSERT INTO {s}.cooldowns (destination, until) VALUES ($1, $2)
+                     ON CONFLICT (destination) DO UPDATE
+                     SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until)"
+                ),
+                &[&item.destination, &until],
+            )
+            .map_err(db("record a destination cooldown"))?;
+        }
+        Ok(())
+    }
+
+    /// The cap view of `destination` inside `tx`, since `since`.
+    fn rate_view(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        destination: &str,
+        since: DateTime<Utc>,
+        all_times: &[DateTime<Utc>],
+    ) -> Result<RateView> {
+        let s = &self.s;
+        let destination_times = tx
+            .query(
+                &format!("SELECT at FROM {s}.rate_times WHERE destination = $1 AND at > $2"),
+                &[&destination, &since],
+            )
+            .map_err(db("read a destination's send times"))?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        let cooldown_until = tx
+            .query_opt(
+                &format!("SELECT until FROM {s}.cooldowns WHERE destination = $1"),
+                &[&destination],
+            )
+            .map_err(db("read a destination's cooldown"))?
+            .map(|row| row.get(0));
+        Ok(RateView {
+            destination_times,
+            all_times: all_times.to_vec(),
+            cooldown_until,
+        })
     }
 
     /// Seals `change.audit` onto the chain inside `tx`: locks the head row
@@ -462,7 +531,8 @@ impl Engine for PgEngine {
         &self,
         now: DateTime<Utc>,
         limit: usize,
-        decide: &mut dyn FnMut(&OutboxItem) -> ClaimDecision,
+        lookback: Duration,
+        decide: &mut dyn FnMut(&OutboxItem, &RateView) -> ClaimDecision,
     ) -> Result<Vec<Versioned>> {
         let mut client = self.client()?;
         self.ensure_owner(&mut client)?;
@@ -489,9 +559,33 @@ impl Engine for PgEngine {
             )
             .map_err(db("select items to claim"))?;
         let candidates = self.rows(&rows)?;
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Cap decisions are serialised across hosts: the times read below
+        // include every claim committed before this lock was granted, and no
+        // other claimer decides until this transaction ends.
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&lock_key(&self.schema, "caps")],
+        )
+        .map_err(db("lock the caps"))?;
+        let since = crate::clock::earlier(now, lookback);
+        let mut all_times: Vec<DateTime<Utc>> = tx
+            .query(
+                &format!("SELECT at FROM {s}.rate_times WHERE at > $1"),
+                &[&since],
+            )
+            .map_err(db("read send times"))?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
         let mut claimed = Vec::new();
         for candidate in candidates {
-            let Some(item) = decide(&candidate.item) else {
+            // This batch's claims so far are in `rate_times` already (written
+            // in this transaction); the global list is kept up to date here.
+            let view = self.rate_view(&mut tx, &candidate.item.destination, since, &all_times)?;
+            let Some(item) = decide(&candidate.item, &view) else {
                 continue;
             };
             if item.state != ItemState::Queued || item.claim_owner() != Some(self.owner.as_str()) {
@@ -507,6 +601,7 @@ impl Engine for PgEngine {
                     source: "a row locked FOR UPDATE changed under its lock".into(),
                 });
             }
+            all_times.extend(rate_times(&item).filter(|at| *at > since));
             claimed.push(Versioned {
                 item,
                 revision: candidate.revision + 1,

@@ -16,7 +16,8 @@ use crate::error::{Error, Result};
 /// Migrations in order; version `n` is `MIGRATIONS[n - 1]`. Never edit one that
 /// has shipped: add the next.
 const MIGRATIONS: &[&str] = &[
-    // 1: items, owners, the audit chain and its head.
+    // 1: items, their cap-relevant times, destination cooldowns, owners, the
+    // audit chain and its head.
     "CREATE TABLE {s}.items (
         idempotency_key text PRIMARY KEY,
         revision bigint NOT NULL,
@@ -33,6 +34,18 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX ON {s}.items (enqueue_order) WHERE state = 'queued' AND NOT claimed;
      CREATE INDEX ON {s}.items (claim_owner) WHERE claimed;
      CREATE INDEX ON {s}.items (transport_ref, enqueue_order) WHERE transport_ref IS NOT NULL;
+     CREATE TABLE {s}.rate_times (
+        idempotency_key text NOT NULL,
+        destination text NOT NULL,
+        at timestamptz NOT NULL,
+        PRIMARY KEY (idempotency_key, at)
+     );
+     CREATE INDEX ON {s}.rate_times (destination, at);
+     CREATE INDEX ON {s}.rate_times (at);
+     CREATE TABLE {s}.cooldowns (
+        destination text PRIMARY KEY,
+        until timestamptz NOT NULL
+     );
      CREATE TABLE {s}.owners (
         owner_id text PRIMARY KEY,
         opened_at timestamptz NOT NULL DEFAULT now()

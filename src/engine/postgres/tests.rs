@@ -21,7 +21,7 @@ use super::test_server::PgServer;
 use super::{DEFAULT_SCHEMA, PgEngine, lock_key};
 use crate::audit::{AuditEvent, AuditOutcome, Hasher};
 use crate::clock::format_timestamp;
-use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, Versioned};
+use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, RateView, Versioned};
 use crate::error::{AuditFault, Error};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::content_hash;
@@ -103,8 +103,8 @@ fn enqueue(engine: &PgEngine, item: OutboxItem) {
 }
 
 /// The rules' claim, reduced to what the engine checks: queued, owner named.
-fn claim_as(owner: &str) -> impl FnMut(&OutboxItem) -> Option<OutboxItem> + '_ {
-    move |candidate| {
+fn claim_as(owner: &str) -> impl FnMut(&OutboxItem, &RateView) -> Option<OutboxItem> + '_ {
+    move |candidate, _| {
         let mut claimed = candidate.clone();
         claimed.attempts += 1;
         claimed.claim = Some(Claim {
@@ -192,7 +192,7 @@ fn three_hosts_draining_one_backlog_claim_each_item_once_in_destination_order() 
                         std::time::Instant::now() < deadline,
                         "at-most-once drain across hosts: host {host} is still draining after {LIMIT:?}"
                     );
-                    let batch = engine.claim_batch(Utc::now(), 4, &mut claim_as(&owner)).unwrap();
+                    let batch = engine.claim_batch(Utc::now(), 4, Duration::ZERO, &mut claim_as(&owner)).unwrap();
                     {
                         let mut claims = claims.lock().unwrap();
                         for claimed in &batch {
@@ -269,7 +269,7 @@ fn a_live_owners_claim_is_not_an_orphan_a_closed_owners_is() {
     enqueue(&worker, item("k1", "chat-1"));
     let owner = worker.owner().to_owned();
     let claimed = worker
-        .claim_batch(Utc::now(), 10, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 10, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(claimed.len(), 1);
     assert!(observer.owner_is_alive(&owner).unwrap());
@@ -281,7 +281,12 @@ fn a_live_owners_claim_is_not_an_orphan_a_closed_owners_is() {
     let observer_owner = observer.owner().to_owned();
     assert!(
         observer
-            .claim_batch(Utc::now(), 10, &mut claim_as(&observer_owner))
+            .claim_batch(
+                Utc::now(),
+                10,
+                Duration::ZERO,
+                &mut claim_as(&observer_owner)
+            )
             .unwrap()
             .is_empty()
     );
@@ -293,7 +298,12 @@ fn a_live_owners_claim_is_not_an_orphan_a_closed_owners_is() {
     // Failed, never handed out again.
     assert!(
         observer
-            .claim_batch(Utc::now(), 10, &mut claim_as(&observer_owner))
+            .claim_batch(
+                Utc::now(),
+                10,
+                Duration::ZERO,
+                &mut claim_as(&observer_owner)
+            )
             .unwrap()
             .is_empty()
     );
@@ -317,7 +327,7 @@ fn a_terminated_owner_connection_makes_its_claim_ambiguous_and_the_late_finish_s
     enqueue(&worker, item("k2", "chat-2"));
     let owner = worker.owner().to_owned();
     let claimed = worker
-        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(claimed.len(), 1);
     // Mid-send, the owner lock's session is killed (a network cut looks the same).
@@ -359,7 +369,7 @@ fn a_terminated_owner_connection_makes_its_claim_ambiguous_and_the_late_finish_s
     );
     // The worker takes its lock again and keeps claiming under the same owner.
     let next = worker
-        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(next.len(), 1);
     assert!(observer.owner_is_alive(&owner).unwrap());
@@ -376,7 +386,7 @@ fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
     enqueue(&worker, item("k1", "chat-1"));
     let owner = worker.owner().to_owned();
     let claimed = worker
-        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(claimed.len(), 1);
     server.crash();
@@ -396,7 +406,7 @@ fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
     ));
     assert!(
         worker
-            .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+            .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
             .unwrap()
             .is_empty()
     );
@@ -497,7 +507,7 @@ fn a_conditional_write_that_lost_a_race_writes_nothing() {
     let stale = engine.get("k1").unwrap().unwrap();
     let owner = engine.owner().to_owned();
     let claimed = engine
-        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(claimed[0].revision, stale.revision + 1);
     assert!(matches!(
@@ -674,7 +684,7 @@ fn a_transaction_mode_pooler_is_refused_before_anything_is_written_a_session_poo
     enqueue(&engine, item("k1", "chat"));
     let owner = engine.owner().to_owned();
     let claimed = engine
-        .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
         .unwrap();
     assert_eq!(claimed.len(), 1);
     finish_sent(&engine, &claimed[0]).unwrap();
@@ -709,7 +719,7 @@ fn host_process() {
     match std::env::var(CHILD_MODE).as_deref() {
         Ok("hang") => {
             let claimed = engine
-                .claim_batch(Utc::now(), 1, &mut claim_as(&owner))
+                .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
                 .unwrap();
             println!("HOST:CLAIMED {}", claimed[0].item.idempotency_key);
             // Inside the send until the parent kills us (bounded, in case it does not).
@@ -732,7 +742,7 @@ fn drain(engine: &PgEngine, mut on_sent: impl FnMut(&str)) -> Vec<String> {
             "drain: still draining after {LIMIT:?}"
         );
         let batch = engine
-            .claim_batch(Utc::now(), 2, &mut claim_as(&owner))
+            .claim_batch(Utc::now(), 2, Duration::ZERO, &mut claim_as(&owner))
             .unwrap();
         for claimed in &batch {
             finish_sent(engine, claimed).expect("a live claim finishes");
@@ -846,7 +856,7 @@ fn sigkill_inside_send_leaves_an_ambiguous_claim_that_is_never_resent() {
     let owner = observer.owner().to_owned();
     assert!(
         observer
-            .claim_batch(Utc::now(), 5, &mut claim_as(&owner))
+            .claim_batch(Utc::now(), 5, Duration::ZERO, &mut claim_as(&owner))
             .unwrap()
             .is_empty()
     );
@@ -867,7 +877,7 @@ fn claim_then_lose_it(
     use crate::rules::lifecycle;
     let owner = worker.owner().to_owned();
     let claimed = worker
-        .claim_batch(Utc::now(), 1, &mut |item| {
+        .claim_batch(Utc::now(), 1, Duration::ZERO, &mut |item, _| {
             Some(lifecycle::claim(item, &owner, Utc::now()))
         })
         .unwrap()
@@ -956,7 +966,7 @@ fn a_delivery_that_finishes_after_its_claim_was_declared_ambiguous_is_corrected_
     let owner = observer.owner().to_owned();
     assert!(
         observer
-            .claim_batch(Utc::now(), 5, &mut claim_as(&owner))
+            .claim_batch(Utc::now(), 5, Duration::ZERO, &mut claim_as(&owner))
             .unwrap()
             .is_empty()
     );
@@ -1051,4 +1061,167 @@ fn a_late_delivery_of_an_item_an_operator_moved_on_is_put_on_record_and_the_item
         observer.get("k1").unwrap().unwrap().item.state,
         ItemState::Queued
     );
+}
+
+#[test]
+fn the_global_cap_holds_when_two_hosts_decide_at_the_same_moment() {
+    use crate::rate::{RateLimit, RatePolicy};
+    use crate::rules::lifecycle::{capped, claim, claim_due};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let first = open(&db.url());
+    enqueue(&first, item("a", "chat-a"));
+    enqueue(&first, item("b", "chat-b"));
+    let policy = RatePolicy {
+        global: Some(RateLimit {
+            count: 1,
+            window: Duration::from_secs(3600),
+        }),
+        ..RatePolicy::default()
+    };
+    let (inside_tx, inside_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let host_a = {
+        let url = db.url();
+        let policy = policy.clone();
+        std::thread::spawn(move || {
+            let engine = open(&url);
+            let owner = engine.owner().to_owned();
+            let now = Utc::now();
+            // Host A holds its decision open while host B tries to claim. The
+            // hold ends when B is done or after a while, whichever is first:
+            // with caps serialised, B waits for A, so A's hold runs out.
+            engine
+                .claim_batch(now, 1, policy.longest_window(), &mut |item, view| {
+                    inside_tx.send(()).unwrap();
+                    let _ = go_rx.recv_timeout(Duration::from_secs(2));
+                    capped(&policy, item, view, now)
+                        .is_none()
+                        .then(|| claim(item, &owner, now))
+                })
+                .unwrap()
+                .len()
+        })
+    };
+    inside_rx
+        .recv_timeout(LIMIT)
+        .expect("host A reaches its decision");
+    let host_b = open(&db.url());
+    let b_claimed = claim_due(&host_b, &policy, Utc::now(), 1).unwrap().len();
+    let _ = go_tx.send(());
+    let a_claimed = host_a.join().unwrap();
+    assert_eq!(
+        (a_claimed, b_claimed),
+        (1, 0),
+        "a global cap of 1 admits one claim across hosts"
+    );
+    assert!(!host_b.get("b").unwrap().unwrap().item.dispatch_claimed());
+}
+
+#[test]
+fn destination_caps_and_cooldowns_hold_across_hosts() {
+    use crate::rate::{RateLimit, RatePolicy};
+    use crate::rules::lifecycle::{Finished, claim_due, finish};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let first = open(&db.url());
+    for n in 0..5 {
+        enqueue(&first, item(&format!("c{n}"), "chat"));
+    }
+    let policy = RatePolicy {
+        per_destination: RateLimit {
+            count: 2,
+            window: Duration::from_secs(3600),
+        },
+        ..RatePolicy::default()
+    };
+    let hosts: Vec<_> = (0..2)
+        .map(|_| {
+            let url = db.url();
+            let policy = policy.clone();
+            std::thread::spawn(move || {
+                let engine = open(&url);
+                let mut sent = 0;
+                let mut idle = 0;
+                while idle < 20 {
+                    let batch = claim_due(&engine, &policy, Utc::now(), 2).unwrap();
+                    if batch.is_empty() {
+                        idle += 1;
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    for claimed in &batch {
+                        let done = finish(&engine, claimed, &Ok(None), None, Utc::now()).unwrap();
+                        assert!(matches!(done, Finished::Recorded(_)));
+                        sent += 1;
+                    }
+                }
+                sent
+            })
+        })
+        .collect();
+    let sent: usize = hosts.into_iter().map(|h| h.join().unwrap()).sum();
+    assert_eq!(sent, 2, "a cap of 2 per hour admits 2 sends across hosts");
+    let states: Vec<_> = first
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|v| v.item.state)
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ItemState::Sent,
+            ItemState::Sent,
+            ItemState::Queued,
+            ItemState::Queued,
+            ItemState::Queued
+        ]
+    );
+
+    // A platform's retry_after on one host cools the destination for every host,
+    // and outlives the item that received it.
+    enqueue(&first, item("x1", "chat-2"));
+    enqueue(&first, item("x2", "chat-2"));
+    let now = Utc::now();
+    // (c2's destination is capped: it is a candidate, skipped, and stays queued.)
+    let claimed = claim_due(&first, &policy, now, 10).unwrap();
+    let claimed = claimed
+        .iter()
+        .find(|c| c.item.idempotency_key == "x1")
+        .unwrap();
+    let retry = Err(crate::SendError::retryable("429").retry_after(Duration::from_secs(600)));
+    let retry_at = crate::clock::later(now, Duration::from_secs(600));
+    finish(&first, claimed, &retry, Some(retry_at), now).unwrap();
+    // An operator cancels x1: x2 is the destination's head now, but still cooled.
+    let current = first.get("x1").unwrap().unwrap();
+    let mut cancelled = current.item.clone();
+    cancelled.state = ItemState::Failed;
+    first
+        .commit(ChangeSet {
+            puts: vec![Put {
+                item: cancelled.clone(),
+                expect: Expect::Revision(current.revision),
+            }],
+            audit: vec![event(&cancelled, AuditOutcome::Cancelled)],
+            wake: false,
+        })
+        .unwrap();
+    let other = open(&db.url());
+    let during = claim_due(&other, &policy, now, 5).unwrap();
+    assert!(
+        during.iter().all(|c| c.item.destination != "chat-2"),
+        "the cooldown holds on another host: {during:?}"
+    );
+    let after = claim_due(
+        &other,
+        &policy,
+        crate::clock::later(now, Duration::from_secs(601)),
+        5,
+    )
+    .unwrap();
+    assert!(after.iter().any(|c| c.item.idempotency_key == "x2"));
 }
