@@ -156,6 +156,22 @@ fn fail_orphan(engine: &PgEngine, orphan: &Versioned) -> Result<(), CommitError>
         .map(|_| ())
 }
 
+/// The orphaned claims, once there are any (bounded by the watchdog).
+fn wait_for_orphans(observer: &PgEngine) -> Vec<Versioned> {
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let orphans = observer.orphaned_claims().unwrap();
+        if !orphans.is_empty() {
+            return orphans;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "owner liveness: a dead owner's lock was still held after {LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn export_to_file(engine: &PgEngine) -> tempfile::NamedTempFile {
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), engine.export_audit().unwrap()).unwrap();
@@ -291,7 +307,9 @@ fn a_live_owners_claim_is_not_an_orphan_a_closed_owners_is() {
             .is_empty()
     );
     drop(worker);
-    let orphans = observer.orphaned_claims().unwrap();
+    // The server releases the lock when the closed session's backend exits,
+    // a moment after the client hung up.
+    let orphans = wait_for_orphans(&observer);
     assert_eq!(orphans.len(), 1, "the closed handle's claim is orphaned");
     assert_eq!(orphans[0].item.claim_owner(), Some(owner.as_str()));
     fail_orphan(&observer, &orphans[0]).unwrap();
@@ -339,18 +357,7 @@ fn a_terminated_owner_connection_makes_its_claim_ambiguous_and_the_late_finish_s
     ));
     assert_eq!(killed, "1", "exactly the owner's session was terminated");
     // The server drops the lock when the backend exits; wait for that, bounded.
-    let deadline = std::time::Instant::now() + LIMIT;
-    let orphans = loop {
-        let orphans = observer.orphaned_claims().unwrap();
-        if !orphans.is_empty() {
-            break orphans;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "owner liveness: lock never released"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let orphans = wait_for_orphans(&observer);
     fail_orphan(&observer, &orphans[0]).unwrap();
     // The worker's send finishes after all: its claim is gone, and the commit says so.
     match finish_sent(&worker, &claimed[0]) {
@@ -840,18 +847,7 @@ fn sigkill_inside_send_leaves_an_ambiguous_claim_that_is_never_resent() {
     );
     host.kill().unwrap(); // SIGKILL
     host.wait().unwrap();
-    let deadline = std::time::Instant::now() + LIMIT;
-    let orphans = loop {
-        let orphans = observer.orphaned_claims().unwrap();
-        if !orphans.is_empty() {
-            break orphans;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "owner liveness: a killed host's lock stayed"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let orphans = wait_for_orphans(&observer);
     fail_orphan(&observer, &orphans[0]).unwrap();
     let owner = observer.owner().to_owned();
     assert!(
