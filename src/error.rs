@@ -136,7 +136,9 @@ pub enum Error {
     },
 
     /// A PostgreSQL operation failed: the server is unreachable, refused the
-    /// login, or a statement failed. A failed commit wrote nothing.
+    /// login, or a statement failed. A failed commit wrote nothing, except
+    /// when the connection was lost while the server committed: then read the
+    /// item again before acting on it.
     #[error("postgres: {op} failed")]
     Database {
         /// What was being done, e.g. `connect`, `commit`.

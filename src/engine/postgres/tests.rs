@@ -384,7 +384,8 @@ fn a_terminated_owner_connection_makes_its_claim_ambiguous_and_the_late_finish_s
 }
 
 #[test]
-fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
+fn a_server_restart_mid_send_makes_the_claim_ambiguous_then_the_finish_corrects_it_nothing_resent()
+{
     let Some(server) = PgServer::start() else {
         return;
     };
@@ -399,18 +400,24 @@ fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
     server.crash();
     server.restart();
     let observer = open(&db.url());
-    let orphans = observer.orphaned_claims().unwrap();
-    assert_eq!(orphans.len(), 1, "every session lock died with the server");
-    fail_orphan(&observer, &orphans[0]).unwrap();
-    // The worker's handle reconnects; its late finish is refused, not applied.
-    assert!(matches!(
-        finish_sent(&worker, &claimed[0]),
-        Err(CommitError::Conflict { .. } | CommitError::Failed(Error::Database { .. }))
-    ));
-    assert!(matches!(
-        finish_sent(&worker, &claimed[0]),
-        Err(CommitError::Conflict { .. })
-    ));
+    let repaired = crate::rules::lifecycle::repair_orphans(&observer, Utc::now()).unwrap();
+    assert_eq!(repaired, ["k1"], "every session lock died with the server");
+    // The send finishes after all. The worker's first call may meet the
+    // connection the restart closed (an error, nothing written); a worker
+    // records again, and its handle reconnects.
+    let result = Ok(Some("tg-7".to_owned()));
+    let finished =
+        match crate::rules::lifecycle::finish(&worker, &claimed[0], &result, None, Utc::now()) {
+            Err(Error::Database { .. }) => {
+                crate::rules::lifecycle::finish(&worker, &claimed[0], &result, None, Utc::now())
+            }
+            other => other,
+        }
+        .unwrap();
+    assert!(
+        matches!(finished, crate::rules::lifecycle::Finished::Corrected(_)),
+        "the late delivery is a correction: {finished:?}"
+    );
     assert!(
         worker
             .claim_batch(Utc::now(), 1, Duration::ZERO, &mut claim_as(&owner))
@@ -418,10 +425,25 @@ fn a_server_restart_mid_send_leaves_an_ambiguous_claim_never_resent() {
             .is_empty()
     );
     let stored = worker.get("k1").unwrap().unwrap().item;
-    assert_eq!(stored.state, ItemState::Failed);
+    assert_eq!(stored.state, ItemState::Sent);
+    assert_eq!(stored.transport_ref.as_deref(), Some("tg-7"));
     assert_eq!(stored.attempts, 1, "never resent");
+    let outcomes: Vec<_> = worker
+        .audit_records(0)
+        .unwrap()
+        .iter()
+        .map(|r| r.outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            AuditOutcome::Queued,
+            AuditOutcome::Failed,
+            AuditOutcome::Sent
+        ]
+    );
     let file = export_to_file(&worker);
-    assert_eq!(crate::AuditLog::verify(file.path()).unwrap().records, 2);
+    assert_eq!(crate::AuditLog::verify(file.path()).unwrap().records, 3);
 }
 
 #[test]
