@@ -256,11 +256,15 @@ impl PgEngine {
         PathBuf::from(format!("postgres:{}.items", self.schema))
     }
 
+    /// An item from a row of `idempotency_key, revision, doc, enqueue_order`.
+    /// The enqueue order is the row's: one sequence across every host.
     fn versioned(&self, row: &Row) -> Result<Versioned> {
         let key: String = row.get(0);
         let revision: i64 = row.get(1);
         let doc: String = row.get(2);
-        let item = item_from_json(&self.place(), &format!("row {key:?}"), doc.as_bytes())?;
+        let order: i64 = row.get(3);
+        let mut item = item_from_json(&self.place(), &format!("row {key:?}"), doc.as_bytes())?;
+        item.seq = Some(order as u64);
         Ok(Versioned {
             item,
             revision: revision as u64,
@@ -470,7 +474,7 @@ impl Engine for PgEngine {
             .client()?
             .query_opt(
                 &format!(
-                    "SELECT idempotency_key, revision, doc FROM {}.items WHERE idempotency_key = $1",
+                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items WHERE idempotency_key = $1",
                     self.s
                 ),
                 &[&key],
@@ -484,7 +488,7 @@ impl Engine for PgEngine {
             .client()?
             .query(
                 &format!(
-                    "SELECT idempotency_key, revision, doc FROM {}.items ORDER BY enqueue_order",
+                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items ORDER BY enqueue_order",
                     self.s
                 ),
                 &[],
@@ -498,7 +502,7 @@ impl Engine for PgEngine {
             .client()?
             .query_opt(
                 &format!(
-                    "SELECT idempotency_key, revision, doc FROM {}.items
+                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items
                      WHERE transport_ref = $1 ORDER BY enqueue_order LIMIT 1",
                     self.s
                 ),
@@ -544,7 +548,7 @@ impl Engine for PgEngine {
         let rows = tx
             .query(
                 &format!(
-                    "SELECT i.idempotency_key, i.revision, i.doc FROM {s}.items i
+                    "SELECT i.idempotency_key, i.revision, i.doc, i.enqueue_order FROM {s}.items i
                      WHERE i.state = 'queued' AND NOT i.claimed
                        AND (i.next_attempt_at IS NULL OR i.next_attempt_at <= $1)
                        AND NOT EXISTS (
@@ -624,7 +628,7 @@ impl Engine for PgEngine {
             .client()?
             .query(
                 &format!(
-                    "SELECT idempotency_key, revision, doc, claim_owner FROM {}.items
+                    "SELECT idempotency_key, revision, doc, enqueue_order, claim_owner FROM {}.items
                      WHERE claimed ORDER BY enqueue_order",
                     self.s
                 ),
@@ -634,7 +638,7 @@ impl Engine for PgEngine {
         let mut verdicts: Vec<(String, bool)> = Vec::new();
         let mut orphans = Vec::new();
         for row in rows {
-            let owner: Option<String> = row.get(3);
+            let owner: Option<String> = row.get(4);
             let dead = match owner {
                 None => true,
                 Some(owner) => {

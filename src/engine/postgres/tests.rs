@@ -58,6 +58,7 @@ fn item(key: &str, destination: &str) -> OutboxItem {
         last_audit_id: None,
         cooldown_until: None,
         maybe_sent_at: None,
+        seq: None,
     }
 }
 
@@ -264,6 +265,11 @@ fn three_hosts_draining_one_backlog_claim_each_item_once_in_destination_order() 
             );
         }
     }
+    let seqs: Vec<_> = first.list().unwrap().iter().map(|v| v.item.seq).collect();
+    assert!(
+        seqs.windows(2).all(|w| w[0].is_some() && w[0] < w[1]),
+        "one enqueue order across hosts: {seqs:?}"
+    );
     for versioned in first.list().unwrap() {
         assert_eq!(versioned.item.state, ItemState::Sent);
         assert_eq!(
