@@ -130,6 +130,9 @@ impl PgServer {
             as_postgres,
             watchdog: None,
         };
+        // From here on the directory is the watchdog's to clean up if this
+        // process dies, whatever step it dies in.
+        server.watchdog = Some(server.spawn_watchdog());
         let init = server
             .command("initdb")
             .arg("-D")
@@ -149,7 +152,6 @@ impl PgServer {
         for _ in 0..5 {
             server.port = free_port();
             if server.pg_ctl_start() {
-                server.watchdog = Some(server.spawn_watchdog());
                 return Some(server);
             }
             last = server.log();
@@ -203,16 +205,24 @@ impl PgServer {
             .is_ok_and(|s| s.success())
     }
 
-    /// A process that stops the server once this test process is gone, however
-    /// it went (a SIGKILL, an abort): `Drop` does not run then.
+    /// A process that stops the server and removes its directory once this
+    /// test process is gone, however it went (a SIGKILL, an abort, a `timeout`
+    /// killing the whole process group): `Drop` does not run then, and a
+    /// shared server (a static) is never dropped at all. It runs in its own
+    /// process group and ignores the signals a group kill sends.
     fn spawn_watchdog(&self) -> std::process::Child {
+        use std::os::unix::process::CommandExt;
         let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {ctl}",
+            "trap '' HUP INT TERM; while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+             for f in '{root}'/bouncer-*/pgbouncer.pid; do [ -f \"$f\" ] && kill \"$(cat \"$f\")\"; done; \
+             {ctl}; rm -rf '{root}'",
             pid = std::process::id(),
-            ctl = self.stop_command_line()
+            ctl = self.stop_command_line(),
+            root = self.root.path().display(),
         );
         Command::new("sh")
             .args(["-c", &script])
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
