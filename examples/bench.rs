@@ -23,6 +23,14 @@
 //! ```text
 //! cargo run --release --features tokio --example bench -- --workload wake --n 200 --dir /tmp/wake
 //! ```
+//!
+//! W2 (`--workload w2 --threads T [--send-us U]`): one `Outbox` shared by T threads;
+//! thread t takes keys i = t, t+T, t+2T, … and for each enqueues the W1 message and
+//! then processes it with a send returning `tr-{i}` (sleeping U µs first, if given).
+//! Prints `w2_per_s` = N / wall time, after checking (untimed) that all N are sent
+//! once and the chain verifies. `--processes P` runs P such processes on one
+//! directory, each with T threads and keys i ≡ p (mod P) of N (the parent
+//! prints the figure for all of them together).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -35,6 +43,11 @@ struct Args {
     history: usize,
     destinations: usize,
     dir: PathBuf,
+    threads: usize,
+    send_us: u64,
+    processes: usize,
+    /// `--part p`: this child runs only the keys with i % processes == p.
+    part: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -44,6 +57,10 @@ fn parse_args() -> Result<Args, String> {
         history: 100_000,
         destinations: 50,
         dir: PathBuf::new(),
+        threads: 1,
+        send_us: 0,
+        processes: 1,
+        part: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -56,16 +73,28 @@ fn parse_args() -> Result<Args, String> {
                 args.destinations = value.parse().map_err(|e| format!("--destinations: {e}"))?;
             }
             "--dir" => args.dir = PathBuf::from(value),
+            "--threads" => args.threads = value.parse().map_err(|e| format!("--threads: {e}"))?,
+            "--send-us" => args.send_us = value.parse().map_err(|e| format!("--send-us: {e}"))?,
+            "--processes" => {
+                args.processes = value.parse().map_err(|e| format!("--processes: {e}"))?;
+            }
+            "--part" => args.part = Some(value.parse().map_err(|e| format!("--part: {e}"))?),
             other => return Err(format!("unknown flag {other}")),
         }
     }
-    if args.dir.as_os_str().is_empty() || args.n == 0 || args.destinations == 0 {
-        return Err(
-            "usage: bench [--workload w1|broadcast] --n N --destinations D --dir DIR".into(),
-        );
+    if args.dir.as_os_str().is_empty()
+        || args.n == 0
+        || args.destinations == 0
+        || args.threads == 0
+        || args.processes == 0
+    {
+        return Err("usage: bench [--workload w1|broadcast|w2|wake] [--threads T] [--send-us U] \
+             [--processes P] --n N --destinations D --dir DIR"
+            .into());
     }
     // The wake workload's child enqueues into the parent's live outbox.
     if args.workload != "wake-enqueuer"
+        && args.part.is_none()
         && args.dir.exists()
         && std::fs::read_dir(&args.dir)
             .map_err(|e| e.to_string())?
@@ -438,6 +467,99 @@ mod wake {
     }
 }
 
+/// The keys of W2 one process runs: i ≡ part (mod processes).
+fn w2_keys(args: &Args, part: usize) -> Vec<usize> {
+    (part..args.n).step_by(args.processes).collect()
+}
+
+/// W2's timed part in this process: T threads on one `Outbox`.
+fn w2_run(args: &Args, keys: &[usize]) -> Result<(), Box<dyn std::error::Error>> {
+    let outbox = open(args)?;
+    let send_us = args.send_us;
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..args.threads)
+            .map(|t| {
+                let outbox = &outbox;
+                let mine: Vec<usize> = keys.iter().copied().skip(t).step_by(args.threads).collect();
+                scope.spawn(move || -> Result<(), String> {
+                    for i in mine {
+                        outbox
+                            .enqueue(message(i, format!("chat-{}", i % args.destinations)))
+                            .map_err(|e| format!("enqueue {i}: {e}"))?;
+                        let receipt = outbox
+                            .process(&format!("key-{i:08}"), |_| {
+                                if send_us > 0 {
+                                    std::thread::sleep(Duration::from_micros(send_us));
+                                }
+                                Ok(Some(format!("tr-{i}")))
+                            })
+                            .map_err(|e| format!("process {i}: {e}"))?;
+                        if receipt.outcome != durable_outbox::Outcome::Sent {
+                            return Err(format!("key-{i:08}: {:?}", receipt.outcome));
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().map_err(|_| "a W2 thread panicked")??;
+        }
+        Ok::<(), Box<dyn std::error::Error>>(())
+    })
+}
+
+fn w2(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    if let Some(part) = args.part {
+        w2_run(args, &w2_keys(args, part))?;
+        return Ok(serde_json::Value::Null);
+    }
+    // Create the outbox first, so the timed part measures only the workload.
+    drop(open(args)?);
+    let start = Instant::now();
+    if args.processes == 1 {
+        w2_run(args, &w2_keys(args, 0))?;
+    } else {
+        let exe = std::env::current_exe()?;
+        let children: Vec<_> = (0..args.processes)
+            .map(|p| {
+                std::process::Command::new(&exe)
+                    .args(std::env::args().skip(1))
+                    .args(["--part", &p.to_string()])
+                    .spawn()
+            })
+            .collect::<Result<_, _>>()?;
+        for mut child in children {
+            let status = child.wait()?;
+            if !status.success() {
+                return Err(format!("a W2 process failed: {status}").into());
+            }
+        }
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    let outbox = open(args)?;
+    let items = outbox.list_items()?;
+    if items.len() != args.n
+        || !items.iter().all(|i| {
+            i.state() == ItemState::Sent
+                && i.attempts() == 1
+                && !i.dispatch_claimed()
+                && i.transport_ref().is_some()
+        })
+    {
+        return Err("W2: not every item was sent exactly once".into());
+    }
+    let audit = outbox.verify_audit()?;
+    if audit.records != 2 * args.n as u64 {
+        return Err(format!("W2: {} audit records for {} items", audit.records, args.n).into());
+    }
+    Ok(serde_json::json!({
+        "impl": "durable-outbox", "workload": "w2", "n": args.n, "threads": args.threads,
+        "processes": args.processes, "send_us": args.send_us, "wall_s": wall_s,
+        "w2_per_s": (args.n as f64 / wall_s).round(),
+    }))
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(args) => args,
@@ -453,6 +575,7 @@ fn main() {
         "prefill" => prefill(&args).map(|_| serde_json::Value::Null),
         #[cfg(feature = "tokio")]
         "wake" => wake::run(&args),
+        "w2" => w2(&args),
         #[cfg(feature = "tokio")]
         "wake-enqueuer" => wake::enqueuer(&args).map(|()| serde_json::Value::Null),
         other => Err(format!("unknown workload {other}").into()),

@@ -94,6 +94,7 @@ mod asynchronous;
 mod audit;
 mod builder;
 mod clock;
+mod commit;
 mod engine;
 mod error;
 mod failpoint;

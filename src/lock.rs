@@ -20,6 +20,18 @@ pub(crate) const LOCK_FILE: &str = "outbox.lock";
 pub(crate) const OWNERS_DIR: &str = "owners";
 
 /// The directory-wide exclusive lock, guarding this process's cached state `T`.
+///
+/// The lock file also carries a **change counter**: eight bytes at offset 0, which
+/// every holder that is about to write to the outbox bumps first (see
+/// [`DirGuard::mark_writing`]). A holder that finds the counter where it last
+/// left it knows no other process has written since, and skips re-reading the
+/// files (see [`DirGuard::is_stale`]). The bump goes to the page cache, which
+/// every process shares and a process crash does not lose; a bump always
+/// precedes the write it announces, so a writer killed half-way is noticed too.
+///
+/// The `flock` may outlive one guard: while this process has journal entries
+/// written but not yet fsynced (a commit group, see `commit`), it keeps the
+/// lock, so no other process can read an entry that is not durable yet.
 #[derive(Debug)]
 pub(crate) struct DirLock<T> {
     path: PathBuf,
@@ -27,13 +39,29 @@ pub(crate) struct DirLock<T> {
     /// The mutex serialises this process's threads (a `flock` belongs to an open
     /// file description, so threads sharing it would not exclude each other); the
     /// `flock` serialises processes.
-    inner: Mutex<(File, T)>,
+    inner: Mutex<Slot<T>>,
+}
+
+#[derive(Debug)]
+struct Slot<T> {
+    file: File,
+    state: T,
+    /// Whether this process holds the `flock` now.
+    held: bool,
+    /// Keep the `flock` when the guard drops: unsynced entries are in the journal.
+    pending: bool,
+    /// The change counter this process's cached state is current with.
+    seen: Option<u64>,
+    /// The counter as read (or last bumped) during the current hold.
+    counter: u64,
+    /// Whether this hold has bumped the counter already.
+    bumped: bool,
 }
 
 /// Proof that the directory lock is held; gives access to the guarded `T`.
-/// Unlocks on drop.
+/// Unlocks on drop, unless a commit group keeps it (see [`DirGuard::set_pending`]).
 pub(crate) struct DirGuard<'a, T> {
-    inner: MutexGuard<'a, (File, T)>,
+    inner: MutexGuard<'a, Slot<T>>,
     path: &'a Path,
 }
 
@@ -44,19 +72,48 @@ impl<T> DirLock<T> {
             .map_err(|e| Error::io(&path, "open lock file", e))?;
         Ok(Self {
             path,
-            inner: Mutex::new((file, state)),
+            inner: Mutex::new(Slot {
+                file,
+                state,
+                held: false,
+                pending: false,
+                seen: None,
+                counter: 0,
+                bumped: false,
+            }),
         })
     }
 
-    /// Blocks until this thread holds the lock exclusively.
+    /// Blocks until this thread holds the lock exclusively. Takes the `flock`
+    /// unless this process holds it already (an open commit group), and then
+    /// reads the change counter.
     pub(crate) fn lock(&self) -> Result<DirGuard<'_, T>> {
-        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            match inner.0.lock() {
-                Ok(()) => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io(&self.path, "lock", e)),
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if !inner.held {
+            loop {
+                match inner.file.lock() {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Error::io(&self.path, "lock", e)),
+                }
             }
+            inner.held = true;
+            inner.bumped = false;
+            let mut buf = [0u8; 8];
+            let counter = match read_exact_at(&inner.file, &mut buf) {
+                Ok(true) => u64::from_le_bytes(buf),
+                // Never written: a new outbox, or one only older releases used.
+                Ok(false) => 0,
+                Err(e) => {
+                    // Unlocks on drop.
+                    let _ = DirGuard {
+                        inner,
+                        path: &self.path,
+                    };
+                    return Err(Error::io(&self.path, "read change counter", e));
+                }
+            };
+            inner.counter = counter;
         }
         Ok(DirGuard {
             inner,
@@ -65,22 +122,159 @@ impl<T> DirLock<T> {
     }
 }
 
+/// Reads exactly `buf.len()` bytes at offset 0; `false` if the file is shorter.
+fn read_exact_at(file: &File, buf: &mut [u8]) -> io::Result<bool> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileExt;
+        let mut done = 0;
+        while done < buf.len() {
+            match file.read_at(&mut buf[done..], done as u64) {
+                Ok(0) => return Ok(false),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+    #[cfg(not(unix))]
+    {
+        // No positional reads: never trust the cache, always re-read the files.
+        let _ = (file, buf);
+        Ok(false)
+    }
+}
+
+impl<T> DirGuard<'_, T> {
+    /// Whether another process may have written since this process's cached
+    /// state was last made current ([`Writes::mark_current`]).
+    pub(crate) fn is_stale(&self) -> bool {
+        cfg!(not(unix)) || self.inner.seen != Some(self.inner.counter)
+    }
+
+    /// Whether this process has journal entries written but not yet synced.
+    pub(crate) fn is_pending(&self) -> bool {
+        self.inner.pending
+    }
+
+    /// Keeps the `flock` past this guard (`true`: unsynced entries are in the
+    /// journal) or lets it go with the last guard (`false`).
+    pub(crate) fn set_pending(&mut self, pending: bool) {
+        self.inner.pending = pending;
+    }
+
+    /// The guarded state and the change counter, borrowed separately.
+    pub(crate) fn split(&mut self) -> (&mut T, Writes<'_>) {
+        let Slot {
+            file,
+            state,
+            seen,
+            counter,
+            bumped,
+            ..
+        } = &mut *self.inner;
+        (
+            state,
+            Writes {
+                file,
+                seen,
+                counter,
+                bumped,
+                path: self.path,
+            },
+        )
+    }
+
+    /// As [`Writes::mark_writing`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Writes::mark_writing`].
+    pub(crate) fn mark_writing(&mut self) -> Result<()> {
+        self.split().1.mark_writing()
+    }
+
+    /// As [`Writes::mark_current`].
+    pub(crate) fn mark_current(&mut self) {
+        self.split().1.mark_current();
+    }
+}
+
+/// The change counter of one hold of the lock.
+pub(crate) struct Writes<'a> {
+    file: &'a File,
+    seen: &'a mut Option<u64>,
+    counter: &'a mut u64,
+    bumped: &'a mut bool,
+    path: &'a Path,
+}
+
+impl Writes<'_> {
+    /// Records that the cached state is current with the files as they are now.
+    pub(crate) fn mark_current(&mut self) {
+        *self.seen = Some(*self.counter);
+    }
+
+    /// Announces a write: bumps the change counter (once per hold) before this
+    /// process changes any file of the outbox, so every other process re-reads.
+    ///
+    /// # Errors
+    ///
+    /// The write error of the lock file; nothing else was written then.
+    pub(crate) fn mark_writing(&mut self) -> Result<()> {
+        if *self.bumped {
+            return Ok(());
+        }
+        let was_current = *self.seen == Some(*self.counter);
+        let next = self.counter.wrapping_add(1);
+        write_all_at_start(self.file, &next.to_le_bytes())
+            .map_err(|e| Error::io(self.path, "write change counter", e))?;
+        *self.counter = next;
+        *self.bumped = true;
+        if was_current {
+            *self.seen = Some(next);
+        }
+        Ok(())
+    }
+}
+
+fn write_all_at_start(file: &File, bytes: &[u8]) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(bytes, 0)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (file, bytes);
+        Ok(())
+    }
+}
+
 impl<T> std::ops::Deref for DirGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        &self.inner.1
+        &self.inner.state
     }
 }
 
 impl<T> std::ops::DerefMut for DirGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.inner.1
+        &mut self.inner.state
     }
 }
 
 impl<T> Drop for DirGuard<'_, T> {
     fn drop(&mut self) {
-        if let Err(e) = self.inner.0.unlock() {
+        // A panic while a group is open leaves nobody to finish it: let other
+        // processes in (the handle is poisoned by the commit group).
+        if self.inner.pending && !std::thread::panicking() {
+            return;
+        }
+        self.inner.pending = false;
+        self.inner.held = false;
+        if let Err(e) = self.inner.file.unlock() {
             tracing::error!(path = %self.path.display(), error = %e, "failed to release the outbox lock");
         }
     }

@@ -19,6 +19,7 @@ use crate::filter::{BulkReport, ItemFilter};
 use crate::fsutil;
 use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
+use crate::commit::{Group, Synced};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
 use crate::order::{self, OrderKey, Picker};
@@ -122,6 +123,8 @@ struct Inner {
     in_flight: Mutex<HashSet<String>>,
     /// Set after a durability failure whose outcome on disk is unknown.
     poisoned: AtomicBool,
+    /// The commit group: transactions waiting for their journal entry's sync.
+    group: Group,
     /// The settings this handle stores with its first change, when it opened a
     /// new outbox (unless another handle stored its own first).
     initial_settings: Option<crate::settings::Stored>,
@@ -141,6 +144,10 @@ struct Locked {
     /// The snapshot generation the history was last refreshed for: segments
     /// only ever appear with a compaction, which bumps the generation.
     history_generation: Option<u64>,
+    /// Journal entries this handle has written: the last commit ticket handed out.
+    written: u64,
+    /// Syncs since this process last took the `flock`.
+    hold_syncs: u32,
 }
 
 impl Locked {
@@ -165,6 +172,7 @@ impl Locked {
             loaded,
             history,
             history_generation,
+            ..
         } = self;
         let loaded = store.refresh(loaded)?;
         if with_audit {
@@ -192,6 +200,38 @@ impl Locked {
             *history_generation = Some(loaded.state.generation);
         }
         Ok((audit, loaded, history))
+    }
+
+    /// The pieces as they are, for a caller whose cached state is current.
+    fn parts(
+        &mut self,
+        store: &Store,
+    ) -> Result<(&mut AuditTail, &mut Loaded, &mut History)> {
+        if self.loaded.is_none() {
+            return self.refresh(store);
+        }
+        let Self {
+            audit,
+            loaded,
+            history,
+            ..
+        } = self;
+        let Some(loaded) = loaded.as_mut() else {
+            unreachable!("loaded above")
+        };
+        Ok((audit, loaded, history))
+    }
+}
+
+/// The head the next audit record chains to: the last record journalled, which
+/// is ahead of the log while a commit group waits for its sync.
+fn sealing_head(audit: &AuditTail, loaded: &Loaded) -> Head {
+    match loaded.journal_audit.last() {
+        Some(last) if last.seq > audit.head().seq => Head {
+            seq: last.seq,
+            hash: last.hash.clone(),
+        },
+        _ => audit.head().clone(),
     }
 }
 
@@ -467,6 +507,8 @@ impl Outbox {
                 loaded: None,
                 history: History::new(&dir),
                 history_generation: None,
+                written: 0,
+                hold_syncs: 0,
             },
         )?;
         #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
@@ -489,6 +531,7 @@ impl Outbox {
         };
         let (owner, initial_settings) = {
             let mut guard = lock.lock()?;
+            guard.mark_writing()?;
             for stale in fsutil::sweep_temp_files(&dir)? {
                 tracing::info!(path = %stale.display(), "removed a temp file left by a crashed writer");
             }
@@ -509,6 +552,7 @@ impl Outbox {
                 compact_locked(&store, audit, loaded, history, &keep, &faults)
                     .map_err(|(_, e)| e)?;
             }
+            guard.mark_current();
             (owner, initial)
         };
         Ok(Self {
@@ -519,6 +563,7 @@ impl Outbox {
                 owner,
                 in_flight: Mutex::new(HashSet::new()),
                 poisoned: AtomicBool::new(false),
+                group: Group::default(),
                 initial_settings,
                 wakers: Wakers::default(),
                 config: Config {
@@ -1325,10 +1370,8 @@ impl Outbox {
     ) -> Result<usize> {
         let note = operator_note(operator, reason)?;
         let inner = &*self.inner;
-        if inner.poisoned.load(Ordering::Acquire) {
-            return Err(Error::Poisoned);
-        }
-        let mut guard = inner.lock.lock()?;
+        let mut guard = self.lock_quiet()?;
+        guard.mark_writing()?;
         let (audit, loaded, _) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
         let sealed = crate::audit::sealed_segments(&inner.dir)?;
@@ -1377,7 +1420,7 @@ impl Outbox {
     /// [`AuditFault::Truncated`]; the load errors of `outbox.json`.
     pub fn verify_audit(&self) -> Result<AuditReport> {
         self.transact(|_| Ok(()))?;
-        let mut guard = self.inner.lock.lock()?;
+        let mut guard = self.lock_quiet()?;
         let (audit, loaded, _) = guard.refresh(&self.inner.store)?;
         let expected = loaded
             .journal_audit
@@ -1405,10 +1448,8 @@ impl Outbox {
     /// Returns after the audit log, the new snapshot and the new journal are fsynced.
     pub fn compact(&self) -> Result<()> {
         let inner = &*self.inner;
-        if inner.poisoned.load(Ordering::Acquire) {
-            return Err(Error::Poisoned);
-        }
-        let mut guard = inner.lock.lock()?;
+        let mut guard = self.lock_quiet()?;
+        guard.mark_writing()?;
         let (audit, loaded, history) = guard.refresh(&inner.store)?;
         self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
         let keep = self.housekeeping(loaded);
@@ -1545,12 +1586,165 @@ impl Outbox {
     /// Runs `f` on the current state under the lock (no audit repair, no write).
     fn read<T>(&self, f: impl FnOnce(&Loaded, &History) -> Result<T>) -> Result<T> {
         let inner = &*self.inner;
-        if inner.poisoned.load(Ordering::Acquire) {
+        if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
         let mut guard = inner.lock.lock()?;
-        let (_, loaded, history) = guard.refresh_with(&inner.store, false)?;
-        f(loaded, history)
+        // Another process wrote: catch up (but leave the audit log and its
+        // repair to the next transaction, which sees the counter still moved).
+        let stale = self.is_stale(&guard)?;
+        let (locked, _) = guard.split();
+        let (_, loaded, history) = if stale {
+            locked.refresh_with(&inner.store, false)?
+        } else {
+            locked.parts(&inner.store)?
+        };
+        let value = f(loaded, history);
+        // The answer may rest on entries of a commit group not yet durable.
+        let ticket = locked.written;
+        drop(guard);
+        self.wait_durable(ticket)?;
+        value
+    }
+
+    /// Whether the cached state must be re-read from the files: another
+    /// process announced a write (the change counter moved), or `outbox.json`
+    /// was changed behind the outbox's back (one `stat`). Never while this
+    /// process's commit group holds the lock: nobody else can have written.
+    fn is_stale(&self, guard: &crate::lock::DirGuard<'_, Locked>) -> Result<bool> {
+        if guard.is_pending() {
+            return Ok(false);
+        }
+        Ok(guard.is_stale() || self.inner.store.snapshot_changed(guard.loaded.as_ref())?)
+    }
+
+    /// Whether a durability failure poisoned this handle.
+    fn is_poisoned(&self) -> bool {
+        self.inner.poisoned.load(Ordering::Acquire) || self.inner.group.failed()
+    }
+
+    /// Returns once this handle's journal entry `ticket` (and every earlier
+    /// one) is durable, syncing the journal if no other thread is.
+    fn wait_durable(&self, ticket: u64) -> Result<()> {
+        let result = self
+            .inner
+            .group
+            .wait_durable(ticket, || self.sync_group());
+        if result.is_err() {
+            self.inner.poisoned.store(true, Ordering::Release);
+        }
+        result
+    }
+
+    /// The lock with no commit group open: every entry this handle wrote is
+    /// durable and in the audit log. For operations that look at the log or
+    /// replace files.
+    fn lock_quiet(&self) -> Result<crate::lock::DirGuard<'_, Locked>> {
+        loop {
+            if self.is_poisoned() {
+                return Err(Error::Poisoned);
+            }
+            let guard = self.inner.lock.lock()?;
+            if !guard.is_pending() {
+                return Ok(guard);
+            }
+            let ticket = guard.written;
+            drop(guard);
+            self.wait_durable(ticket)?;
+        }
+    }
+
+    /// A commit group's leader: fsyncs every journal entry written so far
+    /// (without the lock, so the next group can form meanwhile), then appends
+    /// their audit records in journal order, and lets the `flock` go once
+    /// nothing is left unsynced (compacting first if the journal grew enough).
+    fn sync_group(&self) -> Synced {
+        let inner = &*self.inner;
+        let failed = |e| Synced {
+            cover: u64::MAX,
+            result: Err(e),
+        };
+        let (cover, file, last_record) = {
+            let mut guard = match inner.lock.lock() {
+                Ok(guard) => guard,
+                Err(e) => return failed(e),
+            };
+            guard.hold_syncs += 1;
+            if guard.hold_syncs >= crate::commit::MAX_SYNCS_PER_HOLD {
+                // Let this group drain, so other processes get the lock.
+                inner.group.set_closing(true);
+            }
+            let loaded = guard.loaded.as_ref();
+            (
+                guard.written,
+                loaded.and_then(Loaded::journal_file),
+                loaded.and_then(|l| l.journal_audit.last().map(|r| r.seq)),
+            )
+        };
+        let synced = file.map_or(Ok(()), |file| {
+            crate::store::sync_journal(&file, &inner.faults)
+                .map_err(|e| Error::io(inner.store.journal_path(), "fsync", e))
+        });
+        let mut guard = match inner.lock.lock() {
+            Ok(guard) => guard,
+            Err(e) => return failed(e),
+        };
+        let result = synced.and_then(|()| {
+            inner
+                .faults
+                .check("commit.before_audit")
+                .map_err(|e| Error::io(inner.store.path(), "append", e))?;
+            let (audit, loaded, _) = guard.parts(&inner.store)?;
+            let durable = loaded.journal_audit_after(audit.head().seq);
+            let upto = durable
+                .iter()
+                .take_while(|r| last_record.is_some_and(|last| r.seq <= last))
+                .count();
+            audit.append_records(&durable[..upto], &inner.faults)?;
+            crate::metrics::committed(&durable[..upto], &loaded.state.items);
+            Ok(())
+        });
+        if let Err(e) = result {
+            // Nothing after the last good sync is reported durable; let other
+            // processes in to recover what is really on disk.
+            inner.poisoned.store(true, Ordering::Release);
+            guard.set_pending(false);
+            inner.group.set_closing(false);
+            return Synced {
+                cover,
+                result: Err(e),
+            };
+        }
+        if guard.written == cover {
+            self.compact_if_grown(&mut guard);
+            guard.hold_syncs = 0;
+            guard.set_pending(false);
+            inner.group.set_closing(false);
+        }
+        Synced {
+            cover,
+            result: Ok(()),
+        }
+    }
+
+    /// After a group drained: compact if the journal outgrew the snapshot. The
+    /// group's changes are durable whatever happens here: a clean failure is
+    /// retried at a later commit; an uncertain one poisons the handle for the
+    /// calls that follow.
+    fn compact_if_grown(&self, guard: &mut crate::lock::DirGuard<'_, Locked>) {
+        let inner = &*self.inner;
+        let Ok((audit, loaded, history)) = guard.parts(&inner.store) else {
+            return;
+        };
+        if !loaded.wants_compaction() {
+            return;
+        }
+        let keep = self.housekeeping(loaded);
+        let compacted = compact_locked(&inner.store, audit, loaded, history, &keep, &inner.faults);
+        if let Err(e) = self.settle(compacted) {
+            tracing::warn!(error = %e, "compaction after a commit failed; the commit stands");
+            loaded.defer_compaction();
+        }
     }
 
     /// What the next compaction moves to history and prunes from it, by the
@@ -1569,65 +1763,69 @@ impl Outbox {
     /// changed) journal the change durably and append its audit records.
     fn transact<T>(&self, f: impl FnOnce(&mut Txn<'_>) -> Result<T>) -> Result<T> {
         let inner = &*self.inner;
-        if inner.poisoned.load(Ordering::Acquire) {
+        if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
+        inner.group.wait_open();
         let mut guard = inner.lock.lock()?;
-        let (audit, loaded, history) = guard.refresh(&inner.store)?;
-        self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
-        self.guard_poison(inner.store.settle_torn(loaded))?;
+        let stale = self.is_stale(&guard)?;
+        let (locked, mut writes) = guard.split();
+        let (audit, loaded, history) = if stale {
+            // Another process wrote since we last looked (or never looked):
+            // catch up, and announce the repairs this may write.
+            writes.mark_writing()?;
+            let (audit, loaded, history) = locked.refresh(&inner.store)?;
+            self.guard_poison(reconcile_audit(audit, loaded, &inner.faults))?;
+            self.guard_poison(inner.store.settle_torn(loaded))?;
+            writes.mark_current();
+            (audit, loaded, history)
+        } else {
+            locked.parts(&inner.store)?
+        };
         let mut txn = Txn {
             base: loaded,
             history,
             overlay: BTreeMap::new(),
             records: Vec::new(),
-            head: audit.head().clone(),
+            head: sealing_head(audit, loaded),
             hasher: audit.hasher(),
             now: inner.config.clock.now(),
             settings: inner.config.defaults.with_stored(&loaded.state.settings),
             last_seq: loaded.index.lines.max_seq(),
         };
-        let value = f(&mut txn)?;
-        if !txn.changed() {
-            return Ok(value);
-        }
-        let Txn {
-            overlay, records, ..
-        } = txn;
-        // The first change to a new outbox also stores its initial settings.
-        let initial = inner
-            .initial_settings
-            .clone()
-            .filter(|_| loaded.state.settings.is_empty());
-        self.settle(inner.store.commit_settings(
-            loaded,
-            initial,
-            overlay.into_values().collect(),
-            &records,
-            &inner.faults,
-        ))?;
-        self.guard_poison(
-            inner
-                .faults
-                .check("commit.before_audit")
-                .map_err(|e| Error::io(audit.path(), "append", e)),
-        )?;
-        self.guard_poison(audit.append_records(&records, &inner.faults))?;
-        crate::metrics::committed(&records, &loaded.state.items);
-        if loaded.wants_compaction() {
-            // The change above is durable whatever happens here: a failed
-            // compaction must not turn it into an error. A clean failure is
-            // retried at the next commit; an uncertain one poisons the handle
-            // for the calls that follow.
-            let keep = self.housekeeping(loaded);
-            let compacted =
-                compact_locked(&inner.store, audit, loaded, history, &keep, &inner.faults);
-            if let Err(e) = self.settle(compacted) {
-                tracing::warn!(error = %e, "compaction after a commit failed; the commit stands");
-                loaded.defer_compaction();
+        let value = f(&mut txn);
+        let wrote = match value {
+            Ok(_) if txn.changed() => {
+                let Txn {
+                    overlay, records, ..
+                } = txn;
+                // The first change to a new outbox also stores its initial settings.
+                let initial = inner
+                    .initial_settings
+                    .clone()
+                    .filter(|_| loaded.state.settings.is_empty());
+                writes.mark_writing()?;
+                self.settle(inner.store.append_unsynced(
+                    loaded,
+                    initial,
+                    overlay.into_values().collect(),
+                    &records,
+                    &inner.faults,
+                ))?;
+                locked.written += 1;
+                true
             }
+            _ => false,
+        };
+        // A change waits for its own sync; a read or a refusal waits for the
+        // entries it saw, which may not be durable yet either.
+        let ticket = locked.written;
+        if wrote {
+            guard.set_pending(true);
         }
-        Ok(value)
+        drop(guard);
+        self.wait_durable(ticket)?;
+        value
     }
 
     /// Turns a commit failure into an error, poisoning the handle when the

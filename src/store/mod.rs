@@ -25,6 +25,7 @@ use std::io::{self, Read};
 #[cfg(not(unix))]
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
@@ -281,7 +282,8 @@ fn stamp(path: &Path) -> Result<Option<Stamp>> {
 /// Where this handle stands in the current journal.
 #[derive(Debug)]
 struct Cursor {
-    file: File,
+    /// Shared with a commit group's leader, which fsyncs it without the lock.
+    file: Arc<File>,
     /// Identity of the journal file the cursor reads.
     dev: u64,
     ino: u64,
@@ -346,6 +348,11 @@ impl Loaded {
         self.compaction_retry_at = journal + 1024 * 1024;
     }
 
+    /// The journal file entries are written to, for a commit group's leader.
+    pub(crate) fn journal_file(&self) -> Option<Arc<File>> {
+        self.cursor.as_ref().map(|c| Arc::clone(&c.file))
+    }
+
     /// Whether anything has been journalled since the snapshot.
     pub(crate) fn has_journal_entries(&self) -> bool {
         self.cursor.as_ref().is_some_and(|c| c.next_seq > 1)
@@ -406,6 +413,16 @@ impl Store {
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether `outbox.json` is not the file `loaded` was read from (replaced,
+    /// rewritten or removed behind the outbox's back): one `stat`. Every other
+    /// change by a writer is announced by the lock file's change counter.
+    pub(crate) fn snapshot_changed(&self, loaded: Option<&Loaded>) -> Result<bool> {
+        let Some(loaded) = loaded else {
+            return Ok(true);
+        };
+        Ok(stamp(&self.path)? != loaded.snapshot)
     }
 
     /// Brings `loaded` up to date with the files, loading them the first time.
@@ -546,7 +563,7 @@ impl Store {
             ));
         }
         loaded.cursor = Some(Cursor {
-            file,
+            file: Arc::new(file),
             dev,
             ino,
             offset: header_len as u64,
@@ -756,6 +773,38 @@ impl Store {
         audit: &[AuditRecord],
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
+        self.write_entry(loaded, settings, items, audit, faults, true)
+    }
+
+    /// Writes one transaction's entry to the journal **without** syncing it and
+    /// applies it to `loaded`, for a commit group: the caller must hold the
+    /// directory lock until [`sync_journal`] has made the entry durable, and
+    /// poison the handle if that fails.
+    pub(crate) fn append_unsynced(
+        &self,
+        loaded: &mut Loaded,
+        settings: Option<Stored>,
+        items: Vec<OutboxItem>,
+        audit: &[AuditRecord],
+        faults: &Failpoints,
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
+        self.write_entry(loaded, settings, items, audit, faults, false)
+    }
+
+    /// The journal's path, for errors.
+    pub(crate) fn journal_path(&self) -> &Path {
+        &self.journal_path
+    }
+
+    fn write_entry(
+        &self,
+        loaded: &mut Loaded,
+        settings: Option<Stored>,
+        items: Vec<OutboxItem>,
+        audit: &[AuditRecord],
+        faults: &Failpoints,
+        sync: bool,
+    ) -> std::result::Result<(), (CommitFailure, Error)> {
         if loaded.cursor.is_none() {
             self.start_journal(loaded, loaded.state.generation, faults)?;
         }
@@ -820,10 +869,9 @@ impl Store {
             cursor.allocated = grown;
         }
         write_all_at(&cursor.file, &line, cursor.offset).map_err(|e| uncertain("append", e))?;
-        faults
-            .check("journal.fsync")
-            .and_then(|()| cursor.file.sync_data())
-            .map_err(|e| uncertain("fsync", e))?;
+        if sync {
+            sync_journal(&cursor.file, faults).map_err(|e| uncertain("fsync", e))?;
+        }
         cursor.offset += line.len() as u64;
         cursor.next_seq += 1;
         for item in items {
@@ -874,7 +922,7 @@ impl Store {
             Err(e) => return Err((CommitFailure::Uncertain, e)),
         };
         loaded.cursor = Some(Cursor {
-            file,
+            file: Arc::new(file),
             dev,
             ino,
             offset: header.len() as u64,
@@ -946,6 +994,11 @@ impl Store {
         loaded.cursor = None;
         self.start_journal(loaded, next.generation, faults)
     }
+}
+
+/// Makes every entry written to `journal` so far durable.
+pub(crate) fn sync_journal(journal: &File, faults: &Failpoints) -> io::Result<()> {
+    faults.check("journal.fsync").and_then(|()| journal.sync_data())
 }
 
 /// Reads from `offset` until the first zero byte (the end of the entries) or the
