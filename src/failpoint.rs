@@ -17,6 +17,8 @@ pub enum FailAction {
     ErrorOnHit(u32),
     /// Kill the process on the spot (`SIGKILL` to itself): no destructors, no flushing.
     Kill,
+    /// Kill the process on the spot on the n-th hit (1-based), pass otherwise.
+    KillOnHit(u32),
     /// Panic in the calling thread.
     Panic,
 }
@@ -48,7 +50,7 @@ mod enabled {
                 .insert(name.to_owned(), (action, 0));
         }
 
-        /// Reads `name=error;name2=kill;name3=error@2` from the environment.
+        /// Reads `name=error;name2=kill;name3=error@2;name4=kill@5` from the environment.
         pub(crate) fn from_env() -> Self {
             let this = Self::default();
             if let Ok(spec) = std::env::var("DURABLE_OUTBOX_FAILPOINTS") {
@@ -56,6 +58,12 @@ mod enabled {
                     let (name, action) = entry.split_once('=').unwrap_or((entry, "error"));
                     let action = match action {
                         "kill" => FailAction::Kill,
+                        other if other.starts_with("kill@") => {
+                            match other.trim_start_matches("kill@").parse() {
+                                Ok(n) => FailAction::KillOnHit(n),
+                                Err(_) => FailAction::Kill,
+                            }
+                        }
                         "panic" => FailAction::Panic,
                         other => match other.strip_prefix("error@").map(str::parse) {
                             Some(Ok(n)) => FailAction::ErrorOnHit(n),
@@ -84,7 +92,8 @@ mod enabled {
                 FailAction::Error => Err(super::injected(name)),
                 FailAction::ErrorOnHit(n) if n == hits => Err(super::injected(name)),
                 FailAction::ErrorOnHit(_) => Ok(()),
-                FailAction::Kill => {
+                FailAction::KillOnHit(n) if n != hits => Ok(()),
+                FailAction::Kill | FailAction::KillOnHit(_) => {
                     // SIGKILL ourselves: the closest a test can get to pulling the plug
                     // on the process (the kernel still flushes what it already has).
                     let _ = std::process::Command::new("kill")

@@ -1632,6 +1632,11 @@ impl Outbox {
             .wait_durable(ticket, || self.sync_group());
         if result.is_err() {
             self.inner.poisoned.store(true, Ordering::Release);
+            // Nothing of this handle's will be synced any more: never keep
+            // other processes out for entries nobody will finish.
+            if let Ok(mut guard) = self.inner.lock.lock() {
+                guard.set_pending(false);
+            }
         }
         result
     }
@@ -1768,6 +1773,11 @@ impl Outbox {
         }
         inner.group.wait_open();
         let mut guard = inner.lock.lock()?;
+        // Again under the lock: a group that failed meanwhile has let the
+        // `flock` go, and nothing may be written after it.
+        if self.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
         let stale = self.is_stale(&guard)?;
         let (locked, mut writes) = guard.split();
         let (audit, loaded, history) = if stale {

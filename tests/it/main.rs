@@ -43,6 +43,8 @@ mod audit_rotation;
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
+#[cfg(all(unix, feature = "test-failpoints"))]
+mod group_commit;
 #[cfg(feature = "test-failpoints")]
 mod history;
 #[cfg(feature = "tokio")]

@@ -44,7 +44,7 @@ fn kill9(child: &mut Child) {
     child.wait().expect("reap");
 }
 
-fn transport_log(path: &Path) -> Vec<String> {
+pub(crate) fn transport_log(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -297,7 +297,7 @@ fn torture_round(
 
 /// Resolves every claim dead workers left in `dir` (each must fail as
 /// ambiguous without a send) and returns how many items are ambiguous.
-fn resolve_dead_claims(dir: &Path, replay: &str) -> usize {
+pub(crate) fn resolve_dead_claims(dir: &Path, replay: &str) -> usize {
     let outbox = Outbox::open(dir).unwrap();
     let claimed: Vec<String> = outbox
         .list_items()
@@ -329,7 +329,7 @@ fn resolve_dead_claims(dir: &Path, replay: &str) -> usize {
         .count()
 }
 
-fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, kills: u32) {
+pub(crate) fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, kills: u32) {
     let ctx = format!("after {kills} kills (replay with OUTBOX_TORTURE_SEED={seed})");
     let outbox = Outbox::open(dir).unwrap_or_else(|e| panic!("{ctx}: open failed: {e}"));
     outbox

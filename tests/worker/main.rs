@@ -30,6 +30,11 @@
 //! - `powerloss DIR`: the power-loss harness's workload (see [`power_loss`]): a
 //!   fixed life of an outbox that passes through every kind of durable write,
 //!   with its acknowledgements recorded in the filesystem's own operation log.
+//! - `group DIR LOG PREFIX THREADS N`: THREADS threads share one handle; thread
+//!   t enqueues `PREFIX-t-0..N` one by one and processes each with the delivering
+//!   send, printing `queued KEY` and `sent KEY` as the calls return (and
+//!   `error KEY WHY`, then stopping that thread, if one fails): commit groups
+//!   form, so a kill or an injected fault lands in the middle of one.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -134,6 +139,38 @@ fn remove_audit(dir: &str, keep: &str) {
     say(&format!("removed {removed}"));
 }
 
+/// Many threads on one handle, each enqueueing and processing its own keys.
+fn group(dir: &str, log: &str, prefix: &str, threads: &str, n: &str) {
+    let outbox = open(dir);
+    let threads: usize = threads.parse().unwrap_or_else(|_| fail("THREADS"));
+    let n: usize = n.parse().unwrap_or_else(|_| fail("N"));
+    let log = Path::new(log);
+    say("ready");
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let outbox = &outbox;
+            scope.spawn(move || {
+                for i in 0..n {
+                    let key = format!("{prefix}-{t}-{i}");
+                    if let Err(e) = outbox.enqueue(message(&key, i as u64)) {
+                        say(&format!("error {key} {e}"));
+                        return;
+                    }
+                    say(&format!("queued {key}"));
+                    match outbox.process(&key, |item| deliver(log, item)) {
+                        Ok(receipt) => say(&format!("{} {key}", receipt.outcome.as_str())),
+                        Err(e) => {
+                            say(&format!("error {key} {e}"));
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    say("done");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
@@ -196,6 +233,7 @@ fn main() {
         "rotate" => rotate(arg(1), arg(2), arg(3)),
         "remove-audit" => remove_audit(arg(1), arg(2)),
         "drain" => drain(arg(1), Path::new(arg(2))),
+        "group" => group(arg(1), arg(2), arg(3), arg(4), arg(5)),
         "torture" => {
             let outbox = open(arg(1));
             let log = Path::new(arg(2));

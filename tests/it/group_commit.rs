@@ -1,0 +1,322 @@
+//! Group commit: concurrent transactions on one handle share one fdatasync, and
+//! each still gets its own answer. A call returns only after its own change is
+//! durable; a refused call fails nobody else's; a failed sync fails its whole
+//! group and everything after it, and none of them is reported durable; a
+//! SIGKILL in the middle of a group loses nothing acknowledged and sends nothing
+//! twice; two processes with many threads each interleave safely.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Mutex;
+
+use durable_outbox::{Error, FailAction, ItemState, Outbox, Outcome};
+
+use crate::harness::{DEADLOCK_LIMIT, Harness, msg, within};
+use crate::processes::{check_invariants, resolve_dead_claims, transport_log, worker};
+
+const THREADS: usize = 8;
+
+#[test]
+fn every_thread_gets_its_own_result_and_a_refused_call_fails_nobody_else() {
+    within(
+        "group commit: every concurrent call gets its own result",
+        DEADLOCK_LIMIT,
+        || {
+            let h = Harness::with(|b| b.rate_limit(1000, std::time::Duration::from_secs(60)));
+            std::thread::scope(|scope| {
+                for t in 0..THREADS {
+                    let outbox = &h.outbox;
+                    scope.spawn(move || {
+                        for i in 0..15 {
+                            let key = format!("k-{t}-{i}");
+                            outbox.enqueue(msg(&key, &format!("chat-{t}"))).unwrap();
+                            // The same key for another chat is refused, and
+                            // only this call: its neighbours in the group commit.
+                            let conflict = outbox.enqueue(msg(&key, "chat-other")).unwrap_err();
+                            assert!(
+                                matches!(conflict, Error::IdempotencyConflict { .. }),
+                                "{conflict}"
+                            );
+                            let invalid = outbox.enqueue(msg("", "chat-1")).unwrap_err();
+                            assert!(matches!(invalid, Error::InvalidField { .. }), "{invalid}");
+                            let receipt = outbox
+                                .process(&key, |_| Ok(Some(format!("tr-{key}"))))
+                                .unwrap();
+                            assert_eq!(receipt.outcome, Outcome::Sent, "{key}");
+                        }
+                    });
+                }
+            });
+            // Another handle (another process) sees every change, each with its
+            // records in the order the changes were made.
+            let other = h.reopen();
+            let items = other.list_items().unwrap();
+            assert_eq!(items.len(), THREADS * 15);
+            assert!(items.iter().all(|i| i.state() == ItemState::Sent));
+            assert_eq!(other.verify_audit().unwrap().records, 2 * THREADS as u64 * 15);
+            for t in 0..THREADS {
+                let key = format!("k-{t}-14");
+                let outcomes: Vec<String> = other
+                    .history(&key)
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.outcome.as_str().to_owned())
+                    .collect();
+                assert_eq!(outcomes, ["queued", "sent"], "{key}");
+            }
+        },
+    );
+}
+
+/// What one call of the fault campaign returned.
+enum Answer {
+    Durable(String),
+    SyncFailed(String),
+    Poisoned(String),
+}
+
+#[test]
+fn a_failed_sync_fails_its_whole_group_and_everything_after_it() {
+    within(
+        "group commit: a failed sync wakes every member with an error",
+        DEADLOCK_LIMIT,
+        || {
+            // The failure must land on a group with a member written after its
+            // leader's entry; that is up to the scheduler, so try a few times
+            // and prove it happened.
+            let mut followers_seen = 0;
+            for round in 0..20 {
+                followers_seen += failed_sync_round(round);
+                if followers_seen > 0 {
+                    break;
+                }
+            }
+            assert!(
+                followers_seen > 0,
+                "no injected fsync failure ever hit a group with a follower after its leader: \
+                 the test exercised nothing"
+            );
+        },
+    );
+}
+
+/// One handle, THREADS threads enqueueing until their first error, the journal
+/// fsync failing at its 6th hit. Returns how many entries the journal holds
+/// after the failed leader's own (members of its group, or later, written but
+/// never acknowledged).
+fn failed_sync_round(round: u32) -> usize {
+    let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::ErrorOnHit(6)));
+    let answers = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let (outbox, answers) = (&h.outbox, &answers);
+            scope.spawn(move || {
+                for i in 0.. {
+                    let key = format!("r{round}-{t}-{i}");
+                    let answer = match outbox.enqueue(msg(&key, "chat-1")) {
+                        Ok(_) => Answer::Durable(key),
+                        Err(Error::Io { op: "fsync", .. }) => Answer::SyncFailed(key),
+                        Err(Error::Poisoned) => Answer::Poisoned(key),
+                        Err(other) => panic!("{key}: unexpected error {other}"),
+                    };
+                    let done = !matches!(answer, Answer::Durable(_));
+                    answers.lock().unwrap().push(answer);
+                    if done {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let answers = answers.into_inner().unwrap();
+    let leader: Vec<&str> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Answer::SyncFailed(k) => Some(k.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(leader.len(), 1, "exactly one call led the failed sync");
+    // The handle stays poisoned: nothing after the failure is ever durable.
+    assert!(matches!(
+        h.outbox.enqueue(msg("after", "chat-1")),
+        Err(Error::Poisoned)
+    ));
+    assert!(matches!(h.outbox.list_items(), Err(Error::Poisoned)));
+    // What reached the disk decides, as for one failed fsync: a reopen finds
+    // every acknowledged change and nothing that was never attempted. The
+    // bytes were written here, so the failed group's entries are there too.
+    let reopened = h.reopen();
+    reopened.verify_audit().unwrap();
+    let durable: HashSet<&str> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Answer::Durable(k) => Some(k.as_str()),
+            _ => None,
+        })
+        .collect();
+    let attempted: HashSet<&str> = answers
+        .iter()
+        .map(|a| match a {
+            Answer::Durable(k) | Answer::SyncFailed(k) | Answer::Poisoned(k) => k.as_str(),
+        })
+        .collect();
+    // The audit log is in journal order.
+    let order: Vec<String> = durable_outbox::AuditLog::read(h.path("audit.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|r| r.idempotency_key)
+        .collect();
+    assert!(order.iter().all(|k| attempted.contains(k.as_str())));
+    for key in &durable {
+        assert!(order.iter().any(|k| k == key), "acknowledged {key} was lost");
+    }
+    // Acknowledged changes are a prefix of the journal: everything from the
+    // first unacknowledged entry on (the failed group, and whatever was
+    // written after it) was answered with an error.
+    let first_failed = order
+        .iter()
+        .position(|k| !durable.contains(k.as_str()))
+        .expect("the failed leader's entry reached the journal");
+    for key in &order[first_failed..] {
+        assert!(
+            !durable.contains(key.as_str()),
+            "{key} was reported durable although an earlier entry's sync failed"
+        );
+    }
+    let at_leader = order
+        .iter()
+        .position(|k| k == leader[0])
+        .expect("the leader's entry reached the journal");
+    order.len() - at_leader - 1
+}
+
+/// The number of kill rounds of the group crash campaign: the default keeps
+/// the suite fast; `OUTBOX_GROUP_KILL_ROUNDS` runs a longer campaign.
+fn kill_rounds() -> u32 {
+    std::env::var("OUTBOX_GROUP_KILL_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4)
+}
+
+#[test]
+fn a_kill_in_the_middle_of_a_group_loses_nothing_acknowledged_and_sends_nothing_twice() {
+    within(
+        "group commit: a kill mid-group leaves an outbox that opens",
+        DEADLOCK_LIMIT * 4,
+        || {
+            let dir = tempfile::tempdir().unwrap();
+            let log = dir.path().join("transport.log");
+            let outbox_dir = dir.path().join("outbox");
+            let d = outbox_dir.to_str().unwrap();
+            let mut acked = HashSet::new();
+            let mut biggest_interrupted = 0;
+            let rounds = kill_rounds();
+            for round in 0..rounds {
+                // Kill at a leader's sync, a different one each round: the
+                // other threads' entries are written and waiting for it.
+                let hit = 4 + 3 * round;
+                let out = worker(&[
+                    "group",
+                    d,
+                    log.to_str().unwrap(),
+                    &format!("g{round}"),
+                    &THREADS.to_string(),
+                    "20",
+                ])
+                .env("DURABLE_OUTBOX_FAILPOINTS", format!("journal.fsync=kill@{hit}"))
+                .output()
+                .unwrap();
+                let stdout = String::from_utf8(out.stdout).unwrap();
+                assert_eq!(
+                    std::os::unix::process::ExitStatusExt::signal(&out.status),
+                    Some(9),
+                    "round {round}: the worker was not killed at sync {hit}: {}\n{stdout}",
+                    out.status
+                );
+                let queued: HashSet<String> = stdout
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("queued "))
+                    .map(str::to_owned)
+                    .collect();
+                let sent: HashSet<&str> = stdout
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("sent "))
+                    .collect();
+                // Changes the journal holds but whose call never returned: the
+                // group the kill interrupted (an enqueue, a claim or an outcome
+                // further along than what was acknowledged).
+                let unacked = Outbox::open(&outbox_dir)
+                    .unwrap()
+                    .list_items()
+                    .unwrap()
+                    .iter()
+                    .filter(|i| i.idempotency_key().starts_with(&format!("g{round}-")))
+                    .filter(|i| {
+                        let key = i.idempotency_key();
+                        let on_disk = match (i.state(), i.dispatch_claimed()) {
+                            (ItemState::Sent, _) => 3,
+                            (_, true) => 2,
+                            _ => 1,
+                        };
+                        let acknowledged = if sent.contains(key) {
+                            3
+                        } else {
+                            u8::from(queued.contains(key))
+                        };
+                        on_disk > acknowledged
+                    })
+                    .count();
+                biggest_interrupted = biggest_interrupted.max(unacked);
+                let replay = format!("round {round}, kill at sync {hit}");
+                resolve_dead_claims(&outbox_dir, &replay);
+                acked.extend(queued);
+                check_invariants(&outbox_dir, &log, &acked, u64::from(round), round + 1);
+            }
+            assert!(
+                biggest_interrupted >= 2,
+                "no kill in {rounds} rounds interrupted a group with more than one \
+                 unacknowledged change: the campaign exercised no group"
+            );
+            assert!(!transport_log(&log).is_empty());
+        },
+    );
+}
+
+#[test]
+fn two_processes_with_many_threads_each_interleave_their_groups_safely() {
+    within(
+        "group commit: two processes share the directory lock",
+        DEADLOCK_LIMIT * 2,
+        || {
+            let dir = tempfile::tempdir().unwrap();
+            let log = dir.path().join("transport.log");
+            let outbox_dir = dir.path().join("outbox");
+            let d = outbox_dir.to_str().unwrap();
+            let children: Vec<_> = (0..2)
+                .map(|p| {
+                    worker(&["group", d, log.to_str().unwrap(), &format!("p{p}"), "4", "15"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            for child in children {
+                let out = child.wait_with_output().unwrap();
+                let stdout = String::from_utf8(out.stdout).unwrap();
+                assert!(out.status.success(), "{stdout}");
+                assert!(!stdout.contains("error"), "{stdout}");
+                assert_eq!(stdout.lines().filter(|l| l.starts_with("sent ")).count(), 60);
+            }
+            let outbox = Outbox::open(&outbox_dir).unwrap();
+            let items = outbox.list_items().unwrap();
+            assert_eq!(items.len(), 120);
+            assert!(items.iter().all(|i| i.state() == ItemState::Sent && i.attempts() == 1));
+            assert_eq!(outbox.verify_audit().unwrap().records, 240);
+            let delivered = transport_log(&log);
+            let once: HashSet<&String> = delivered.iter().collect();
+            assert_eq!((delivered.len(), once.len()), (120, 120));
+            check_invariants(Path::new(&outbox_dir), &log, &HashSet::new(), 0, 0);
+        },
+    );
+}
