@@ -31,6 +31,11 @@
 //! once and the chain verifies. `--processes P` runs P such processes on one
 //! directory, each with T threads and keys i ≡ p (mod P) of N (the parent
 //! prints the figure for all of them together).
+//!
+//! async (`--features tokio`, `--workload async --concurrency C [--send-us U]`):
+//! enqueue N messages (untimed, `enqueue_many`), then one `process_due_async`
+//! with C sends in flight, each sleeping U µs (tokio's timer); prints
+//! `async_per_s` = N / drain time, to compare with C / U.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -48,6 +53,7 @@ struct Args {
     processes: usize,
     /// `--part p`: this child runs only the keys with i % processes == p.
     part: Option<usize>,
+    concurrency: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -61,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         send_us: 0,
         processes: 1,
         part: None,
+        concurrency: 64,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -78,6 +85,9 @@ fn parse_args() -> Result<Args, String> {
             "--processes" => {
                 args.processes = value.parse().map_err(|e| format!("--processes: {e}"))?;
             }
+            "--concurrency" => {
+                args.concurrency = value.parse().map_err(|e| format!("--concurrency: {e}"))?;
+            }
             "--part" => args.part = Some(value.parse().map_err(|e| format!("--part: {e}"))?),
             other => return Err(format!("unknown flag {other}")),
         }
@@ -88,7 +98,7 @@ fn parse_args() -> Result<Args, String> {
         || args.threads == 0
         || args.processes == 0
     {
-        return Err("usage: bench [--workload w1|broadcast|w2|wake] [--threads T] [--send-us U] \
+        return Err("usage: bench [--workload w1|broadcast|w2|wake|async] [--threads T] [--send-us U] \
              [--processes P] --n N --destinations D --dir DIR"
             .into());
     }
@@ -560,6 +570,48 @@ fn w2(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     }))
 }
 
+/// The async worker: every due item through `process_due_async`.
+#[cfg(feature = "tokio")]
+fn drain_async(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let outbox = open(args)?;
+    let n = args.n;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        outbox.enqueue_many(
+            chunk
+                .iter()
+                .map(|&i| message(i, format!("chat-{}", i % args.destinations)))
+                .collect(),
+        )?;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let send_us = args.send_us;
+    let start = Instant::now();
+    let report = runtime.block_on(outbox.process_due_async(args.concurrency, move |item| {
+        async move {
+            if send_us > 0 {
+                tokio::time::sleep(Duration::from_micros(send_us)).await;
+            }
+            Ok(Some(format!("tr-{}", item.idempotency_key())))
+        }
+    }))?;
+    let drain_s = start.elapsed().as_secs_f64();
+    if report.sent != n {
+        return Err(format!("drained {} of {n}: {report:?}", report.sent).into());
+    }
+    let audit = outbox.verify_audit()?;
+    if audit.records != 2 * n as u64 {
+        return Err(format!("{} audit records for {n} items", audit.records).into());
+    }
+    Ok(serde_json::json!({
+        "impl": "durable-outbox", "workload": "async", "n": n,
+        "concurrency": args.concurrency, "send_us": send_us, "wall_s": drain_s,
+        "async_per_s": (n as f64 / drain_s).round(),
+        "bound_per_s": if send_us > 0 { (args.concurrency as f64 * 1e6 / send_us as f64).round() } else { 0.0 },
+    }))
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(args) => args,
@@ -578,6 +630,8 @@ fn main() {
         "w2" => w2(&args),
         #[cfg(feature = "tokio")]
         "wake-enqueuer" => wake::enqueuer(&args).map(|()| serde_json::Value::Null),
+        #[cfg(feature = "tokio")]
+        "async" => drain_async(&args),
         other => Err(format!("unknown workload {other}").into()),
     };
     match result {

@@ -15,9 +15,14 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::error::{Error, Result};
 
-/// After this many syncs in one hold of the directory lock, new transactions
-/// wait for the group to drain so the lock passes to other processes.
-pub(crate) const MAX_SYNCS_PER_HOLD: u32 = 2;
+/// Once this process has held the directory lock for this long and at least
+/// [`MIN_SYNCS_PER_HOLD`] syncs, new transactions wait for the group to drain,
+/// so the lock passes to other processes. Draining costs a sync that no new
+/// group overlaps, so it is bounded by time, not done after every sync.
+pub(crate) const MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// See [`MAX_HOLD`].
+pub(crate) const MIN_SYNCS_PER_HOLD: u32 = 2;
 
 /// The durability tickets of one handle.
 #[derive(Debug, Default)]

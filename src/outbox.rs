@@ -148,6 +148,8 @@ struct Locked {
     written: u64,
     /// Syncs since this process last took the `flock`.
     hold_syncs: u32,
+    /// When this process's current commit group took the `flock`.
+    hold_since: Option<std::time::Instant>,
 }
 
 impl Locked {
@@ -509,6 +511,7 @@ impl Outbox {
                 history_generation: None,
                 written: 0,
                 hold_syncs: 0,
+                hold_since: None,
             },
         )?;
         #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
@@ -1675,7 +1678,11 @@ impl Outbox {
                 Err(e) => return failed(e),
             };
             guard.hold_syncs += 1;
-            if guard.hold_syncs >= crate::commit::MAX_SYNCS_PER_HOLD {
+            if guard.hold_syncs >= crate::commit::MIN_SYNCS_PER_HOLD
+                && guard
+                    .hold_since
+                    .is_some_and(|since| since.elapsed() >= crate::commit::MAX_HOLD)
+            {
                 // Let this group drain, so other processes get the lock.
                 inner.group.set_closing(true);
             }
@@ -1723,6 +1730,7 @@ impl Outbox {
         if guard.written == cover {
             self.compact_if_grown(&mut guard);
             guard.hold_syncs = 0;
+            guard.hold_since = None;
             guard.set_pending(false);
             inner.group.set_closing(false);
         }
@@ -1823,6 +1831,7 @@ impl Outbox {
                     &inner.faults,
                 ))?;
                 locked.written += 1;
+                locked.hold_since.get_or_insert_with(std::time::Instant::now);
                 true
             }
             _ => false,

@@ -216,7 +216,7 @@ fn a_kill_in_the_middle_of_a_group_loses_nothing_acknowledged_and_sends_nothing_
             for round in 0..rounds {
                 // Kill at a leader's sync, a different one each round: the
                 // other threads' entries are written and waiting for it.
-                let hit = 4 + 3 * round;
+                let hit = 3 + (7 * round) % 30;
                 let out = worker(&[
                     "group",
                     d,
