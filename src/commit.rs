@@ -166,7 +166,10 @@ mod tests {
                 result: Ok(()),
             }
         };
-        group.wait_durable(3, lead).map_err(|e| e.to_string()).unwrap();
+        group
+            .wait_durable(3, lead)
+            .map_err(|e| e.to_string())
+            .unwrap();
         for ticket in 1..=5 {
             group
                 .wait_durable(ticket, || unreachable!("already durable"))
@@ -199,10 +202,9 @@ mod tests {
     fn a_leader_that_panics_fails_the_group_instead_of_hanging_it() {
         let group = Arc::new(Group::default());
         let g = Arc::clone(&group);
-        let panicked = std::thread::spawn(move || {
-            g.wait_durable(1, || panic!("injected panic in the sync"))
-        })
-        .join();
+        let panicked =
+            std::thread::spawn(move || g.wait_durable(1, || panic!("injected panic in the sync")))
+                .join();
         assert!(panicked.is_err());
         let after = group.wait_durable(1, || unreachable!("failed groups do not sync"));
         assert!(matches!(after, Err(Error::Poisoned)), "{after:?}");

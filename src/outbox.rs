@@ -13,13 +13,13 @@ use sha2::{Digest, Sha256};
 use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, AuditTail, Hasher, Head};
 use crate::builder::OutboxBuilder;
 use crate::clock::{Clock, Sleeper, earlier, format_timestamp, later};
+use crate::commit::{Group, Synced};
 use crate::error::{AuditFault, Error, Result};
 use crate::failpoint::Failpoints;
 use crate::filter::{BulkReport, ItemFilter};
 use crate::fsutil;
 use crate::history::{History, Retention};
 use crate::item::{Claim, ItemState, OutboxItem};
-use crate::commit::{Group, Synced};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
 use crate::order::{self, OrderKey, Picker};
@@ -205,10 +205,7 @@ impl Locked {
     }
 
     /// The pieces as they are, for a caller whose cached state is current.
-    fn parts(
-        &mut self,
-        store: &Store,
-    ) -> Result<(&mut AuditTail, &mut Loaded, &mut History)> {
+    fn parts(&mut self, store: &Store) -> Result<(&mut AuditTail, &mut Loaded, &mut History)> {
         if self.loaded.is_none() {
             return self.refresh(store);
         }
@@ -1629,10 +1626,7 @@ impl Outbox {
     /// Returns once this handle's journal entry `ticket` (and every earlier
     /// one) is durable, syncing the journal if no other thread is.
     fn wait_durable(&self, ticket: u64) -> Result<()> {
-        let result = self
-            .inner
-            .group
-            .wait_durable(ticket, || self.sync_group());
+        let result = self.inner.group.wait_durable(ticket, || self.sync_group());
         if result.is_err() {
             self.inner.poisoned.store(true, Ordering::Release);
             // Nothing of this handle's will be synced any more: never keep
@@ -1831,7 +1825,9 @@ impl Outbox {
                     &inner.faults,
                 ))?;
                 locked.written += 1;
-                locked.hold_since.get_or_insert_with(std::time::Instant::now);
+                locked
+                    .hold_since
+                    .get_or_insert_with(std::time::Instant::now);
                 true
             }
             _ => false,

@@ -998,7 +998,9 @@ impl Store {
 
 /// Makes every entry written to `journal` so far durable.
 pub(crate) fn sync_journal(journal: &File, faults: &Failpoints) -> io::Result<()> {
-    faults.check("journal.fsync").and_then(|()| journal.sync_data())
+    faults
+        .check("journal.fsync")
+        .and_then(|()| journal.sync_data())
 }
 
 /// Reads from `offset` until the first zero byte (the end of the entries) or the

@@ -53,7 +53,10 @@ fn every_thread_gets_its_own_result_and_a_refused_call_fails_nobody_else() {
             let items = other.list_items().unwrap();
             assert_eq!(items.len(), THREADS * 15);
             assert!(items.iter().all(|i| i.state() == ItemState::Sent));
-            assert_eq!(other.verify_audit().unwrap().records, 2 * THREADS as u64 * 15);
+            assert_eq!(
+                other.verify_audit().unwrap().records,
+                2 * THREADS as u64 * 15
+            );
             for t in 0..THREADS {
                 let key = format!("k-{t}-14");
                 let outcomes: Vec<String> = other
@@ -169,7 +172,10 @@ fn failed_sync_round(round: u32) -> usize {
         .collect();
     assert!(order.iter().all(|k| attempted.contains(k.as_str())));
     for key in &durable {
-        assert!(order.iter().any(|k| k == key), "acknowledged {key} was lost");
+        assert!(
+            order.iter().any(|k| k == key),
+            "acknowledged {key} was lost"
+        );
     }
     // Acknowledged changes are a prefix of the journal: everything from the
     // first unacknowledged entry on (the failed group, and whatever was
@@ -225,7 +231,10 @@ fn a_kill_in_the_middle_of_a_group_loses_nothing_acknowledged_and_sends_nothing_
                     &THREADS.to_string(),
                     "20",
                 ])
-                .env("DURABLE_OUTBOX_FAILPOINTS", format!("journal.fsync=kill@{hit}"))
+                .env(
+                    "DURABLE_OUTBOX_FAILPOINTS",
+                    format!("journal.fsync=kill@{hit}"),
+                )
                 .output()
                 .unwrap();
                 let stdout = String::from_utf8(out.stdout).unwrap();
@@ -296,9 +305,16 @@ fn two_processes_with_many_threads_each_interleave_their_groups_safely() {
             let d = outbox_dir.to_str().unwrap();
             let children: Vec<_> = (0..2)
                 .map(|p| {
-                    worker(&["group", d, log.to_str().unwrap(), &format!("p{p}"), "4", "15"])
-                        .spawn()
-                        .unwrap()
+                    worker(&[
+                        "group",
+                        d,
+                        log.to_str().unwrap(),
+                        &format!("p{p}"),
+                        "4",
+                        "15",
+                    ])
+                    .spawn()
+                    .unwrap()
                 })
                 .collect();
             for child in children {
@@ -306,12 +322,19 @@ fn two_processes_with_many_threads_each_interleave_their_groups_safely() {
                 let stdout = String::from_utf8(out.stdout).unwrap();
                 assert!(out.status.success(), "{stdout}");
                 assert!(!stdout.contains("error"), "{stdout}");
-                assert_eq!(stdout.lines().filter(|l| l.starts_with("sent ")).count(), 60);
+                assert_eq!(
+                    stdout.lines().filter(|l| l.starts_with("sent ")).count(),
+                    60
+                );
             }
             let outbox = Outbox::open(&outbox_dir).unwrap();
             let items = outbox.list_items().unwrap();
             assert_eq!(items.len(), 120);
-            assert!(items.iter().all(|i| i.state() == ItemState::Sent && i.attempts() == 1));
+            assert!(
+                items
+                    .iter()
+                    .all(|i| i.state() == ItemState::Sent && i.attempts() == 1)
+            );
             assert_eq!(outbox.verify_audit().unwrap().records, 240);
             let delivered = transport_log(&log);
             let once: HashSet<&String> = delivered.iter().collect();

@@ -329,7 +329,13 @@ pub(crate) fn resolve_dead_claims(dir: &Path, replay: &str) -> usize {
         .count()
 }
 
-pub(crate) fn check_invariants(dir: &Path, log: &Path, acked: &HashSet<String>, seed: u64, kills: u32) {
+pub(crate) fn check_invariants(
+    dir: &Path,
+    log: &Path,
+    acked: &HashSet<String>,
+    seed: u64,
+    kills: u32,
+) {
     let ctx = format!("after {kills} kills (replay with OUTBOX_TORTURE_SEED={seed})");
     let outbox = Outbox::open(dir).unwrap_or_else(|e| panic!("{ctx}: open failed: {e}"));
     outbox

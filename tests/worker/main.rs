@@ -31,7 +31,8 @@
 //!   fixed life of an outbox that passes through every kind of durable write,
 //!   with its acknowledgements recorded in the filesystem's own operation log.
 //! - `group DIR LOG PREFIX THREADS N`: THREADS threads share one handle; thread
-//!   t enqueues `PREFIX-t-0..N` one by one and processes each with the delivering
+//!   t enqueues `PREFIX-t-0..N` (each to a chat of its own) one by one and
+//!   processes each with the delivering
 //!   send, printing `queued KEY` and `sent KEY` as the calls return (and
 //!   `error KEY WHY`, then stopping that thread, if one fails): commit groups
 //!   form, so a kill or an injected fault lands in the middle of one.
@@ -152,7 +153,10 @@ fn group(dir: &str, log: &str, prefix: &str, threads: &str, n: &str) {
             scope.spawn(move || {
                 for i in 0..n {
                     let key = format!("{prefix}-{t}-{i}");
-                    if let Err(e) = outbox.enqueue(message(&key, i as u64)) {
+                    // A chat of its own: per-chat order never defers it.
+                    let mut m = message(&key, i as u64);
+                    m.destination = format!("chat-{key}");
+                    if let Err(e) = outbox.enqueue(m) {
                         say(&format!("error {key} {e}"));
                         return;
                     }
