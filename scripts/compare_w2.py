@@ -9,7 +9,8 @@ machine's noise falls on both ("paired runs"):
 
 - W2 (enqueue then process each key) with 1 and 8 threads on one handle, and
   with 2 processes x 4 threads on one directory; SQLite with 1 and 8 threads;
-- the async worker (`process_due_async`, concurrency 64, 20 ms sends);
+- the async worker (`process_due_async`, concurrency 64, 20 ms sends, a chat
+  per item: per-chat order allows one send in flight per chat);
 - W1 at --w1-n (sequential process), and the fsync floor (two append +
   fdatasync per processed item).
 
@@ -70,8 +71,9 @@ def main():
         "sqlite T=8": [SQLITE, "--threads", "8", "--n", n, "--destinations", d],
         "ours 2x4": [BENCH, "--workload", "w2", "--threads", "4", "--processes", "2",
                      "--n", n, "--destinations", d],
+        # A chat per item: per-chat order would cap the sends in flight at D.
         "ours async": [BENCH, "--workload", "async", "--concurrency", "64", "--send-us", "20000",
-                       "--n", n, "--destinations", d],
+                       "--n", n, "--destinations", n],
     }
     w1 = {
         "ours W1": [BENCH, "--n", str(args.w1_n), "--destinations", d],
