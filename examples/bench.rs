@@ -499,7 +499,8 @@ fn w2_run(args: &Args, keys: &[usize]) -> Result<(), Box<dyn std::error::Error>>
                             .enqueue(message(i, format!("chat-{}", i % args.destinations)))
                             .map_err(|e| format!("enqueue {i}: {e}"))?;
                         // Per-chat order may hold a key behind an earlier one
-                        // of its chat that another thread is still sending.
+                        // of its chat that another thread is still sending
+                        // (`Waiting`: nothing was written).
                         loop {
                             let receipt = outbox
                                 .process(&format!("key-{i:08}"), |_| {
@@ -511,7 +512,8 @@ fn w2_run(args: &Args, keys: &[usize]) -> Result<(), Box<dyn std::error::Error>>
                                 .map_err(|e| format!("process {i}: {e}"))?;
                             match receipt.outcome {
                                 durable_outbox::Outcome::Sent => break,
-                                durable_outbox::Outcome::Deferred => {
+                                durable_outbox::Outcome::Waiting
+                                | durable_outbox::Outcome::Deferred => {
                                     std::thread::sleep(Duration::from_micros(100));
                                 }
                                 other => return Err(format!("key-{i:08}: {other:?}")),
