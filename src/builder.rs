@@ -51,6 +51,9 @@ pub struct OutboxBuilder {
     pub(crate) explicit: Stored,
     /// Whether `explicit` replaces what the outbox stores.
     pub(crate) update_settings: bool,
+    /// Connectors whose platform deduplicates by transaction id, with the
+    /// window within which it does.
+    pub(crate) idempotent: std::collections::BTreeMap<String, Duration>,
     #[cfg(feature = "test-failpoints")]
     pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
 }
@@ -73,6 +76,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("clock", &"<clock>")
             .field("audit_key", &self.audit_key.as_ref().map(|_| "<secret>"))
             .field("shared_group", &self.trust.shared_group)
+            .field("idempotent_transport", &self.idempotent)
             .finish_non_exhaustive()
     }
 }
@@ -98,6 +102,7 @@ impl OutboxBuilder {
             trust: crate::trust::Trust::default(),
             explicit: Stored::default(),
             update_settings: false,
+            idempotent: std::collections::BTreeMap::new(),
             #[cfg(feature = "test-failpoints")]
             failpoints: Vec::new(),
         }
@@ -156,6 +161,55 @@ impl OutboxBuilder {
             .overrides
             .push((pattern.to_owned(), RateLimit { count, window }));
         self.explicit.rate_limit_for = Some(self.rates.overrides.clone());
+        self
+    }
+
+    /// Declares that `connector`'s platform deduplicates sends by
+    /// [`OutboxItem::transaction_id`](crate::OutboxItem::transaction_id) for at
+    /// least `dedup_window`: a repeated request with the same transaction id
+    /// returns the first request's answer and creates nothing new. Default:
+    /// no connector.
+    ///
+    /// Under it, an outcome that would otherwise fail the item as ambiguous is
+    /// retried instead, with the same transaction id, as long as attempts are
+    /// left and the item was enqueued less than `dedup_window` ago: a send that
+    /// reported [`FailureClass::Ambiguous`](crate::FailureClass::Ambiguous), a
+    /// claim whose worker died mid-send ([`AMBIGUOUS_AFTER_RESTART`](crate::AMBIGUOUS_AFTER_RESTART)),
+    /// and an async send dropped mid-flight ([`SEND_CANCELLED`](crate::SEND_CANCELLED)).
+    /// Each such retry is audited as `retrying` with a note naming the
+    /// ambiguous cause. Outside the window, or with no attempts left, the item
+    /// fails as before. A panicking `send` still fails the item: a panic is a
+    /// bug, not a network outcome. Items of other connectors keep the
+    /// at-most-once rules unchanged.
+    ///
+    /// # Safety of the promise
+    ///
+    /// This is exactly-once delivery only if all of these hold, and only the
+    /// caller can know that they do:
+    /// - `send` passes `item.transaction_id()` as the platform's transaction id,
+    ///   for every item of this connector;
+    /// - every attempt is made under the same platform identity the platform
+    ///   scopes deduplication to (Matrix: the same user *and* the same device,
+    ///   so log in with a fixed `device_id` and never log that device out);
+    /// - `dedup_window` is no longer than the platform keeps transaction ids
+    ///   (Synapse keeps them for about a day, across restarts; declare less);
+    /// - the platform answers a repeat with the original result rather than an
+    ///   error, so the item records the original message id.
+    ///
+    /// `dedup_window` must be positive; `connector` must not be empty.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::Outbox;
+    /// use std::time::Duration;
+    ///
+    /// let outbox = Outbox::builder(dir.path())
+    ///     .idempotent_transport("matrix", Duration::from_secs(60 * 60))
+    ///     .open()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn idempotent_transport(mut self, connector: &str, dedup_window: Duration) -> Self {
+        self.idempotent.insert(connector.to_owned(), dedup_window);
         self
     }
 
@@ -371,6 +425,20 @@ impl OutboxBuilder {
         }
         self.backoff.validate()?;
         self.rates.validate()?;
+        for (connector, window) in &self.idempotent {
+            if connector.trim().is_empty() {
+                return Err(Error::invalid_config(
+                    "idempotent_transport",
+                    "connector must not be empty",
+                ));
+            }
+            if window.is_zero() {
+                return Err(Error::invalid_config(
+                    "idempotent_transport",
+                    "dedup_window must be positive",
+                ));
+            }
+        }
         if matches!(&self.audit_key, Some(key) if key.is_empty()) {
             return Err(Error::invalid_config("audit_key", "must not be empty"));
         }

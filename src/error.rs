@@ -177,6 +177,24 @@ pub enum Error {
     /// Open the outbox again to re-read what is really on disk.
     #[error("outbox handle is poisoned by an earlier durability failure; reopen it")]
     Poisoned,
+
+    /// A Matrix homeserver refused or failed a request that is not a send
+    /// (login, sync; feature `matrix`). Sends report a
+    /// [`SendError`](crate::SendError) instead.
+    #[cfg(feature = "matrix")]
+    #[error("matrix {operation} at {url}: {detail}")]
+    Matrix {
+        /// What was attempted: `login` or `sync`.
+        operation: &'static str,
+        /// The endpoint, without query string or credentials.
+        url: String,
+        /// The HTTP status, when the server answered.
+        status: Option<u16>,
+        /// The Matrix `errcode` (e.g. `M_FORBIDDEN`), when the server gave one.
+        errcode: Option<String>,
+        /// What went wrong, in words.
+        detail: String,
+    },
 }
 
 /// Why an audit record failed verification.

@@ -3,6 +3,7 @@
 use std::fmt;
 
 use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
 
 use crate::message::ContentSummary;
 use crate::send::FailureClass;
@@ -214,6 +215,43 @@ impl OutboxItem {
     /// releases (or the reference design) that had no sequence; they come first.
     pub fn enqueue_seq(&self) -> Option<u64> {
         self.seq
+    }
+
+    /// A transaction id for the platform, stable for this item forever: the same
+    /// on every attempt, after a restart, after an operator's requeue, and in
+    /// every process. Platforms that deduplicate by a client transaction id
+    /// (Matrix `txnId`, Telegram has none, many HTTP APIs take an
+    /// `Idempotency-Key` header) use it to turn a repeated send into the first
+    /// one's answer.
+    ///
+    /// It is `do1-` followed by the first 128 bits, in lowercase hex, of the
+    /// SHA-256 of `durable-outbox transaction id 1\n` and the idempotency key:
+    /// printable ASCII, 36 bytes, safe in a URL path, and revealing nothing of
+    /// the key beyond equality.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// use durable_outbox::{NewMessage, Outbox};
+    ///
+    /// let outbox = Outbox::open(dir.path())?;
+    /// let item = outbox.enqueue(NewMessage {
+    ///     idempotency_key: "order-17".into(),
+    ///     connector: "matrix".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "!room:example.org".into(),
+    ///     content: "your order shipped".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// assert!(item.transaction_id().starts_with("do1-"));
+    /// assert_eq!(item.transaction_id().len(), 36);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn transaction_id(&self) -> String {
+        let digest = Sha256::new()
+            .chain_update(b"durable-outbox transaction id 1\n")
+            .chain_update(self.idempotency_key.as_bytes())
+            .finalize();
+        format!("do1-{}", hex::encode(&digest[..16]))
     }
 
     /// The owner id written into the claim, if any.

@@ -103,6 +103,8 @@ mod fsutil;
 mod history;
 mod item;
 mod lock;
+#[cfg(feature = "matrix")]
+mod matrix;
 mod message;
 mod metrics;
 mod order;
@@ -132,6 +134,8 @@ pub use crate::failpoint::FailAction;
 pub use crate::filter::{BulkReport, ItemFilter};
 pub use crate::history::{HistoryItems, Retention};
 pub use crate::item::{ItemState, OutboxItem};
+#[cfg(feature = "matrix")]
+pub use crate::matrix::{MatrixClient, MatrixReply, MatrixSession, SyncBatch};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::order::Ordering;
 pub use crate::outbox::{

@@ -109,6 +109,8 @@ struct Config {
     audit_rotate_bytes: u64,
     clock: Arc<dyn Clock>,
     sleeper: Arc<dyn Sleeper>,
+    /// Connectors whose platform deduplicates by transaction id, and for how long.
+    idempotent: BTreeMap<String, Duration>,
 }
 
 struct Inner {
@@ -572,6 +574,7 @@ impl Outbox {
                     audit_rotate_bytes: builder.audit_rotate_bytes,
                     clock: builder.clock,
                     sleeper: builder.sleeper,
+                    idempotent: builder.idempotent,
                 },
                 faults,
             }),
@@ -1951,14 +1954,20 @@ impl Outbox {
     }
 
     /// Gives up on a claimed send whose outcome will never be known (its future
-    /// was dropped mid-flight): the item fails with `code`, as ambiguous.
+    /// was dropped mid-flight): the item fails with `code`, as ambiguous, or,
+    /// for an idempotent transport, goes back to the queue for a resend.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn abandon(&self, key: &str, code: &str) -> Result<()> {
         let result = self.transact(|txn| {
-            let ours = txn.item(key).is_some_and(|i| {
+            let now = txn.now;
+            let Some(item) = txn.item(key).filter(|i| {
                 i.state == ItemState::Queued && i.claim_owner() == Some(self.inner.owner.id())
-            });
-            if ours {
+            }) else {
+                return Ok(());
+            };
+            if self.may_resend(txn, item, now) {
+                resend_later(txn, key, code, now)?;
+            } else {
                 fail_ambiguous(txn, key, code)?;
             }
             Ok(())
@@ -2112,12 +2121,22 @@ impl Outbox {
                     None,
                 )));
             }
+            if !self.may_resend(txn, item, now) {
+                tracing::warn!(
+                    key,
+                    "found a claim whose worker is gone; failing it as ambiguous"
+                );
+                return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
+            }
             tracing::warn!(
                 key,
-                "found a claim whose worker is gone; failing it as ambiguous"
+                "found a claim whose worker is gone; resending it under its transaction id"
             );
-            return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
+            resend_later(txn, key, AMBIGUOUS_AFTER_RESTART, now)?;
         }
+        let item = txn.item(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })?;
         if txn.settings.ordering == order::Ordering::PerDestination
             && txn
                 .head_of(&item.destination)
@@ -2200,6 +2219,23 @@ impl Outbox {
             .into_iter()
             .flatten()
             .max_by_key(|(at, _)| *at)
+    }
+
+    /// Whether an item whose send may have left can be sent again under its
+    /// transaction id: its connector is declared idempotent, it was enqueued
+    /// within the platform's dedup window (every earlier attempt came later),
+    /// and attempts are left.
+    fn may_resend(&self, txn: &Txn<'_>, item: &OutboxItem, now: DateTime<Utc>) -> bool {
+        self.inner
+            .config
+            .idempotent
+            .get(&item.connector)
+            .is_some_and(|window| {
+                now.signed_duration_since(item.created_at)
+                    .to_std()
+                    .is_ok_and(|age| age < *window)
+            })
+            && item.attempts < txn.settings.max_attempts
     }
 
     /// Whether a claim belongs to a worker that is still alive.
@@ -2311,6 +2347,15 @@ impl Outbox {
                         receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
                         Some(wait),
                     ))
+                } else if error.class() == FailureClass::Ambiguous
+                    && self.may_resend(txn, item, now)
+                {
+                    let wait = txn.settings.backoff.delay(attempts, key);
+                    let audit_id = resend_later(txn, key, &code, later(now, wait))?;
+                    Ok((
+                        receipt(txn, key, Outcome::Deferred, Some(audit_id))?,
+                        Some(wait),
+                    ))
                 } else if error.class() == FailureClass::Ambiguous {
                     Ok((done(fail_ambiguous(txn, key, &code)?), None))
                 } else {
@@ -2330,6 +2375,22 @@ pub(crate) fn send_span(item: &OutboxItem) -> tracing::Span {
         destination = %item.destination,
         attempt = item.attempts,
     )
+}
+
+/// Puts an item whose send may have left back in the queue, unclaimed, for a
+/// resend under the same transaction id at `at` (only for connectors declared
+/// with `idempotent_transport`). The audit record says why.
+fn resend_later(txn: &mut Txn<'_>, key: &str, code: &str, at: DateTime<Utc>) -> Result<String> {
+    let item = txn.item_mut(key)?;
+    // The send may have reached the platform: it counts against the rate caps.
+    let claimed_at = item.claim.as_ref().and_then(|c| c.at);
+    item.maybe_sent_at = Some(claimed_at.unwrap_or(item.updated_at));
+    item.claim = None;
+    item.error_code = Some(code.to_owned());
+    item.failure_class = Some(FailureClass::Ambiguous);
+    item.next_attempt_at = Some(at);
+    let note = format!("idempotent transport: {code}; resending with the same transaction id");
+    record(txn, key, AuditOutcome::Retrying, Some(&note), false)
 }
 
 /// The receipt of a decision that is not a send.

@@ -113,7 +113,8 @@ pub struct AuditRecord {
     pub idempotency_key: String,
     /// The item's lane label.
     pub lane: String,
-    /// Operator actions: who and why.
+    /// Operator actions: who and why. Resends under an idempotent transport:
+    /// the ambiguous outcome that was resent.
     pub note: Option<String>,
     /// What happened.
     pub outcome: AuditOutcome,

@@ -51,6 +51,8 @@ mod history;
 mod http_loopback;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
+#[cfg(all(unix, feature = "matrix", feature = "test-failpoints"))]
+mod matrix_delivery;
 #[cfg(all(target_os = "linux", feature = "test-failpoints"))]
 mod power_loss;
 #[cfg(all(unix, feature = "test-failpoints"))]

@@ -36,6 +36,10 @@
 //!   send, printing `queued KEY` and `sent KEY` as the calls return (and
 //!   `error KEY WHY`, then stopping that thread, if one fails): commit groups
 //!   form, so a kill or an injected fault lands in the middle of one.
+//! - `matrix-send DIR HOMESERVER USER PASSWORD DEVICE ROOM KEY idempotent|plain`
+//!   (feature `matrix`): log in, enqueue KEY for ROOM, send it for real, print
+//!   `put-answered EVENT_ID` once the homeserver answered the PUT, and hang
+//!   before the outcome is recorded (the parent kills it there).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -275,6 +279,8 @@ fn main() {
         #[cfg(feature = "tokio")]
         "serve" => serve::run(&args),
         "powerloss" => power_loss(Path::new(arg(1))),
+        #[cfg(feature = "matrix")]
+        "matrix-send" => matrix_send(&args),
         other => fail(&format!("unknown command {other}")),
     }
 }
@@ -493,4 +499,56 @@ fn power_loss(dir: &Path) {
     process(&outbox, "d0");
     drop(outbox);
     say("done");
+}
+
+/// Sends one item to a real homeserver and hangs after the PUT was answered.
+#[cfg(feature = "matrix")]
+fn matrix_send(args: &[String]) {
+    use durable_outbox::MatrixClient;
+    let [_, dir, homeserver, user, password, device, room, key, mode] = args else {
+        fail("matrix-send DIR HOMESERVER USER PASSWORD DEVICE ROOM KEY MODE")
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| fail(&format!("runtime: {e}")));
+    runtime.block_on(async {
+        let mut builder = Outbox::builder(dir).rate_limit(u32::MAX, Duration::from_secs(1));
+        if mode == "idempotent" {
+            builder =
+                builder.idempotent_transport(MatrixClient::CONNECTOR, Duration::from_secs(3600));
+        }
+        let outbox = builder
+            .open()
+            .unwrap_or_else(|e| fail(&format!("open: {e}")));
+        outbox
+            .enqueue(NewMessage {
+                idempotency_key: key.clone(),
+                connector: MatrixClient::CONNECTOR.into(),
+                grant_id: "bot".into(),
+                destination: room.clone(),
+                content: format!("message {key}"),
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| fail(&format!("enqueue: {e}")));
+        let client = MatrixClient::login(homeserver, user, password, device)
+            .await
+            .unwrap_or_else(|e| fail(&format!("login: {e}")));
+        let _ = outbox
+            .process_async(key, |item| {
+                let client = client.clone();
+                async move {
+                    let sent = client.send(item).await;
+                    match &sent {
+                        Ok(Some(event_id)) => say(&format!("put-answered {event_id}")),
+                        other => say(&format!("put-failed {other:?}")),
+                    }
+                    // Never return: the outcome is not recorded before the kill.
+                    std::future::pending::<()>().await;
+                    sent
+                }
+            })
+            .await;
+        fail("the send returned");
+    });
 }
