@@ -17,6 +17,7 @@ mod delivery;
 mod durable_writes;
 mod failure_class;
 mod hostile_input;
+mod idempotent_transport;
 mod model_check;
 mod observability;
 mod operator_actions;
