@@ -179,12 +179,12 @@ pub enum Error {
     Poisoned,
 
     /// A Matrix homeserver refused or failed a request that is not a send
-    /// (login, sync; feature `matrix`). Sends report a
+    /// (login, join, sync; feature `matrix`). Sends report a
     /// [`SendError`](crate::SendError) instead.
     #[cfg(feature = "matrix")]
     #[error("matrix {operation} at {url}: {detail}")]
     Matrix {
-        /// What was attempted: `login` or `sync`.
+        /// What was attempted: `login`, `join` or `sync`.
         operation: &'static str,
         /// The endpoint, without query string or credentials.
         url: String,

@@ -260,6 +260,29 @@ impl MatrixClient {
         classify_answer(status, answer.as_ref(), header_wait)
     }
 
+    /// Joins `room` (a room id or alias), accepting an invite if there is
+    /// one; returns the room id. Joining a room the bot is already in is a no-op.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Matrix`] when the server cannot be reached or refuses (not
+    /// invited to a private room, unknown alias).
+    pub async fn join(&self, room: &str) -> Result<String> {
+        let url = format!(
+            "{}/_matrix/client/v3/join/{}",
+            self.homeserver,
+            encode_path_segment(room)
+        );
+        let request = self
+            .http
+            .post(&url)
+            .bearer_auth(&self.session.access_token)
+            .timeout(SEND_TIMEOUT)
+            .json(&serde_json::json!({}));
+        let answer = json_call("join", &url, request).await?;
+        Ok(answer["room_id"].as_str().unwrap_or(room).to_owned())
+    }
+
     /// One `/sync` long poll (up to `wait`): the replies other users sent to
     /// any event in the rooms the bot has joined, and the token for the next
     /// call. Pass `since: None` for the first call (the server then returns
