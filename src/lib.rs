@@ -109,6 +109,7 @@ mod message;
 mod metrics;
 mod order;
 mod outbox;
+mod pacing;
 mod rate;
 mod receipt;
 mod retry;
@@ -139,8 +140,9 @@ pub use crate::matrix::{MatrixClient, MatrixReply, MatrixSession, SyncBatch};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::order::Ordering;
 pub use crate::outbox::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN, GAVE_UP,
-    GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
+    DESTINATION_PACED, GAVE_UP, GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED,
+    SEND_PANICKED,
 };
 pub use crate::rate::{DestinationWindow, RateLimit};
 pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};

@@ -23,6 +23,7 @@ use crate::item::{Claim, ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
 use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, content_hash, limits};
 use crate::order::{self, OrderKey, Picker};
+use crate::pacing::{self, Pacing};
 use crate::rate::{DestinationWindow, RateLimit, RatePolicy};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::send::{FailureClass, SendError};
@@ -48,6 +49,10 @@ pub const CANCELLED: &str = "cancelled_by_operator";
 /// The error code on a deferral because the platform asked (with `retry_after`)
 /// not to send to the destination until a moment that has not come yet.
 pub const DESTINATION_COOLDOWN: &str = "destination_cooldown";
+/// The error code on a deferral because sends to the destination are spaced
+/// by the interval learned from its `retry_after`s (adaptive pacing: after a
+/// 429, one send per learned interval instead of a herd when the cooldown ends).
+pub const DESTINATION_PACED: &str = "destination_paced";
 /// The error code on a deferral caused by the cap across all destinations.
 pub const GLOBAL_RATE_CAPPED: &str = "global_rate_cap";
 /// The error code on a deferral caused by the destination's rate cap.
@@ -134,6 +139,8 @@ struct Inner {
     wakers: Wakers,
     config: Config,
     faults: Failpoints,
+    /// Per destination, the spacing learned from the platform's `retry_after`s.
+    pacing: Pacing,
 }
 
 /// What this process knows that is only touched under the directory lock.
@@ -564,6 +571,7 @@ impl Outbox {
                 lock,
                 owner,
                 in_flight: Mutex::new(HashSet::new()),
+                pacing: Pacing::default(),
                 poisoned: AtomicBool::new(false),
                 group: Group::default(),
                 initial_settings,
@@ -2160,7 +2168,7 @@ impl Outbox {
                 None,
             )));
         }
-        if let Some((free_at, code)) = Self::rate_capped(txn, &item.destination, now) {
+        if let Some((free_at, code)) = self.rate_capped(txn, &item.destination, now) {
             let item = txn.item_mut(key)?;
             item.next_attempt_at = Some(free_at);
             item.error_code = Some(code.to_owned());
@@ -2198,6 +2206,7 @@ impl Outbox {
     /// When a send to `destination` at `now` would exceed a cap: the moment the
     /// binding cap frees a slot, and which cap it is.
     fn rate_capped(
+        &self,
         txn: &Txn<'_>,
         destination: &str,
         now: DateTime<Utc>,
@@ -2214,11 +2223,44 @@ impl Outbox {
         let cooled = txn
             .destination_cooldown(destination, now)
             .map(|until| (until, DESTINATION_COOLDOWN));
+        let paced = self
+            .inner
+            .pacing
+            .interval(destination, now)
+            .and_then(|pace| {
+                txn.destination_times(destination, earlier(now, pace))
+                    .into_iter()
+                    .max()
+                    .map(|last| (later(last, pace), DESTINATION_PACED))
+            })
+            .filter(|(at, _)| *at > now);
         // Every limit must allow the send; the latest moment is when all do.
-        [per_destination, global, cooled]
+        [per_destination, global, cooled, paced]
             .into_iter()
             .flatten()
             .max_by_key(|(at, _)| *at)
+    }
+
+    /// Learns the destination's pace from a `retry_after` of `hint` on the
+    /// send `item` (still claimed) just made; see `pacing`. Returns when the
+    /// pace next allows a send there (after the destination's previous send).
+    fn learn_pace(
+        &self,
+        txn: &Txn<'_>,
+        item: &OutboxItem,
+        hint: Duration,
+        now: DateTime<Utc>,
+    ) -> Option<DateTime<Utc>> {
+        let started = item.claim.as_ref().and_then(|c| c.at).unwrap_or(now);
+        let previous = txn
+            .destination_times(&item.destination, earlier(started, pacing::MEMORY))
+            .into_iter()
+            .filter(|at| *at < started)
+            .max();
+        let gap = previous.and_then(|at| started.signed_duration_since(at).to_std().ok());
+        self.inner.pacing.learn(&item.destination, gap, hint, now);
+        let pace = self.inner.pacing.interval(&item.destination, now)?;
+        previous.map(|at| later(at, pace))
     }
 
     /// Whether an item whose send may have left can be sent again under its
@@ -2332,6 +2374,11 @@ impl Outbox {
                         None,
                     ))
                 } else if retryable && (paced || attempts < txn.settings.max_attempts) {
+                    // Not before the learned pace allows either, so the items
+                    // held back for the destination do not overtake this one.
+                    let pace_free = error
+                        .retry_after_hint()
+                        .and_then(|hint| self.learn_pace(txn, item, hint, now));
                     let item = txn.item_mut(key)?;
                     if paced {
                         item.attempts = item.attempts.saturating_sub(1);
@@ -2339,7 +2386,7 @@ impl Outbox {
                     item.claim = None;
                     item.error_code = Some(code);
                     item.failure_class = Some(FailureClass::Retryable);
-                    item.next_attempt_at = Some(later(now, wait));
+                    item.next_attempt_at = Some(later(now, wait).max(pace_free.unwrap_or(now)));
                     // The platform's wait covers the whole destination, not just this item.
                     item.cooldown_until = error.retry_after_hint().map(|hint| later(now, hint));
                     let audit_id = record(txn, key, AuditOutcome::Retrying, None, false)?;

@@ -9,6 +9,7 @@
 mod harness;
 mod seeded;
 
+mod adaptive_pacing;
 mod at_most_once;
 mod audit_log;
 mod bad_input;

@@ -1,5 +1,6 @@
 //! Model check of the item lifecycle (brief §3) and the per-destination rate caps (§4),
-//! including the destination-wide cooldown a platform's `retry_after` imposes.
+//! including the destination-wide cooldown a platform's `retry_after` imposes and
+//! the pace learned from it (one send per learned interval, held by the handle).
 //!
 //! Proptest generates runs of: enqueue (a small pool of keys and destinations,
 //! sometimes reusing a key for a different message), `process(key)` with scripted
@@ -22,8 +23,8 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, Utc};
 use durable_outbox::{
     AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, AuditLog, Clock, DESTINATION_COOLDOWN,
-    DeliveryReceipt, DrainReport, Error, ItemState, ManualClock, NewMessage, Outbox, OutboxItem,
-    Outcome, RATE_CAPPED, SEND_PANICKED, SendError, limits,
+    DESTINATION_PACED, DeliveryReceipt, DrainReport, Error, ItemState, ManualClock, NewMessage,
+    Outbox, OutboxItem, Outcome, RATE_CAPPED, SEND_PANICKED, SendError, limits,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -324,7 +325,15 @@ struct Model {
     /// Per destination, the latest `retry_after` moment: it belongs to the
     /// destination, whatever becomes of the item that received it.
     cooldowns: BTreeMap<usize, DateTime<Utc>>,
+    /// Per destination, the learned pace: the interval between sends and until
+    /// when it holds. It lives in the open handle: a restart forgets it.
+    paces: BTreeMap<usize, (chrono::Duration, DateTime<Utc>)>,
 }
+
+/// How long a learned pace holds after the 429 that set or confirmed it.
+const PACE_MEMORY_MS: u64 = 2 * 60 * 1000;
+/// The longest pace learned.
+const PACE_LONGEST_MS: u64 = 5 * 60 * 1000;
 
 impl Model {
     fn item(&mut self, key: &str) -> &mut ModelItem {
@@ -373,13 +382,9 @@ impl Model {
         self.expect(key, Outcome::Failed, true)
     }
 
-    /// §4: `None` if a send to `destination` may start now, else when a slot of
-    /// the rate cap frees.
-    fn free_slot(&self, destination: usize) -> Option<DateTime<Utc>> {
-        let window = millis(self.settings.rate_window_ms);
-        let count = self.settings.rate_count as usize;
-        let mut recent: Vec<DateTime<Utc>> = self
-            .items
+    /// Every send and claim time of `destination` (what the rate rules count).
+    fn send_times(&self, destination: usize) -> Vec<DateTime<Utc>> {
+        self.items
             .values()
             .filter(|i| i.destination == destination)
             .flat_map(|i| {
@@ -390,6 +395,17 @@ impl Model {
                 };
                 current.into_iter().chain(i.maybe_sent_at)
             })
+            .collect()
+    }
+
+    /// §4: `None` if a send to `destination` may start now, else when a slot of
+    /// the rate cap frees.
+    fn free_slot(&self, destination: usize) -> Option<DateTime<Utc>> {
+        let window = millis(self.settings.rate_window_ms);
+        let count = self.settings.rate_count as usize;
+        let mut recent: Vec<DateTime<Utc>> = self
+            .send_times(destination)
+            .into_iter()
             .filter(|t| *t > self.now - window)
             .collect();
         if recent.len() < count {
@@ -409,17 +425,67 @@ impl Model {
             .filter(|until| *until > self.now)
     }
 
+    /// With a learned pace: when the next send to `destination` may start
+    /// (the pace after its latest send), if that is later than now.
+    fn paced(&self, destination: usize) -> Option<DateTime<Utc>> {
+        let (interval, until) = *self.paces.get(&destination)?;
+        if until <= self.now {
+            return None;
+        }
+        self.send_times(destination)
+            .into_iter()
+            .filter(|t| *t >= self.now - interval)
+            .max()
+            .map(|last| last + interval)
+            .filter(|free| *free > self.now)
+    }
+
+    /// Learns a pace from a `retry_after` of `hint_ms` on the send of `key`,
+    /// started at `started` (the gap since the destination's previous send,
+    /// plus the hint; only ever raised while it holds).
+    fn learn_pace(
+        &mut self,
+        destination: usize,
+        started: DateTime<Utc>,
+        hint_ms: u64,
+    ) -> Option<DateTime<Utc>> {
+        let previous = self
+            .send_times(destination)
+            .into_iter()
+            .filter(|t| *t >= started - millis(PACE_MEMORY_MS) && *t < started)
+            .max();
+        let gap = previous.map_or(chrono::Duration::zero(), |at| started - at);
+        // A quarter more than the estimate, in whole microseconds.
+        let estimate = (gap + millis(hint_ms)).num_microseconds().expect("small") * 5 / 4;
+        let interval = chrono::Duration::microseconds(estimate).min(millis(PACE_LONGEST_MS));
+        let now = self.now;
+        let pace = self.paces.entry(destination).or_insert((interval, now));
+        pace.0 = if pace.1 <= now {
+            interval
+        } else {
+            pace.0.max(interval)
+        };
+        pace.1 = now + millis(PACE_MEMORY_MS);
+        let interval = pace.0;
+        previous.map(|at| at + interval)
+    }
+
     /// When a send to `destination` may start, if not now, and which limit
-    /// decides: the later of the rate cap and a cooldown (the cooldown on a tie).
+    /// decides: the latest of the rate cap, a cooldown and the pace (the later
+    /// one in that order on a tie).
     fn held_until(&self, destination: usize) -> Option<(DateTime<Utc>, &'static str)> {
         let capped = self.free_slot(destination).map(|at| (at, RATE_CAPPED));
         let cooled = self
             .cooldown(destination)
             .map(|at| (at, DESTINATION_COOLDOWN));
-        match (capped, cooled) {
-            (Some(c), Some(d)) => Some(if c.0 > d.0 { c } else { d }),
-            (c, d) => c.or(d),
-        }
+        let paced = self.paced(destination).map(|at| (at, DESTINATION_PACED));
+        [capped, cooled, paced].into_iter().flatten().fold(
+            None,
+            |best: Option<(DateTime<Utc>, &'static str)>, c| match best {
+                Some(b) if b.0 > c.0 => Some(b),
+                _ => Some(c),
+            },
+        )
     }
 
     /// Whether `process` would hand `key` to `send` right now.
@@ -511,6 +577,13 @@ impl Model {
         if paced {
             item.attempts -= 1;
         }
+        let pace_free = if paced {
+            let (destination, started) = (item.destination, item.claimed_at.unwrap_or(now));
+            self.learn_pace(destination, started, hint)
+        } else {
+            None
+        };
+        let item = self.item(key);
         item.claimed_at = None;
         item.cooldown_until = matches!(reply, Reply::RetryAfter(..)).then(|| now + millis(hint));
         if let Some(until) = item.cooldown_until {
@@ -520,7 +593,7 @@ impl Model {
         }
         let item = self.item(key);
         item.error_code = Some(sanitized(code));
-        item.next_attempt_at = Some(now + millis(wait));
+        item.next_attempt_at = Some((now + millis(wait)).max(pace_free.unwrap_or(now)));
         self.record(key, "retrying");
         (self.expect(key, Outcome::Deferred, true), Some(wait))
     }
@@ -802,6 +875,7 @@ impl Run {
                 items: BTreeMap::new(),
                 audit: Vec::new(),
                 cooldowns: BTreeMap::new(),
+                paces: BTreeMap::new(),
             },
         }
     }
@@ -820,6 +894,7 @@ impl Run {
     }
 
     fn restart(&mut self) {
+        self.model.paces.clear();
         drop(self.outbox.take());
         self.outbox = Some(open(self.dir.path(), &self.clock, self.settings));
     }

@@ -222,6 +222,21 @@ fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
         h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
         Outcome::Sent
     );
+    // No herd when the cooldown ends: the next send to chat-1 is paced by
+    // what the platform asked for (see `adaptive_pacing`).
+    let a = h
+        .outbox
+        .process("a", |_| panic!("inside the learned pace"))
+        .unwrap();
+    assert_eq!(
+        a.error_code.as_deref(),
+        Some(durable_outbox::DESTINATION_PACED)
+    );
+    assert_eq!(
+        a.next_attempt_at,
+        Some(t0 + chrono::Duration::milliseconds(30_000 + 37_500))
+    );
+    h.clock.advance(std::time::Duration::from_millis(37_500));
     assert_eq!(
         h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
         Outcome::Sent
