@@ -116,7 +116,7 @@ fn with_no_attempts_left_an_ambiguous_send_fails_with_its_own_code() {
     assert_eq!(seen.lock().unwrap().len(), 2);
 }
 
-/// Rewrites the snapshot so `key` is claimed by an owner that died (kill -9).
+/// Rewrites the snapshot so the item is claimed by an owner that died (kill -9).
 fn forge_dead_claim(h: &Harness) {
     h.outbox.compact().unwrap();
     let path = h.path("outbox.json");
@@ -126,6 +126,8 @@ fn forge_dead_claim(h: &Harness) {
     );
     let text = text.replace("\"attempts\": 0", "\"attempts\": 1");
     std::fs::write(&path, text).unwrap();
+    // SIGKILL leaves the owner file in place, unlocked.
+    crate::harness::plant_dead_owner(h.dir.path(), "4242-dead-0");
 }
 
 #[test]
