@@ -155,7 +155,7 @@ async fn deliver(
                 let sent = client.send(item).await;
                 match &sent {
                     Ok(event_id) => {
-                        println!("sent {key} as {}", event_id.as_deref().unwrap_or("?"))
+                        println!("sent {key} as {}", event_id.as_deref().unwrap_or("?"));
                     }
                     Err(e) => println!("{key}: {e}"),
                 }

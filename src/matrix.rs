@@ -29,7 +29,7 @@
 //! `reqwest = { version = "0.13", features = ["rustls"] }`; Cargo unifies
 //! features) or pass your own client to [`MatrixClient::with_http`].
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -480,7 +480,7 @@ fn encode_path_segment(text: &str) -> String {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
             out.push(char::from(byte));
         } else {
-            out.push_str(&format!("%{byte:02X}"));
+            let _ = write!(out, "%{byte:02X}");
         }
     }
     out

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use durable_outbox::{
-    AMBIGUOUS_AFTER_RESTART, AuditLog, AuditOutcome, Error, ItemState, Outbox, Outcome, SendError,
+    AMBIGUOUS_AFTER_RESTART, AuditLog, AuditOutcome, Error, Outbox, Outcome, SendError,
 };
 
 use crate::harness::{Harness, msg, secs};
@@ -187,7 +187,7 @@ fn a_send_future_dropped_mid_flight_goes_back_to_the_queue() {
         std::thread::sleep(std::time::Duration::from_millis(10));
         item = h.outbox.get("k").unwrap().unwrap();
     }
-    assert_eq!(item.state(), ItemState::Queued);
+    assert_eq!(item.state(), durable_outbox::ItemState::Queued);
     assert_eq!(item.error_code(), Some(durable_outbox::SEND_CANCELLED));
     let receipt = h.outbox.process("k", |_| Ok(Some("ev".into()))).unwrap();
     assert_eq!(receipt.outcome, Outcome::Sent);

@@ -98,7 +98,7 @@ where
     }
 }
 
-/// The bot's messages in the room, oldest first: (body, event id, origin_server_ts).
+/// The bot's messages in the room, oldest first: (body, event id, `origin_server_ts`).
 async fn bot_messages(
     server: &Synapse,
     reader: &Account,

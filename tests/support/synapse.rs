@@ -1,9 +1,9 @@
 //! A throwaway Synapse homeserver for tests that need a real Matrix server.
 //!
-//! - Synapse is installed from PyPI into a virtualenv under the target directory
+//! - Synapse is installed from `PyPI` into a virtualenv under the target directory
 //!   by `scripts/synapse-venv.sh` (pinned version; a marker file makes reruns
 //!   instant; a lock file keeps two test processes from installing at once).
-//! - Each server gets a temp dir with a generated config: SQLite, 127.0.0.1 on a
+//! - Each server gets a temp dir with a generated config: `SQLite`, 127.0.0.1 on a
 //!   free port, no federation, a `registration_shared_secret`, login/join/invite
 //!   limits raised out of the way, and the test's own `rc_message`.
 //! - The server runs in its own process group under a `sh` watchdog that reads
@@ -277,7 +277,8 @@ impl Synapse {
                 encode(room)
             );
             if let Some(from) = &from {
-                url.push_str(&format!("&from={}", encode(from)));
+                url.push_str("&from=");
+                url.push_str(&encode(from));
             }
             let page = call(http.get(url).bearer_auth(&reader.token)).await;
             let chunk = page["chunk"].as_array().cloned().unwrap_or_default();

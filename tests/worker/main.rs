@@ -179,6 +179,7 @@ fn group(dir: &str, log: &str, prefix: &str, threads: &str, n: &str) {
     say("done");
 }
 
+#[allow(clippy::too_many_lines, reason = "one short arm per command")]
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
