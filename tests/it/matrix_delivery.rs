@@ -527,3 +527,59 @@ async fn a_server_down_for_ten_seconds_loses_and_doubles_nothing() {
     eprintln!("outage: down for {down_for:?}; {retried} items needed more than one attempt");
     assert!(retried >= 1, "the outage must have hit at least one send");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_refusals_are_classified_as_it_means_them() {
+    let Some(server) = Synapse::shared().await else {
+        return;
+    };
+    let (bot, alice) = (
+        server.user("bot", true).await,
+        server.user("alice", true).await,
+    );
+    // A bad password is a typed error naming the endpoint and Matrix errcode.
+    let refused = MatrixClient::login(&server.url(), &bot.localpart, "wrong", "OUTBOX").await;
+    assert!(
+        matches!(
+            &refused,
+            Err(durable_outbox::Error::Matrix { operation: "login", status: Some(403), errcode: Some(code), .. })
+                if code == "M_FORBIDDEN"
+        ),
+        "{refused:?}"
+    );
+    // A room the bot was never invited to: permanent, the item fails at once.
+    let carol = server.user("carol", true).await;
+    let private = server.room(&alice, &carol).await;
+    let client = login(server, &bot, "OUTBOX").await;
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = unpaced(dir.path())
+        .max_inline_wait(Duration::ZERO)
+        .open()
+        .unwrap();
+    outbox.enqueue(message("forbidden", &private)).unwrap();
+    let receipt = outbox
+        .process_async("forbidden", |item| {
+            let client = client.clone();
+            async move { client.send(item).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(receipt.outcome, Outcome::Failed);
+    assert_eq!(receipt.error_code.as_deref(), Some("M_FORBIDDEN"));
+    assert_eq!(receipt.attempts, 1);
+    // Nobody listening: certainly not sent, so retryable.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let offline = MatrixClient::from_session(&nowhere, client.session().clone()).unwrap();
+    outbox.enqueue(message("offline", &private)).unwrap();
+    let receipt = outbox
+        .process_async("offline", |item| {
+            let offline = offline.clone();
+            async move { offline.send(item).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(receipt.outcome, Outcome::Deferred);
+    assert_eq!(receipt.error_code.as_deref(), Some("connect_failed"));
+}
