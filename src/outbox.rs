@@ -2258,7 +2258,32 @@ impl Outbox {
             .filter(|at| *at < started)
             .max();
         let gap = previous.and_then(|at| started.signed_duration_since(at).to_std().ok());
-        self.inner.pacing.learn(&item.destination, gap, hint, now);
+        // Sends accepted since the moment the previous refusal named refilled
+        // the server's bucket up to this refusal's moment.
+        let since_last = self
+            .inner
+            .pacing
+            .last_allowed(&item.destination, now)
+            .and_then(|last| {
+                let accepted = txn
+                    .destination_times(&item.destination, last)
+                    .into_iter()
+                    .filter(|at| *at < started)
+                    .count();
+                let span = later(started, hint)
+                    .signed_duration_since(last)
+                    .to_std()
+                    .ok()?;
+                let per = span.as_micros() / u128::try_from(accepted).ok().filter(|k| *k > 0)?;
+                Some(Duration::from_micros(u64::try_from(per).ok()?))
+            });
+        let refusal = pacing::Refusal {
+            gap,
+            hint,
+            started,
+            since_last,
+        };
+        self.inner.pacing.learn(&item.destination, refusal, now);
         let pace = self.inner.pacing.interval(&item.destination, now)?;
         previous.map(|at| later(at, pace))
     }

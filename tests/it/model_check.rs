@@ -327,7 +327,8 @@ struct Model {
     cooldowns: BTreeMap<usize, DateTime<Utc>>,
     /// Per destination, the learned pace: the interval between sends and until
     /// when it holds. It lives in the open handle: a restart forgets it.
-    paces: BTreeMap<usize, (chrono::Duration, DateTime<Utc>)>,
+    /// (interval, held until, the moment the last refusal named)
+    paces: BTreeMap<usize, (chrono::Duration, DateTime<Utc>, DateTime<Utc>)>,
 }
 
 /// How long a learned pace holds after the 429 that set or confirmed it.
@@ -428,7 +429,7 @@ impl Model {
     /// With a learned pace: when the next send to `destination` may start
     /// (the pace after its latest send), if that is later than now.
     fn paced(&self, destination: usize) -> Option<DateTime<Utc>> {
-        let (interval, until) = *self.paces.get(&destination)?;
+        let (interval, until, _) = *self.paces.get(&destination)?;
         if until <= self.now {
             return None;
         }
@@ -455,17 +456,38 @@ impl Model {
             .filter(|t| *t >= started - millis(PACE_MEMORY_MS) && *t < started)
             .max();
         let gap = previous.map_or(chrono::Duration::zero(), |at| started - at);
-        // A quarter more than the estimate, in whole microseconds.
-        let estimate = (gap + millis(hint_ms)).num_microseconds().expect("small") * 5 / 4;
-        let interval = chrono::Duration::microseconds(estimate).min(millis(PACE_LONGEST_MS));
         let now = self.now;
-        let pace = self.paces.entry(destination).or_insert((interval, now));
+        // Since the previous refusal's moment, the accepted sends refilled the
+        // bucket up to this one's: the interval is the span over their count.
+        let allowed_at = started + millis(hint_ms);
+        let since_last = self
+            .paces
+            .get(&destination)
+            .filter(|(_, until, _)| *until > now)
+            .and_then(|(_, _, last)| {
+                let accepted = self
+                    .send_times(destination)
+                    .into_iter()
+                    .filter(|t| *t >= *last && *t < started)
+                    .count() as i64;
+                let span = (allowed_at - *last).num_microseconds().expect("small");
+                (accepted > 0 && span >= 0).then(|| span / accepted)
+            });
+        // The larger estimate and a quarter more, in whole microseconds.
+        let by_gap = (gap + millis(hint_ms)).num_microseconds().expect("small");
+        let estimate = by_gap.max(since_last.unwrap_or(0)) * 5 / 4;
+        let interval = chrono::Duration::microseconds(estimate).min(millis(PACE_LONGEST_MS));
+        let pace = self
+            .paces
+            .entry(destination)
+            .or_insert((interval, now, allowed_at));
         pace.0 = if pace.1 <= now {
             interval
         } else {
             pace.0.max(interval)
         };
         pace.1 = now + millis(PACE_MEMORY_MS);
+        pace.2 = allowed_at;
         let interval = pace.0;
         previous.map(|at| at + interval)
     }
