@@ -15,8 +15,11 @@
 //! - Messages are keyed so that a rerun enqueues nothing new (`hello-0…`), and
 //!   each answer is keyed by the reply's event id: a reply seen twice (a sync
 //!   replayed after a restart) is answered once.
-//! - On Ctrl-C it stops claiming, lets the send in progress finish and record
-//!   its outcome, and exits; what is still queued is sent on the next start.
+//! - Delivery is the crate's worker (`Outbox::worker`): messages to the room
+//!   leave one at a time in enqueue order, paced by what the homeserver's
+//!   429s asked for. On Ctrl-C it stops claiming, lets the send in progress
+//!   finish and record its outcome, and exits; what is still queued is sent on
+//!   the next start.
 
 use std::time::Duration;
 
@@ -136,41 +139,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Sends due items until told to stop.
-///
-/// TEMPORARY until the delivery worker (issue 14) lands on main: this loop
-/// becomes `outbox.worker(send).concurrency(1).run(stopped).await?`, which
-/// also wakes on enqueue instead of polling.
+/// Runs the delivery worker until told to stop: it wakes on every enqueue
+/// (the answers) and at each deferred item's moment, keeps one send at a time
+/// per room in enqueue order, and on stop lets the send in progress finish.
 async fn deliver(
     outbox: &Outbox,
     client: &MatrixClient,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let send = {
+    let client = client.clone();
+    let send = move |item: OutboxItem| {
         let client = client.clone();
-        move |item: OutboxItem| {
-            let client = client.clone();
-            async move {
-                let key = item.idempotency_key().to_owned();
-                let sent = client.send(item).await;
-                match &sent {
-                    Ok(event_id) => {
-                        println!("sent {key} as {}", event_id.as_deref().unwrap_or("?"));
-                    }
-                    Err(e) => println!("{key}: {e}"),
-                }
-                sent
+        async move {
+            let key = item.idempotency_key().to_owned();
+            let sent = client.send(item).await;
+            match &sent {
+                Ok(event_id) => println!("sent {key} as {}", event_id.as_deref().unwrap_or("?")),
+                Err(e) => println!("{key}: {e}"),
             }
+            sent
         }
     };
-    while !*stop.borrow() {
-        // One send at a time keeps a room's messages in order.
-        outbox.process_due_async(1, send.clone()).await?;
-        tokio::select! {
-            _ = stop.changed() => {}
-            () = tokio::time::sleep(Duration::from_millis(250)) => {}
-        }
-    }
+    let stopped = async move {
+        let _ = stop.wait_for(|stop| *stop).await;
+    };
+    let report = outbox
+        .worker(send)
+        .shutdown_timeout(Duration::from_secs(10))
+        .run(stopped)
+        .await?;
+    println!(
+        "worker: {} sent, {} failed, {} retried, {} released",
+        report.sent, report.failed, report.retried, report.released
+    );
     Ok(())
 }
 
