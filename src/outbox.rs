@@ -2129,18 +2129,9 @@ impl Outbox {
                     None,
                 )));
             }
-            if !self.may_resend(txn, item, now) {
-                tracing::warn!(
-                    key,
-                    "found a claim whose worker is gone; failing it as ambiguous"
-                );
-                return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART);
+            if let Some(failed) = self.settle_dead_claim(txn, key, now)? {
+                return Ok(failed);
             }
-            tracing::warn!(
-                key,
-                "found a claim whose worker is gone; resending it under its transaction id"
-            );
-            resend_later(txn, key, AMBIGUOUS_AFTER_RESTART, now)?;
         }
         let item = txn.item(key).ok_or_else(|| Error::NotFound {
             key: key.to_owned(),
@@ -2239,6 +2230,33 @@ impl Outbox {
             .into_iter()
             .flatten()
             .max_by_key(|(at, _)| *at)
+    }
+
+    /// A claim whose worker is gone: fails the item as ambiguous, or, under an
+    /// idempotent transport, puts it back for a resend under its transaction
+    /// id (`None`: the caller goes on deciding the now unclaimed item).
+    fn settle_dead_claim(
+        &self,
+        txn: &mut Txn<'_>,
+        key: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<Decision>> {
+        let item = txn.item(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })?;
+        if !self.may_resend(txn, item, now) {
+            tracing::warn!(
+                key,
+                "found a claim whose worker is gone; failing it as ambiguous"
+            );
+            return fail_ambiguous(txn, key, AMBIGUOUS_AFTER_RESTART).map(Some);
+        }
+        tracing::warn!(
+            key,
+            "found a claim whose worker is gone; resending it under its transaction id"
+        );
+        resend_later(txn, key, AMBIGUOUS_AFTER_RESTART, now)?;
+        Ok(None)
     }
 
     /// Learns the destination's pace from a `retry_after` of `hint` on the
