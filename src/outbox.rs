@@ -2647,25 +2647,14 @@ fn record(
     let item = txn.item_mut(key)?;
     item.last_audit_id = Some(audit_id.clone());
     item.updated_at = item.updated_at.max(now);
-    let event = AuditEvent {
-        attempts: item.attempts,
-        audit_id: audit_id.clone(),
-        connector: item.connector.clone(),
-        content_hash: item.content_hash.clone(),
-        destination: item.destination.clone(),
-        direction: item.direction.clone(),
-        error_code: item.error_code.clone(),
-        failure_class: item.failure_class,
-        grant_id: item.grant_id.clone(),
-        idempotency_key: item.idempotency_key.clone(),
-        lane: item.lane.clone(),
+    let event = AuditEvent::for_item(
+        item,
         outcome,
-        note: note.map(str::to_owned),
+        audit_id.clone(),
+        note,
         reconciled,
-        recorded_at_utc: format_timestamp(now),
-        risk_class: item.risk_class.clone(),
-        transport_ref: item.transport_ref.clone(),
-    };
+        format_timestamp(now),
+    );
     let sealed = AuditRecord::seal(&event, seq, &prev_hash, false, txn.hasher);
     txn.head = Head {
         seq: sealed.seq,

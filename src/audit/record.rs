@@ -78,6 +78,39 @@ pub(crate) struct AuditEvent {
     pub(crate) transport_ref: Option<String>,
 }
 
+impl AuditEvent {
+    /// The event for `item` as it stands now: its fields, and the record's own
+    /// outcome, id, note and time. Both engines build their records here.
+    pub(crate) fn for_item(
+        item: &crate::item::OutboxItem,
+        outcome: AuditOutcome,
+        audit_id: String,
+        note: Option<&str>,
+        reconciled: bool,
+        recorded_at_utc: String,
+    ) -> Self {
+        Self {
+            attempts: item.attempts,
+            audit_id,
+            connector: item.connector.clone(),
+            content_hash: item.content_hash.clone(),
+            destination: item.destination.clone(),
+            direction: item.direction.clone(),
+            error_code: item.error_code.clone(),
+            failure_class: item.failure_class,
+            grant_id: item.grant_id.clone(),
+            idempotency_key: item.idempotency_key.clone(),
+            lane: item.lane.clone(),
+            outcome,
+            note: note.map(str::to_owned),
+            reconciled,
+            recorded_at_utc,
+            risk_class: item.risk_class.clone(),
+            transport_ref: item.transport_ref.clone(),
+        }
+    }
+}
+
 /// One line of `audit.jsonl`.
 ///
 /// Fields are declared in byte-wise alphabetical order: serde writes them in that

@@ -140,25 +140,7 @@ pub(crate) fn event(
             .finalize()[..16],
     );
     item.last_audit_id = Some(audit_id.clone());
-    AuditEvent {
-        attempts: item.attempts,
-        audit_id,
-        connector: item.connector.clone(),
-        content_hash: item.content_hash.clone(),
-        destination: item.destination.clone(),
-        direction: item.direction.clone(),
-        error_code: item.error_code.clone(),
-        failure_class: item.failure_class,
-        grant_id: item.grant_id.clone(),
-        idempotency_key: item.idempotency_key.clone(),
-        lane: item.lane.clone(),
-        outcome,
-        note: note.map(str::to_owned),
-        reconciled: false,
-        recorded_at_utc,
-        risk_class: item.risk_class.clone(),
-        transport_ref: item.transport_ref.clone(),
-    }
+    AuditEvent::for_item(item, outcome, audit_id, note, false, recorded_at_utc)
 }
 
 /// Commits one item write with its audit record; returns the item as written.

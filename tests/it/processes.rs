@@ -23,7 +23,7 @@ fn spawn(args: &[&str]) -> Child {
 }
 
 /// Reads the child's stdout until a line starts with `prefix`.
-fn wait_for_line(child: &mut Child, prefix: &str) -> String {
+pub(crate) fn wait_for_line(child: &mut Child, prefix: &str) -> String {
     let out = child.stdout.as_mut().expect("piped stdout");
     let mut reader = BufReader::new(out);
     let mut line = String::new();

@@ -6,7 +6,6 @@
 //! Every wait runs under a deadline that names the guarantee it was waiting for.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -58,25 +57,8 @@ fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u6
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn the worker");
-    read_line(&mut child, "ready");
+    crate::processes::wait_for_line(&mut child, "ready");
     Reaped(child)
-}
-
-/// Reads the child's stdout until a line starts with `prefix`.
-fn read_line(child: &mut Child, prefix: &str) -> String {
-    let out = child.stdout.as_mut().expect("piped stdout");
-    let mut reader = BufReader::new(out);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            reader.read_line(&mut line).expect("read") > 0,
-            "the worker exited before printing {prefix:?}"
-        );
-        if line.starts_with(prefix) {
-            return line.trim_end().to_owned();
-        }
-    }
 }
 
 fn log_lines(log: &Path) -> Vec<String> {
@@ -128,7 +110,7 @@ fn wait_exit(child: &mut Child, what: &str) {
 }
 
 fn report(child: &mut Child) -> BTreeMap<String, usize> {
-    let line = read_line(child, "report ");
+    let line = crate::processes::wait_for_line(child, "report ");
     line.trim_start_matches("report ")
         .split(' ')
         .map(|kv| {
@@ -299,7 +281,7 @@ fn sigkill_in_process_due_leaves_only_the_started_send_ambiguous() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn");
-    let line = read_line(&mut child, "sending ");
+    let line = crate::processes::wait_for_line(&mut child, "sending ");
     child.kill().expect("SIGKILL");
     child.wait().expect("reap");
     let key = line.trim_start_matches("sending ").to_owned();
@@ -424,7 +406,7 @@ fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() 
             .spawn()
             .expect("spawn the claimant"),
     );
-    read_line(&mut claimant, "sending m1");
+    crate::processes::wait_for_line(&mut claimant, "sending m1");
     let mut worker = serve(dir.path(), &log, 2, 0, 20_000);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
