@@ -102,10 +102,16 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// An empty outbox.
+    /// An empty outbox, created by a bot that caps each chat at 10 sends per
+    /// 60 s (stored, so the tool reads it back). The fixtures send twice to
+    /// one chat at once, which the default cap (one per chat per second)
+    /// would defer; these tests are about the tool, not the cap.
     pub fn empty() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let outbox = Outbox::open(dir.path()).unwrap();
+        let outbox = Outbox::builder(dir.path())
+            .rate_limit(10, std::time::Duration::from_secs(60))
+            .open()
+            .unwrap();
         Self { dir, outbox }
     }
 
@@ -168,12 +174,19 @@ impl Fixture {
         f
     }
 
-    /// Processes `key` once with a `send` that answers `result`.
+    /// Processes `key` once with a `send` that answers `result`; panics if
+    /// the outbox did not hand it to `send` (a fixture that silently leaves an
+    /// item queued would not be the situation its tests describe).
     pub fn send(&self, key: &str, result: Result<Option<String>, SendError>) {
         let mut result = Some(result);
-        self.outbox
+        let receipt = self
+            .outbox
             .process(key, |_| result.take().expect("sent once"))
             .unwrap();
+        assert!(
+            result.is_none(),
+            "the fixture's {key} was not handed to send: {receipt:?}"
+        );
     }
 
     pub fn path(&self) -> &Path {

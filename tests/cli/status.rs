@@ -103,7 +103,7 @@ fn sends_per_destination_are_compared_with_the_cap() {
         .find(|d| d["destination"] == "chat-3")
         .expect("chat-3 has a queued item");
     assert!(chat3["cooldown_until_utc"].is_string(), "{chat3}");
-    // With the stored cap (the library default, 10 a minute) the window is not full.
+    // With the stored cap (the fixture bot's, 10 a minute) the window is not full.
     // (Exit 1: the demo's ambiguous timeout-1 needs an operator.)
     f.run("status", &[])
         .exits(1)

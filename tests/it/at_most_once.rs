@@ -5,7 +5,7 @@ use std::sync::mpsc;
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outcome, SEND_PANICKED, SendError};
 
-use crate::harness::{DEADLOCK_LIMIT, Harness, within};
+use crate::harness::{DEADLOCK_LIMIT, Harness, uncapped, within};
 
 /// Runs `during` while another thread is inside `send` for `key`, then lets it finish.
 fn while_sending(h: &Harness, key: &str, during: impl FnOnce()) -> Outcome {
@@ -98,7 +98,7 @@ fn a_claim_whose_owner_is_gone_fails_as_ambiguous_without_sending() {
 
 #[test]
 fn a_panic_in_send_fails_the_item_as_ambiguous_and_leaves_the_outbox_usable() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     h.enqueue("boom", "chat-1");
     h.enqueue("next", "chat-1");
     let caught = catch_unwind(AssertUnwindSafe(|| {

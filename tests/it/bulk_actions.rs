@@ -7,12 +7,12 @@ use durable_outbox::{
     AuditOutcome, CANCELLED, Error, FailureClass, ItemFilter, ItemState, SendError,
 };
 
-use crate::harness::{Harness, secs};
+use crate::harness::{Harness, secs, uncapped};
 
 /// After an outage: three retryable failures (two in chat-1, one in chat-2),
 /// one ambiguous failure, one sent item, two queued items.
 fn after_an_outage() -> Harness {
-    let h = Harness::with(|b| b.max_attempts(1));
+    let h = Harness::with(|b| uncapped(b).max_attempts(1));
     for (key, chat) in [
         ("down-1", "chat-1"),
         ("down-2", "chat-1"),

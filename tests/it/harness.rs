@@ -73,6 +73,15 @@ impl Harness {
     }
 }
 
+/// A per-destination cap that never binds, for tests about something else
+/// (order, history, replies, operator actions…) that send several messages to
+/// one chat, or resend one, while the manual clock stands still. The crate's
+/// default (one send per chat per second) would defer all but the first; the
+/// tests that are about caps, `rate_caps` and `settings`, set their own.
+pub fn uncapped(b: OutboxBuilder) -> OutboxBuilder {
+    b.rate_limit(u32::MAX, secs(60))
+}
+
 /// A builder with the manual clock as both clock and sleeper.
 pub fn builder(dir: &Path, clock: &ManualClock) -> OutboxBuilder {
     Outbox::builder(dir)

@@ -5,26 +5,31 @@ use std::time::Duration;
 
 use durable_outbox::{Error, ItemState, Outbox, Outcome, SendError};
 
-use crate::harness::{Harness, builder, msg, secs};
+use crate::harness::{Harness, builder, msg, secs, uncapped};
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// An outbox with `n` sent items (refs `tr-i`) and one failed one, a day old.
+/// Uncapped: chats receive several items at one instant.
 fn with_old_traffic(n: usize) -> Harness {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     for i in 0..n {
         let key = format!("old-{i}");
         h.enqueue(&key, &format!("chat-{}", i % 3));
-        h.outbox
+        let sent = h
+            .outbox
             .process(&key, |_| Ok(Some(format!("tr-{i}"))))
             .unwrap();
+        assert_eq!(sent.outcome, Outcome::Sent, "{key}");
     }
     h.enqueue("old-failed", "chat-9");
-    h.outbox
+    let failed = h
+        .outbox
         .process("old-failed", |_| {
             Err(SendError::permanent("chat_not_found"))
         })
         .unwrap();
+    assert_eq!(failed.outcome, Outcome::Failed);
     h.clock.advance(DAY + secs(1));
     h
 }

@@ -8,13 +8,15 @@ use durable_outbox::{
     AMBIGUOUS_AFTER_RESTART, AuditLog, AuditOutcome, Error, Outbox, Outcome, SendError,
 };
 
-use crate::harness::{Harness, msg, secs};
+use crate::harness::{Harness, msg, secs, uncapped};
 
 const WINDOW: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// A harness whose `telegram` connector (the one `msg` uses) is idempotent.
+/// Uncapped: a resend follows its ambiguous attempt at the same instant, and
+/// an ambiguous attempt counts against the cap.
 fn idempotent() -> Harness {
-    Harness::with(|b| b.idempotent_transport("telegram", WINDOW))
+    Harness::with(|b| uncapped(b).idempotent_transport("telegram", WINDOW))
 }
 
 /// A send that answers `ambiguous` `failures` times, then delivers; it records
@@ -103,7 +105,11 @@ fn past_the_dedup_window_an_ambiguous_send_fails() {
 
 #[test]
 fn with_no_attempts_left_an_ambiguous_send_fails_with_its_own_code() {
-    let h = Harness::with(|b| b.idempotent_transport("telegram", WINDOW).max_attempts(2));
+    let h = Harness::with(|b| {
+        uncapped(b)
+            .idempotent_transport("telegram", WINDOW)
+            .max_attempts(2)
+    });
     h.enqueue("k", "chat-1");
     let seen = Arc::new(Mutex::new(Vec::new()));
     let receipt = h.outbox.process("k", flaky(5, &seen)).unwrap();

@@ -3,7 +3,7 @@
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, CANCELLED, Error, ItemState, Outcome, SendError};
 
-use crate::harness::{DEADLOCK_LIMIT, Harness, within};
+use crate::harness::{DEADLOCK_LIMIT, Harness, uncapped, within};
 
 fn failed_ambiguously(h: &Harness, key: &str) {
     h.enqueue(key, "chat-1");
@@ -16,7 +16,9 @@ fn failed_ambiguously(h: &Harness, key: &str) {
 
 #[test]
 fn requeue_sends_a_failed_item_again_and_audits_who_and_why() {
-    let h = Harness::new();
+    // Uncapped: the ambiguous attempt counts against the cap, and the resend
+    // follows it at the same instant.
+    let h = Harness::with(uncapped);
     failed_ambiguously(&h, "k");
     let item = h
         .outbox
@@ -92,7 +94,7 @@ fn requeue_refuses_sent_queued_and_in_flight_items_and_writes_nothing() {
 
 #[test]
 fn an_ambiguous_item_left_by_a_crash_can_be_requeued() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     h.enqueue("k", "chat-1");
     h.outbox.compact().unwrap();
     let path = h.path("outbox.json");

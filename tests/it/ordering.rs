@@ -7,16 +7,11 @@ use std::sync::{Arc, Mutex};
 
 use durable_outbox::{ItemState, Ordering, Outcome, SendError};
 
-use crate::harness::{Harness, builder, msg, secs};
-
-/// No rate cap: the manual clock never moves in these tests.
-fn uncapped(b: durable_outbox::OutboxBuilder) -> durable_outbox::OutboxBuilder {
-    b.rate_limit(u32::MAX, secs(60))
-}
+use crate::harness::{Harness, builder, msg, secs, uncapped};
 
 #[test]
 fn a_later_message_waits_behind_the_earlier_one_and_changes_nothing() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     h.enqueue("m1", "chat-1");
     h.enqueue("m2", "chat-1");
     let receipt = h.assert_files_unchanged(|| {
@@ -37,7 +32,7 @@ fn a_later_message_waits_behind_the_earlier_one_and_changes_nothing() {
 
 #[test]
 fn process_due_sends_each_destination_in_enqueue_order() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     // Keys sort against enqueue order, and the clock never moves: only the
     // enqueue sequence tells the order.
     for key in ["m5", "m4", "m3", "m1", "m2"] {
@@ -63,7 +58,7 @@ fn process_due_sends_each_destination_in_enqueue_order() {
 
 #[test]
 fn a_retry_holds_the_followers_until_the_head_goes() {
-    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+    let h = Harness::with(|b| uncapped(b).max_inline_wait(std::time::Duration::ZERO));
     h.enqueue("m1", "chat-1");
     h.enqueue("m2", "chat-1");
     let mut calls = Vec::new();
@@ -113,7 +108,7 @@ fn a_failed_or_cancelled_head_does_not_block_the_rest() {
 
 #[test]
 fn a_requeued_message_goes_to_the_back_of_its_destinations_line() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     h.enqueue("m1", "chat-1");
     h.enqueue("m2", "chat-1");
     h.outbox

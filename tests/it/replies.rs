@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::harness::{Harness, secs};
+use crate::harness::{Harness, secs, uncapped};
 
 /// Items `a` → chat-1 and `b` → chat-2, both delivered as platform message "7",
-/// and `c` → chat-1 as "8".
+/// and `c` → chat-1 as "8", all at one instant (so `h` must be `uncapped`).
 fn two_chats(h: &Harness) {
     for (key, chat, id) in [
         ("a", "chat-1", "7"),
@@ -16,7 +16,8 @@ fn two_chats(h: &Harness) {
         ("c", "chat-1", "8"),
     ] {
         h.enqueue(key, chat);
-        h.outbox.process(key, |_| Ok(Some(id.into()))).unwrap();
+        let sent = h.outbox.process(key, |_| Ok(Some(id.into()))).unwrap();
+        assert_eq!(sent.outcome, durable_outbox::Outcome::Sent, "{key}");
     }
 }
 
@@ -26,7 +27,7 @@ fn key_of(found: Option<durable_outbox::OutboxItem>) -> Option<String> {
 
 #[test]
 fn the_same_id_in_two_chats_finds_the_message_of_the_right_chat() {
-    let h = Harness::new();
+    let h = Harness::with(uncapped);
     two_chats(&h);
     let find = |chat: &str, id: &str| key_of(h.outbox.find_by_transport_ref_in(chat, id).unwrap());
     assert_eq!(find("chat-1", "7").as_deref(), Some("a"));
@@ -51,7 +52,7 @@ fn moved_to_history(h: &Harness) {
 
 #[test]
 fn scoped_lookups_reach_into_history() {
-    let h = Harness::with(|b| b.history_after(Duration::ZERO));
+    let h = Harness::with(|b| uncapped(b).history_after(Duration::ZERO));
     two_chats(&h);
     moved_to_history(&h);
     for outbox in [&h.outbox, &h.reopen()] {
@@ -88,7 +89,7 @@ fn downgrade_index(path: &std::path::Path) {
 
 #[test]
 fn segments_written_before_scoped_lookups_still_answer_them() {
-    let h = Harness::with(|b| b.history_after(Duration::ZERO));
+    let h = Harness::with(|b| uncapped(b).history_after(Duration::ZERO));
     two_chats(&h);
     moved_to_history(&h);
     downgrade_index(&h.path("history/seg-00000001.idx"));

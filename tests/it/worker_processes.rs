@@ -131,6 +131,16 @@ fn message(key: &str, destination: &str) -> NewMessage {
     }
 }
 
+/// Opens `dir` with the cap the helper's `serve` sets (none that binds). The
+/// first handle stores its settings, and these tests are about processes and
+/// order, not caps: under the default, one send per chat per second, a chat's
+/// eight messages would take eight seconds.
+fn open(dir: &Path) -> durable_outbox::Result<Outbox> {
+    Outbox::builder(dir)
+        .rate_limit(u32::MAX, Duration::from_secs(60))
+        .open()
+}
+
 fn items(dir: &Path) -> BTreeMap<String, OutboxItem> {
     Outbox::builder(dir)
         .compact_on_open(false)
@@ -145,7 +155,7 @@ fn items(dir: &Path) -> BTreeMap<String, OutboxItem> {
 
 /// Twelve messages, each to its own chat (so order does not hold any back).
 fn twelve(dir: &Path) {
-    let outbox = Outbox::open(dir).expect("open");
+    let outbox = open(dir).expect("open");
     let batch = (0..12)
         .map(|i| message(&format!("m{i:02}"), &format!("chat-{i}")))
         .collect();
@@ -232,7 +242,7 @@ fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
         claimed, running,
         "crash-sized ambiguity: claims = started sends"
     );
-    let outbox = Outbox::open(dir).expect("reopen");
+    let outbox = open(dir).expect("reopen");
     let report = outbox
         .process_due(|item| {
             assert!(
@@ -292,12 +302,12 @@ fn sigkill_in_process_due_leaves_only_the_started_send_ambiguous() {
 fn two_worker_processes_deliver_each_destination_in_enqueue_order() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("transport.log");
-    Outbox::open(dir.path()).expect("create");
+    open(dir.path()).expect("create");
     let mut workers = vec![
         serve(dir.path(), &log, 4, 15, 20_000),
         serve(dir.path(), &log, 4, 15, 20_000),
     ];
-    let outbox = Outbox::open(dir.path()).expect("open");
+    let outbox = open(dir.path()).expect("open");
     // Interleaved across three chats, from this (third) process; some fail
     // retryably first, which must hold their followers back until they go.
     let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -365,12 +375,12 @@ fn two_worker_processes_deliver_each_destination_in_enqueue_order() {
 fn another_process_enqueue_wakes_an_idle_worker() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("transport.log");
-    Outbox::open(dir.path()).expect("create");
+    open(dir.path()).expect("create");
     let mut child = serve(dir.path(), &log, 2, 0, 20_000);
     // Nothing is queued or deferred: the worker sleeps with no due time, so
     // only its journal watcher can notice this enqueue from another process.
     std::thread::sleep(Duration::from_millis(200));
-    let outbox = Outbox::open(dir.path()).expect("open");
+    let outbox = open(dir.path()).expect("open");
     for i in 0..3 {
         outbox
             .enqueue(message(&format!("late-{i}"), &format!("chat-{i}")))
@@ -392,7 +402,7 @@ fn another_process_enqueue_wakes_an_idle_worker() {
 fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("transport.log");
-    let outbox = Outbox::open(dir.path()).expect("open");
+    let outbox = open(dir.path()).expect("open");
     outbox.enqueue(message("m1", "chat-1")).unwrap();
     outbox.enqueue(message("m2", "chat-1")).unwrap();
     // Another process claims m1 and hangs inside its send.
