@@ -142,8 +142,10 @@ impl OutboxBuilder {
 
     /// At most `count` sends per destination in any sliding `window`, for
     /// destinations no [`rate_limit_for`](Self::rate_limit_for) pattern matches.
-    /// Default: 10 per 60 s. Both must be positive. A stored setting (see
-    /// [`update_settings`](Self::update_settings)).
+    /// Default: 1 per second, the per-chat rate Telegram and Slack publish (see
+    /// [`RateLimit::default`]). Both must be positive. A stored setting (see
+    /// [`update_settings`](Self::update_settings)): an outbox keeps the cap it
+    /// was created with.
     pub fn rate_limit(mut self, count: u32, window: Duration) -> Self {
         self.rates.per_destination = RateLimit { count, window };
         self.explicit.rate_limit = Some(self.rates.per_destination);

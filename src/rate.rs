@@ -20,11 +20,32 @@ pub struct RateLimit {
 }
 
 impl Default for RateLimit {
-    /// The reference design's cap: 10 sends per 60 s.
+    /// One send per destination per second: the per-chat rate the platforms
+    /// publish (Telegram: "about 1 message per second" in one chat; Slack: "one
+    /// message per second per channel").
+    ///
+    /// One per second rather than a burst (*N* per *N* s): both platforms
+    /// allow short bursts but promise none, and a sliding window pays for a
+    /// burst afterwards (after three at once, the fourth waits three seconds).
+    /// A bot's answer of several messages arrives a second apart, as a person
+    /// would type it, and a chat quiet for a second sends at once. Different
+    /// chats never hold each other back.
+    ///
+    /// It is the per-chat limit only. Telegram also takes at most 20 messages
+    /// a minute in a group (`rate_limit_for("-*", 20, Duration::from_secs(60))`),
+    /// and a Matrix homeserver sets its own rate (Synapse's default: 0.2 a
+    /// second after a burst of 10), which the outbox learns from the server's
+    /// first `retry_after` (adaptive pacing) without a setting.
+    ///
+    /// Until this release the default was 10 sends per 60 s, the reference
+    /// design's. The cap is a stored setting: an outbox created with that
+    /// default keeps it; `rate_limit(10, Duration::from_secs(60))` with
+    /// [`update_settings`](crate::OutboxBuilder::update_settings) picks it for
+    /// any outbox.
     fn default() -> Self {
         Self {
-            count: 10,
-            window: Duration::from_secs(60),
+            count: 1,
+            window: Duration::from_secs(1),
         }
     }
 }

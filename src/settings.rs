@@ -421,7 +421,8 @@ mod tests {
             true,
         );
         let stored = plan.store.expect("stored");
-        assert_eq!(stored.rate_limit, Some(cap(10, 60)));
+        // The documented default: one send per destination per second.
+        assert_eq!(stored.rate_limit, Some(cap(1, 1)));
         assert_eq!(stored.max_attempts, Some(3));
         assert_eq!(plan.note, None);
     }

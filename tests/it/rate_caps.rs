@@ -1,6 +1,6 @@
 //! Per-destination sliding-window caps, counted from persisted send times.
 
-use durable_outbox::{Clock, Ordering, Outcome, RATE_CAPPED};
+use durable_outbox::{Clock, Ordering, Outcome, RATE_CAPPED, RateLimit};
 
 use crate::harness::{Harness, builder, secs};
 
@@ -240,6 +240,67 @@ fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
     assert_eq!(
         h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
         Outcome::Sent
+    );
+}
+
+// ----- the default cap ------------------------------------------------------
+
+/// With no cap set, a chat gets what Telegram and Slack publish, one send a
+/// second: a second message to the same chat leaves exactly one second after
+/// the first, and other chats are not held back by it.
+#[test]
+fn by_default_a_chat_gets_one_send_a_second_and_other_chats_do_not_wait() {
+    let h = Harness::new();
+    let settings = h.outbox.settings().unwrap();
+    assert_eq!(
+        settings.rate_limit(),
+        RateLimit {
+            count: 1,
+            window: secs(1)
+        }
+    );
+    for (key, chat) in [
+        ("a1", "chat-1"),
+        ("a2", "chat-1"),
+        ("b1", "chat-2"),
+        ("c1", "chat-3"),
+    ] {
+        h.enqueue(key, chat);
+    }
+    let t0 = h.clock.now();
+    let mut sent = Vec::new();
+    let report = h
+        .outbox
+        .process_due(|item| {
+            sent.push(item.idempotency_key().to_owned());
+            Ok(None)
+        })
+        .unwrap();
+    sent.sort();
+    assert_eq!(sent, ["a1", "b1", "c1"], "one per chat, every chat at once");
+    assert_eq!((report.sent, report.deferred), (3, 1));
+    let slot = t0 + chrono::Duration::seconds(1);
+    assert_eq!(
+        h.outbox.get("a2").unwrap().unwrap().next_attempt_at(),
+        Some(slot)
+    );
+    assert_eq!(h.outbox.next_due_at().unwrap(), Some(slot));
+
+    h.clock.set(slot - chrono::Duration::microseconds(1));
+    let early = h
+        .outbox
+        .process("a2", |_| panic!("inside the first send's second"))
+        .unwrap();
+    assert_eq!(
+        (early.outcome, early.error_code.as_deref()),
+        (Outcome::Deferred, Some(RATE_CAPPED))
+    );
+    h.clock.set(slot);
+    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+    assert_eq!((report.sent, report.deferred), (1, 0));
+    assert!(
+        h.outbox.settings().unwrap().is_stored("rate_limit"),
+        "a new outbox stores the default with its first change"
     );
 }
 

@@ -8,6 +8,11 @@ use crate::harness::{Harness, builder, msg, secs};
 
 const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
 
+/// An outbox as the release before the one-send-a-second default created it
+/// with its defaults (10 sends per 60 s, stored): `hello-1` sent to chat-1 at
+/// the harness's start. See `fixtures/stored-defaults-v2/README.md`.
+const STORED_DEFAULTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/stored-defaults-v2");
+
 fn cap(count: u32, window_secs: u64) -> RateLimit {
     RateLimit {
         count,
@@ -151,7 +156,8 @@ fn an_outbox_from_an_older_release_keeps_working_and_stores_what_is_set_explicit
         !settings.is_stored("rate_limit"),
         "nothing chosen, nothing stored"
     );
-    assert_eq!(settings.rate_limit(), cap(10, 60));
+    // So this handle's own default applies: today's, one send a second.
+    assert_eq!(settings.rate_limit(), cap(1, 1));
     defaults.enqueue(msg("new", "chat-9")).unwrap();
     assert_eq!(
         defaults.process("new", |_| Ok(None)).unwrap().outcome,
@@ -177,6 +183,56 @@ fn an_outbox_from_an_older_release_keeps_working_and_stores_what_is_set_explicit
     assert_eq!(
         notes,
         ["history_after not stored -> 604800s (stored on first explicit use)"]
+    );
+}
+
+/// The default cap changed from 10 sends per 60 s to one a second, but it is
+/// a stored setting: an outbox created with the old default keeps it under a
+/// handle with today's defaults, which stores, warns and audits nothing; only
+/// an explicit update moves it to the new one.
+#[test]
+fn an_outbox_created_with_the_old_default_cap_keeps_it() {
+    let h = Harness::new();
+    let dir = tempfile::tempdir().unwrap();
+    for file in ["outbox.json", "audit.jsonl"] {
+        std::fs::copy(format!("{STORED_DEFAULTS}/{file}"), dir.path().join(file)).unwrap();
+    }
+    // Ten seconds after `hello-1`: outside a one-second window, inside a minute.
+    h.clock.advance(secs(10));
+    let bot = builder(dir.path(), &h.clock).open().unwrap();
+    let settings = bot.settings().unwrap();
+    assert!(settings.is_stored("rate_limit"));
+    assert_eq!(settings.rate_limit(), cap(10, 60));
+    for key in ["hello-2", "hello-3"] {
+        bot.enqueue(msg(key, "chat-1")).unwrap();
+    }
+    let report = bot.process_due(|_| Ok(None)).unwrap();
+    assert_eq!(
+        (report.sent, report.deferred),
+        (2, 0),
+        "three sends in a minute are within 10 per 60 s"
+    );
+    bot.verify_audit().unwrap();
+    let settings_notes = |dir: &std::path::Path| -> Vec<String> {
+        durable_outbox::AuditLog::read(dir.join("audit.jsonl"))
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.outcome == AuditOutcome::Settings)
+            .map(|r| r.note.unwrap_or_default())
+            .collect()
+    };
+    assert!(settings_notes(dir.path()).is_empty(), "nothing changed");
+    drop(bot);
+    // Opting in to the new default is an explicit, audited update.
+    let updated = builder(dir.path(), &h.clock)
+        .rate_limit(1, secs(1))
+        .update_settings()
+        .open()
+        .unwrap();
+    assert_eq!(updated.settings().unwrap().rate_limit(), cap(1, 1));
+    assert_eq!(
+        settings_notes(dir.path()),
+        ["rate_limit 10/60s -> 1/1s (updated by a handle opened with update_settings)"]
     );
 }
 
