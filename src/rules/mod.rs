@@ -1,14 +1,46 @@
-//! The delivery rules, written once for every engine (first pieces).
+//! The delivery rules, written once for every engine.
 //!
-//! A rule reads items through [`Engine`](crate::engine::Engine), decides, and
-//! commits its decision as one [`ChangeSet`](crate::engine::ChangeSet) whose
-//! writes name the revisions they replace. The file engine's rules still live
-//! in `outbox`; they move here when `Outbox` is served by both engines
-//! (ARCHITECTURE.md, "Two engines").
+//! A rule runs inside one [`txn::Txn`] (one read-modify-write an engine
+//! serves), reads and changes items through it, and seals the audit records
+//! that report its changes; the engine commits it all in one durable step.
+//! What a rule needs from the handle that runs it (its owner id, its sends in
+//! flight, its learned pacing, its idempotent connectors) is an [`Actor`].
+//!
+//! The first pieces written against `engine::Engine` (claims for the
+//! PostgreSQL engine's batch drains, orphan repair, the audited correction of
+//! a lost claim) live in `lifecycle` beside the transaction rules and share
+//! their item transitions.
 
 #![allow(
     dead_code,
-    reason = "first pieces: used by the PostgreSQL engine's tests until `Outbox` runs on them"
+    reason = "being moved here from `outbox` (ARCHITECTURE.md, \"Two engines\")"
 )]
 
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use crate::pacing::Pacing;
+
 pub(crate) mod lifecycle;
+pub(crate) mod txn;
+
+/// What the rules need from the handle that runs them.
+pub(crate) struct Actor<'a> {
+    /// This handle's owner id: the claims it takes name it.
+    pub(crate) owner: &'a str,
+    /// Keys this handle is sending right now. A claim naming our owner id but
+    /// missing here was left by a call of ours that failed after claiming.
+    pub(crate) in_flight: &'a Mutex<HashSet<String>>,
+    /// Per destination, the spacing learned from the platform's `retry_after`s.
+    pub(crate) pacing: &'a Pacing,
+    /// Connectors whose platform deduplicates by transaction id, and for how long.
+    pub(crate) idempotent: &'a BTreeMap<String, Duration>,
+}
+
+impl Actor<'_> {
+    /// The in-flight set (a poisoned mutex is still a valid set).
+    pub(crate) fn in_flight(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.in_flight.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,217 @@
+//! The transaction the delivery rules run in: one read-modify-write of the
+//! outbox, as an engine serves it.
+//!
+//! Every rule (decide, claim, finish, release, abandon, requeue, cancel,
+//! enqueue) runs inside one [`Txn`] and sees only this trait. An engine opens
+//! the transaction, lets the rule read and change items through it, and
+//! commits everything the rule changed, with the audit records the rule
+//! sealed, as one durable step — or nothing, if the rule returned an error.
+//!
+//! The trait is written so that both engines can serve it:
+//!
+//! * the file engine, whose transaction is an overlay over the in-memory state
+//!   under the directory lock (reads cannot fail, except a history lookup);
+//! * the PostgreSQL engine, whose transaction reads rows lazily with
+//!   `SELECT … FOR UPDATE`, locks the audit head row when it first seals a
+//!   record, and may fail on any read.
+//!
+//! So every method that may read takes `&mut self` and returns a [`Result`];
+//! a rule that gets an error returns it, and the engine writes nothing.
+//!
+//! **Invariant (isolation):** what a transaction reads is the committed state
+//! plus its own changes; no other handle, thread or host changes an item this
+//! transaction has read until it commits or aborts. (The file engine holds the
+//! directory lock for the whole transaction; PostgreSQL locks each row it
+//! reads for update.)
+//!
+//! **Invariant (atomicity):** the item versions put with [`Txn::item_mut`] and
+//! [`Txn::insert`] and the records sealed with [`Txn::seal`] become durable
+//! together, in one step, or not at all. Nothing is visible to anyone else
+//! before that step, and the caller is told of success only after it.
+//!
+//! **Invariant (audit order):** records are sealed in the order the rule
+//! calls [`Txn::seal`], each chained to the one before; the first chains to
+//! the outbox's last committed record. Two transactions never seal onto the
+//! same head.
+
+use chrono::{DateTime, Utc};
+
+use crate::audit::{AuditEvent, Head};
+use crate::error::{Error, Result};
+use crate::filter::ItemFilter;
+use crate::item::OutboxItem;
+use crate::order::{self, OrderKey};
+use crate::settings::Settings;
+
+/// One read-modify-write of the outbox, as the delivery rules see it.
+///
+/// The rules are generic over this trait (monomorphised for the file engine);
+/// it is also object-safe, so an engine may hand out `&mut dyn Txn`.
+pub(crate) trait Txn {
+    /// The moment this transaction decides at: read once from the handle's
+    /// clock when the transaction began, the same for every rule inside it.
+    fn now(&self) -> DateTime<Utc>;
+
+    /// The settings in force for this transaction: the ones the outbox stores,
+    /// over the opening handle's builder values. Fixed for its duration.
+    fn settings(&self) -> &Settings;
+
+    /// The live item with this key (queued, or terminal and not yet moved to
+    /// history), as this transaction sees it: the committed version or this
+    /// transaction's own change. `None` if there is no live item.
+    ///
+    /// Invariant: an item returned here stays as it is (for everyone else)
+    /// until this transaction ends.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn item(&mut self, key: &str) -> Result<Option<&OutboxItem>>;
+
+    /// The live item with this key, for changing: the change is part of this
+    /// transaction and committed with it.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] if there is no live item with this key (nothing is
+    /// brought back from history: use [`live_item`](Self::live_item) first);
+    /// the engine's read errors.
+    fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem>;
+
+    /// The terminal item with this key that moved to history, if any (read
+    /// only; `None` for a key that is live or unknown).
+    ///
+    /// # Errors
+    /// The engine's read errors (a damaged history segment).
+    fn archived(&mut self, key: &str) -> Result<Option<OutboxItem>>;
+
+    /// Puts a whole new version of an item into the transaction (a new item,
+    /// or one replacing the live version or one brought back from history).
+    /// The item is live from then on, as this transaction sees it.
+    ///
+    /// # Errors
+    /// The engine's errors (PostgreSQL may lock the row).
+    fn insert(&mut self, item: OutboxItem) -> Result<()>;
+
+    /// The next enqueue sequence: larger than every live item's and than every
+    /// sequence handed out before, across every handle and host of the outbox.
+    ///
+    /// # Errors
+    /// The engine's errors.
+    fn next_seq(&mut self) -> Result<u64>;
+
+    /// The place of `destination`'s head: its queued item (claimed or not)
+    /// with the smallest [`OrderKey`], as this transaction sees it (its own
+    /// changes included). `None` when nothing is queued for it.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>>;
+
+    /// The items to decide next in a drain step, at most one per destination:
+    /// claimed items (a claim may be dead), the items this transaction changed
+    /// or made head, then a bounded window of items due by [`now`](Self::now),
+    /// earliest due first. Each is queued, and claimed or due; under
+    /// [`order::Ordering::PerDestination`] each is its destination's head.
+    /// `admits` filters further (it is called at most once per candidate).
+    ///
+    /// Invariant: the candidates returned can be read with
+    /// [`item`](Self::item) and decided in this transaction without another
+    /// claimer deciding them at the same moment.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn candidates(
+        &mut self,
+        ordering: order::Ordering,
+        admits: &mut dyn FnMut(&OutboxItem) -> bool,
+    ) -> Result<Vec<(String, OrderKey)>>;
+
+    /// The live items `filter` matches, sorted by key, as committed (what an
+    /// operator's bulk action looks at). Items in history are not included.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn select(&mut self, filter: &ItemFilter) -> Result<Vec<OutboxItem>>;
+
+    /// The latest platform cooldown on `destination` still in force at
+    /// [`now`](Self::now): the destination's own (whatever became of the items
+    /// that received it), or one this transaction just set on an item.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>>;
+
+    /// Every time since `since` (inclusive) that counts against the global cap:
+    /// sends, claims (sends that may be in progress) and possible sends of
+    /// every destination (see `store::rate_times`), as this transaction sees
+    /// them, in no particular order.
+    ///
+    /// Invariant: no other transaction can add a time before this one commits
+    /// (caps hold across handles and hosts).
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>>;
+
+    /// As [`all_times`](Self::all_times), for `destination` only.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn destination_times(
+        &mut self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>>;
+
+    /// The head the next sealed record chains to: the last record this
+    /// transaction sealed, or else the outbox's last committed record
+    /// (journalled, even if not yet in the audit log).
+    ///
+    /// Invariant: from the first call on, no other transaction can seal a
+    /// record until this one ends (PostgreSQL locks the audit head row).
+    ///
+    /// # Errors
+    /// The engine's errors.
+    fn audit_head(&mut self) -> Result<Head>;
+
+    /// Seals `event` as the next record of the chain (at
+    /// [`audit_head`](Self::audit_head)'s `seq + 1`, chained to its hash, with
+    /// the outbox's hasher) and adds it to this transaction's records.
+    ///
+    /// # Errors
+    /// The engine's errors.
+    fn seal(&mut self, event: &AuditEvent) -> Result<()>;
+
+    /// Whether the handle with owner id `owner` still holds its liveness token
+    /// (a locked owner file; a session advisory lock). Never a clock: a slow
+    /// send is never declared dead. The caller answers for its own handle.
+    ///
+    /// # Errors
+    /// The engine's errors.
+    fn owner_is_alive(&mut self, owner: &str) -> Result<bool>;
+
+    /// The item with this key, brought back from history into this transaction
+    /// if it had moved there (written back live only if the transaction commits).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for an unknown key; the engine's read errors.
+    fn live_item(&mut self, key: &str) -> Result<&OutboxItem> {
+        if self.item(key)?.is_none()
+            && let Some(old) = self.archived(key)?
+        {
+            self.insert(old)?;
+        }
+        self.item(key)?.ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })
+    }
+
+    /// The live item with this key, or [`Error::NotFound`].
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; the engine's read errors.
+    fn existing(&mut self, key: &str) -> Result<&OutboxItem> {
+        self.item(key)?.ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })
+    }
+}
