@@ -139,14 +139,14 @@ pub use crate::item::{ItemState, OutboxItem};
 pub use crate::matrix::{MatrixClient, MatrixReply, MatrixSession, SyncBatch};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
 pub use crate::order::Ordering;
-pub use crate::outbox::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
-    DESTINATION_PACED, GAVE_UP, GLOBAL_RATE_CAPPED, Outbox, RATE_CAPPED, SEND_CANCELLED,
-    SEND_PANICKED,
-};
+pub use crate::outbox::Outbox;
 pub use crate::rate::{DestinationWindow, RateLimit};
 pub use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 pub use crate::retry::Backoff;
+pub use crate::rules::codes::{
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, DESTINATION_COOLDOWN,
+    DESTINATION_PACED, GAVE_UP, GLOBAL_RATE_CAPPED, RATE_CAPPED, SEND_CANCELLED, SEND_PANICKED,
+};
 pub use crate::send::{FailureClass, SendError};
 pub use crate::settings::Settings;
 #[cfg(feature = "tokio")]

@@ -49,6 +49,8 @@ use crate::item::OutboxItem;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 
+pub(crate) mod file;
+
 /// An item as an engine stored it, with the revision a conditional write names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Versioned {

@@ -22,7 +22,14 @@ use std::time::Duration;
 
 use crate::pacing::Pacing;
 
+pub(crate) mod bulk;
+pub(crate) mod codes;
+pub(crate) mod drain;
+pub(crate) mod enqueue;
 pub(crate) mod lifecycle;
+pub(crate) mod rate;
+pub(crate) mod record;
+pub(crate) mod repair;
 pub(crate) mod txn;
 
 /// What the rules need from the handle that runs them.
@@ -41,6 +48,8 @@ pub(crate) struct Actor<'a> {
 impl Actor<'_> {
     /// The in-flight set (a poisoned mutex is still a valid set).
     pub(crate) fn in_flight(&self) -> MutexGuard<'_, HashSet<String>> {
-        self.in_flight.lock().unwrap_or_else(PoisonError::into_inner)
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -406,20 +406,25 @@ fn a_server_restart_mid_send_makes_the_claim_ambiguous_then_the_finish_corrects_
     server.crash();
     server.restart();
     let observer = open(&db.url());
-    let repaired = crate::rules::lifecycle::repair_orphans(&observer, Utc::now()).unwrap();
+    let repaired = crate::rules::repair::repair_orphans(&observer, Utc::now()).unwrap();
     assert_eq!(repaired, ["k1"], "every session lock died with the server");
     // The send finishes after all. The worker's first call may meet the
     // connection the restart closed (an error, nothing written); a worker
     // records again, and its handle reconnects.
     let result = Ok(Some("tg-7".to_owned()));
-    let finished =
-        match crate::rules::lifecycle::finish(&worker, &claimed[0], &result, None, Utc::now()) {
-            Err(Error::Database { .. }) => {
-                crate::rules::lifecycle::finish(&worker, &claimed[0], &result, None, Utc::now())
-            }
-            other => other,
+    let finished = match crate::rules::lifecycle::finish_claimed(
+        &worker,
+        &claimed[0],
+        &result,
+        None,
+        Utc::now(),
+    ) {
+        Err(Error::Database { .. }) => {
+            crate::rules::lifecycle::finish_claimed(&worker, &claimed[0], &result, None, Utc::now())
         }
-        .unwrap();
+        other => other,
+    }
+    .unwrap();
     assert!(
         matches!(finished, crate::rules::lifecycle::Finished::Corrected(_)),
         "the late delivery is a correction: {finished:?}"
@@ -915,7 +920,7 @@ fn claim_then_lose_it(
     ));
     let deadline = std::time::Instant::now() + LIMIT;
     loop {
-        let repaired = lifecycle::repair_orphans(observer, Utc::now()).unwrap();
+        let repaired = crate::rules::repair::repair_orphans(observer, Utc::now()).unwrap();
         if !repaired.is_empty() {
             assert_eq!(
                 repaired.as_slice(),
@@ -934,7 +939,7 @@ fn claim_then_lose_it(
 
 #[test]
 fn a_delivery_that_finishes_after_its_claim_was_declared_ambiguous_is_corrected_on_record() {
-    use crate::rules::lifecycle::{CORRECTION_NOTE, Finished, finish};
+    use crate::rules::lifecycle::{CORRECTION_NOTE, Finished, finish_claimed as finish};
     let Some(server) = PgServer::shared() else {
         return;
     };
@@ -998,7 +1003,7 @@ fn a_delivery_that_finishes_after_its_claim_was_declared_ambiguous_is_corrected_
 
 #[test]
 fn a_failed_send_after_a_lost_claim_keeps_the_item_failed_with_its_real_code() {
-    use crate::rules::lifecycle::{Finished, finish};
+    use crate::rules::lifecycle::{Finished, finish_claimed as finish};
     let Some(server) = PgServer::shared() else {
         return;
     };
@@ -1034,7 +1039,7 @@ fn a_failed_send_after_a_lost_claim_keeps_the_item_failed_with_its_real_code() {
 
 #[test]
 fn a_late_delivery_of_an_item_an_operator_moved_on_is_put_on_record_and_the_item_left_alone() {
-    use crate::rules::lifecycle::{Finished, finish};
+    use crate::rules::lifecycle::{Finished, finish_claimed as finish};
     let Some(server) = PgServer::shared() else {
         return;
     };
@@ -1090,7 +1095,8 @@ fn a_late_delivery_of_an_item_an_operator_moved_on_is_put_on_record_and_the_item
 #[test]
 fn the_global_cap_holds_when_two_hosts_decide_at_the_same_moment() {
     use crate::rate::{RateLimit, RatePolicy};
-    use crate::rules::lifecycle::{capped, claim, claim_due};
+    use crate::rules::lifecycle::{claim, claim_due};
+    use crate::rules::rate::capped;
     let Some(server) = PgServer::shared() else {
         return;
     };
@@ -1121,7 +1127,7 @@ fn the_global_cap_holds_when_two_hosts_decide_at_the_same_moment() {
                 .claim_batch(now, 1, policy.longest_window(), &mut |item, view| {
                     inside_tx.send(()).unwrap();
                     let _ = go_rx.recv_timeout(Duration::from_secs(2));
-                    capped(&policy, item, view, now)
+                    capped(&policy, &item.destination, view, now)
                         .is_none()
                         .then(|| claim(item, &owner, now))
                 })
@@ -1147,7 +1153,7 @@ fn the_global_cap_holds_when_two_hosts_decide_at_the_same_moment() {
 #[test]
 fn destination_caps_and_cooldowns_hold_across_hosts() {
     use crate::rate::{RateLimit, RatePolicy};
-    use crate::rules::lifecycle::{Finished, claim_due, finish};
+    use crate::rules::lifecycle::{Finished, claim_due, finish_claimed as finish};
     let Some(server) = PgServer::shared() else {
         return;
     };

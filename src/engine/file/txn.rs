@@ -1,0 +1,262 @@
+//! The file engine's transaction: an overlay over the in-memory state, under
+//! the directory lock. Reads see the committed state plus this transaction's
+//! own changes; nothing is visible to anyone else until it commits.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+
+use crate::audit::{AuditEvent, AuditRecord, AuditTail, Hasher, Head};
+use crate::error::{Error, Result};
+use crate::filter::ItemFilter;
+use crate::history::History;
+use crate::item::{ItemState, OutboxItem};
+use crate::lock;
+use crate::order::{self, OrderKey};
+use crate::rules::txn::Txn;
+use crate::settings::Settings;
+use crate::store::{Loaded, rate_times};
+
+/// How many due fronts one step looks at (beyond claimed and just-changed
+/// items): enough for fair rotation, small enough that a step costs the same
+/// with fifty thousand destinations as with five.
+const CANDIDATE_WINDOW: usize = 64;
+
+/// The head the next audit record chains to: the last record journalled, which
+/// is ahead of the log while a commit group waits for its sync.
+pub(super) fn sealing_head(audit: &AuditTail, loaded: &Loaded) -> Head {
+    match loaded.journal_audit.last() {
+        Some(last) if last.seq > audit.head().seq => Head {
+            seq: last.seq,
+            hash: last.hash.clone(),
+        },
+        _ => audit.head().clone(),
+    }
+}
+
+/// One read-modify-write over the loaded state (see [`Txn`]).
+pub(crate) struct FileTxn<'a> {
+    pub(super) base: &'a Loaded,
+    /// Terminal items that left the live state; read only.
+    pub(super) history: &'a History,
+    /// The outbox directory (owner files live under it).
+    pub(super) dir: &'a Path,
+    /// Items changed by this transaction (whole new versions).
+    pub(super) overlay: BTreeMap<String, OutboxItem>,
+    /// Audit records this transaction produces, sealed in order after `head`.
+    pub(super) records: Vec<AuditRecord>,
+    pub(super) head: Head,
+    pub(super) hasher: &'a Hasher,
+    pub(super) now: DateTime<Utc>,
+    /// The settings in force: stored ones over this handle's.
+    pub(super) settings: Settings,
+    /// The last enqueue sequence handed out (starts at the largest live one).
+    pub(super) last_seq: u64,
+}
+
+impl FileTxn<'_> {
+    /// Whether the transaction changed anything (and so must be journalled).
+    pub(super) fn changed(&self) -> bool {
+        !self.overlay.is_empty() || !self.records.is_empty()
+    }
+
+    fn get(&self, key: &str) -> Option<&OutboxItem> {
+        self.overlay
+            .get(key)
+            .or_else(|| self.base.state.items.get(key))
+    }
+
+    fn head(&self, destination: &str) -> Option<OrderKey> {
+        let committed = self
+            .base
+            .index
+            .lines
+            .line(destination)
+            .find(|place| !self.overlay.contains_key(&place.key))
+            .cloned();
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .map(OrderKey::of)
+            .min();
+        committed.into_iter().chain(pending).min()
+    }
+}
+
+impl Txn for FileTxn<'_> {
+    fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+
+    fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn item(&mut self, key: &str) -> Result<Option<&OutboxItem>> {
+        Ok(self.get(key))
+    }
+
+    fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
+        if !self.overlay.contains_key(key) {
+            let item = self
+                .base
+                .state
+                .items
+                .get(key)
+                .ok_or_else(|| Error::NotFound {
+                    key: key.to_owned(),
+                })?;
+            self.overlay.insert(key.to_owned(), item.clone());
+        }
+        match self.overlay.get_mut(key) {
+            Some(item) => Ok(item),
+            None => unreachable!("inserted above"),
+        }
+    }
+
+    fn archived(&mut self, key: &str) -> Result<Option<OutboxItem>> {
+        self.history.get(key)
+    }
+
+    fn insert(&mut self, item: OutboxItem) -> Result<()> {
+        self.overlay.insert(item.idempotency_key.clone(), item);
+        Ok(())
+    }
+
+    fn next_seq(&mut self) -> Result<u64> {
+        self.last_seq += 1;
+        Ok(self.last_seq)
+    }
+
+    fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        Ok(self.head(destination))
+    }
+
+    fn candidates(
+        &mut self,
+        ordering: order::Ordering,
+        admits: &mut dyn FnMut(&OutboxItem) -> bool,
+    ) -> Result<Vec<(String, OrderKey)>> {
+        let mut out: Vec<(String, OrderKey)> = Vec::new();
+        let mut destinations: HashSet<String> = HashSet::new();
+        let mut consider = |place: &OrderKey| {
+            let Some(item) = self.get(&place.key) else {
+                return;
+            };
+            let ready = item.state == ItemState::Queued
+                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= self.now));
+            let in_line = ordering == order::Ordering::Unordered
+                || self
+                    .head(&item.destination)
+                    .is_some_and(|head| head.key == place.key);
+            if ready && in_line && admits(item) && destinations.insert(item.destination.clone()) {
+                out.push((item.destination.clone(), place.clone()));
+            }
+        };
+        let lines = &self.base.index.lines;
+        for place in lines.claimed() {
+            if !self.overlay.contains_key(&place.key) {
+                consider(place);
+            }
+        }
+        for item in self.overlay.values() {
+            if item.state == ItemState::Queued {
+                consider(&OrderKey::of(item));
+            }
+            if let Some(head) = self.head(&item.destination) {
+                consider(&head);
+            }
+        }
+        for place in lines
+            .due_fronts(ordering, self.now)
+            .filter(|place| !self.overlay.contains_key(&place.key))
+            .take(CANDIDATE_WINDOW)
+        {
+            consider(place);
+        }
+        Ok(out)
+    }
+
+    fn select(&mut self, filter: &ItemFilter) -> Result<Vec<OutboxItem>> {
+        let mut items: Vec<OutboxItem> = self
+            .base
+            .state
+            .items
+            .values()
+            .filter(|item| filter.matches(item))
+            .cloned()
+            .collect();
+        items.sort_unstable_by(|a, b| a.idempotency_key.cmp(&b.idempotency_key));
+        Ok(items)
+    }
+
+    fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>> {
+        let committed = self.base.state.cooldowns.get(destination).copied();
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination)
+            .filter_map(|i| i.cooldown_until)
+            .max();
+        Ok(committed.max(pending).filter(|until| *until > self.now))
+    }
+
+    fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>> {
+        let mut times: Vec<DateTime<Utc>> = self
+            .base
+            .index
+            .all_rate_times_since(since)
+            .filter(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(at, _)| at)
+            .collect();
+        times.extend(self.overlay.values().flat_map(rate_times));
+        Ok(times)
+    }
+
+    fn destination_times(
+        &mut self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        let mut times: Vec<DateTime<Utc>> = self
+            .base
+            .index
+            .rate_times_since(destination, since)
+            .filter(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(at, _)| at)
+            .collect();
+        times.extend(
+            self.overlay
+                .values()
+                .filter(|i| i.destination == destination)
+                .flat_map(rate_times),
+        );
+        Ok(times)
+    }
+
+    fn audit_head(&mut self) -> Result<Head> {
+        Ok(self.head.clone())
+    }
+
+    fn seal(&mut self, event: &AuditEvent) -> Result<()> {
+        let sealed = AuditRecord::seal(
+            event,
+            self.head.seq + 1,
+            &self.head.hash,
+            false,
+            self.hasher,
+        );
+        self.head = Head {
+            seq: sealed.seq,
+            hash: sealed.hash.clone(),
+        };
+        self.records.push(sealed);
+        Ok(())
+    }
+
+    fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
+        Ok(lock::owner_is_alive(self.dir, owner))
+    }
+}

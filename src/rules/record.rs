@@ -1,0 +1,101 @@
+//! Audit records: how a rule puts an item's new state on record, and the
+//! records about the outbox itself (a prune, stored settings).
+//!
+//! An item's record is sealed inside the rule's transaction, at the chain's
+//! head as the transaction sees it, so its id and hash are the same whichever
+//! engine commits it.
+
+use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
+
+use crate::audit::{AuditEvent, AuditOutcome, Head};
+use crate::clock::format_timestamp;
+use crate::error::Result;
+use crate::rules::txn::Txn;
+
+/// Seals an audit record for the item's current state into the transaction and
+/// stamps its id on the item (and moves its `updated_at` up to now). Returns
+/// the id. `note` is free text for the record; `reconciled` marks a late repair.
+///
+/// The id is unique within the chain (the seq) and across chains (the previous
+/// hash, the key, the moment).
+///
+/// # Errors
+/// [`Error::NotFound`](crate::Error::NotFound) if the item is not live; the
+/// engine's errors.
+pub(crate) fn record<T: Txn + ?Sized>(
+    txn: &mut T,
+    key: &str,
+    outcome: AuditOutcome,
+    note: Option<&str>,
+    reconciled: bool,
+) -> Result<String> {
+    let now = txn.now();
+    let head = txn.audit_head()?;
+    let audit_id = item_audit_id(&head, key, now);
+    let item = txn.item_mut(key)?;
+    item.last_audit_id = Some(audit_id.clone());
+    item.updated_at = item.updated_at.max(now);
+    let event = AuditEvent::for_item(
+        item,
+        outcome,
+        audit_id.clone(),
+        note,
+        reconciled,
+        format_timestamp(now),
+    );
+    txn.seal(&event)?;
+    Ok(audit_id)
+}
+
+/// The audit id of the record sealed after `head` for the item `key` at `now`.
+fn item_audit_id(head: &Head, key: &str, now: DateTime<Utc>) -> String {
+    hex::encode(
+        &Sha256::new()
+            .chain_update(head.hash.as_bytes())
+            .chain_update((head.seq + 1).to_le_bytes())
+            .chain_update(key.as_bytes())
+            .chain_update(format_timestamp(now).as_bytes())
+            .finalize()[..16],
+    )
+}
+
+/// An audit event about the outbox itself rather than one message (a prune):
+/// `subject` stands where an item's key would, item fields are `-`.
+pub(crate) fn system_event(
+    head: &Head,
+    subject: &str,
+    note: String,
+    now: DateTime<Utc>,
+) -> AuditEvent {
+    system_event_of(AuditOutcome::Pruned, head, subject, note, now)
+}
+
+/// An audit event about the outbox itself with this outcome.
+pub(crate) fn system_event_of(
+    outcome: AuditOutcome,
+    head: &Head,
+    subject: &str,
+    note: String,
+    now: DateTime<Utc>,
+) -> AuditEvent {
+    AuditEvent {
+        attempts: 0,
+        audit_id: hex::encode(&Sha256::digest(format!("{}{subject}", head.hash).as_bytes())[..16]),
+        connector: "-".into(),
+        content_hash: "-".into(),
+        destination: "-".into(),
+        direction: "-".into(),
+        error_code: None,
+        failure_class: None,
+        grant_id: "-".into(),
+        idempotency_key: subject.to_owned(),
+        lane: "-".into(),
+        outcome,
+        note: Some(note),
+        reconciled: false,
+        recorded_at_utc: format_timestamp(now),
+        risk_class: None,
+        transport_ref: None,
+    }
+}
