@@ -28,14 +28,18 @@
 //!   ([`ChangeSet::wake`]) wakes waiting workers on every host; waking is only a
 //!   hint, so a waiter re-reads after it.
 //!
-//! The file engine (`store`, `lock`, `audit`) provides the same guarantees
-//! under its directory lock; it is not yet behind this trait (see
+//! The rules themselves run inside a transaction, [`rules::txn::Txn`](crate::rules::txn::Txn):
+//! the file engine ([`file`]: `store`, `lock`, `audit` under the directory
+//! lock) serves it with an overlay over its in-memory state; the PostgreSQL
+//! engine is to serve it with rows read `FOR UPDATE`. The primitives above are
+//! what the PostgreSQL engine offers today, and what its batch drains
+//! (`rules::lifecycle::claim_due`, `finish_claimed`) run on (see
 //! ARCHITECTURE.md, "Two engines").
 
 #![allow(
     dead_code,
-    reason = "first stage: the engine is tested on its own; the rules use it once \
-              `Outbox::postgres` lands (ARCHITECTURE.md, \"Two engines\")"
+    reason = "the PostgreSQL engine is tested on its own until `Outbox` runs on it \
+              (ARCHITECTURE.md, \"Two engines\")"
 )]
 
 use std::time::Duration;

@@ -11,11 +11,6 @@
 //! a lost claim) live in `lifecycle` beside the transaction rules and share
 //! their item transitions.
 
-#![allow(
-    dead_code,
-    reason = "being moved here from `outbox` (ARCHITECTURE.md, \"Two engines\")"
-)]
-
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -53,3 +48,6 @@ impl Actor<'_> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -110,6 +110,10 @@ pub(crate) fn resend_later<T: Txn + ?Sized>(
 ///
 /// # Errors
 /// The engine's errors.
+#[allow(
+    dead_code,
+    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
+)]
 pub(crate) fn repair_orphans(engine: &dyn Engine, now: DateTime<Utc>) -> Result<Vec<String>> {
     let mut repaired = Vec::new();
     for orphan in engine.orphaned_claims()? {

@@ -1,0 +1,392 @@
+//! The rules run against an in-memory [`Txn`]: no files, no lock, no server.
+//! This is the third implementation of the trait (after the file engine and,
+//! to come, PostgreSQL), and it checks the rules on their own.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+
+use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, Hasher, Head};
+use crate::error::{Error, Result};
+use crate::filter::ItemFilter;
+use crate::item::{Claim, ItemState, OutboxItem};
+use crate::message::NewMessage;
+use crate::order::{self, OrderKey};
+use crate::pacing::Pacing;
+use crate::rate::{RateLimit, RatePolicy};
+use crate::receipt::Outcome;
+use crate::retry::Backoff;
+use crate::rules::Actor;
+use crate::rules::codes::{AMBIGUOUS_AFTER_RESTART, DESTINATION_COOLDOWN, RATE_CAPPED};
+use crate::rules::lifecycle::{Decision, decide, finish};
+use crate::rules::txn::Txn;
+use crate::send::{FailureClass, SendError};
+use crate::settings::Settings;
+use crate::store::rate_times;
+
+/// Every item in one map; sealed records in a list.
+struct MemTxn {
+    now: DateTime<Utc>,
+    settings: Settings,
+    items: BTreeMap<String, OutboxItem>,
+    archive: BTreeMap<String, OutboxItem>,
+    head: Head,
+    sealed: Vec<AuditRecord>,
+    alive: HashSet<String>,
+    last_seq: u64,
+}
+
+impl Txn for MemTxn {
+    fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+    fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    fn item(&mut self, key: &str) -> Result<Option<&OutboxItem>> {
+        Ok(self.items.get(key))
+    }
+    fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
+        self.items.get_mut(key).ok_or_else(|| Error::NotFound {
+            key: key.to_owned(),
+        })
+    }
+    fn archived(&mut self, key: &str) -> Result<Option<OutboxItem>> {
+        Ok(self.archive.get(key).cloned())
+    }
+    fn insert(&mut self, item: OutboxItem) -> Result<()> {
+        self.items.insert(item.idempotency_key.clone(), item);
+        Ok(())
+    }
+    fn next_seq(&mut self) -> Result<u64> {
+        self.last_seq += 1;
+        Ok(self.last_seq)
+    }
+    fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        Ok(self
+            .items
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .map(OrderKey::of)
+            .min())
+    }
+    fn candidates(
+        &mut self,
+        ordering: order::Ordering,
+        admits: &mut dyn FnMut(&OutboxItem) -> bool,
+    ) -> Result<Vec<(String, OrderKey)>> {
+        let mut out = Vec::new();
+        let mut destinations = HashSet::new();
+        let keys: Vec<String> = self.items.keys().cloned().collect();
+        for key in keys {
+            let item = &self.items[&key];
+            let destination = item.destination.clone();
+            let ready = item.state == ItemState::Queued
+                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= self.now));
+            let in_line = ordering == order::Ordering::Unordered
+                || self.head_of(&destination)?.is_some_and(|h| h.key == key);
+            let item = &self.items[&key];
+            if ready && in_line && admits(item) && destinations.insert(destination.clone()) {
+                out.push((destination, OrderKey::of(item)));
+            }
+        }
+        Ok(out)
+    }
+    fn select(&mut self, filter: &ItemFilter) -> Result<Vec<OutboxItem>> {
+        Ok(self
+            .items
+            .values()
+            .filter(|i| filter.matches(i))
+            .cloned()
+            .collect())
+    }
+    fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>> {
+        Ok(self
+            .items
+            .values()
+            .filter(|i| i.destination == destination)
+            .filter_map(|i| i.cooldown_until)
+            .max()
+            .filter(|until| *until > self.now))
+    }
+    fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>> {
+        Ok(self
+            .items
+            .values()
+            .flat_map(rate_times)
+            .filter(|at| *at >= since)
+            .collect())
+    }
+    fn destination_times(
+        &mut self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        Ok(self
+            .items
+            .values()
+            .filter(|i| i.destination == destination)
+            .flat_map(rate_times)
+            .filter(|at| *at >= since)
+            .collect())
+    }
+    fn audit_head(&mut self) -> Result<Head> {
+        Ok(self.head.clone())
+    }
+    fn seal(&mut self, event: &AuditEvent) -> Result<()> {
+        let record = AuditRecord::seal(
+            event,
+            self.head.seq + 1,
+            &self.head.hash,
+            false,
+            &Hasher::Plain,
+        );
+        self.head = Head {
+            seq: record.seq,
+            hash: record.hash.clone(),
+        };
+        self.sealed.push(record);
+        Ok(())
+    }
+    fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
+        Ok(self.alive.contains(owner))
+    }
+}
+
+fn at(secs: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + secs, 0).unwrap()
+}
+
+fn txn(now: DateTime<Utc>) -> MemTxn {
+    MemTxn {
+        now,
+        settings: Settings {
+            rates: RatePolicy::default(),
+            history_after: Duration::from_secs(86_400),
+            retention: crate::history::Retention::KeepAll,
+            max_attempts: 3,
+            backoff: Backoff::Fixed(vec![Duration::from_secs(5)]),
+            give_up_after: Duration::from_secs(86_400),
+            ordering: order::Ordering::PerDestination,
+            stored: Vec::new(),
+        },
+        items: BTreeMap::new(),
+        archive: BTreeMap::new(),
+        head: Head::genesis(),
+        sealed: Vec::new(),
+        alive: HashSet::new(),
+        last_seq: 0,
+    }
+}
+
+/// The parts of a handle the rules need, owned by the test.
+struct Handle {
+    in_flight: Mutex<HashSet<String>>,
+    pacing: Pacing,
+    idempotent: BTreeMap<String, Duration>,
+}
+
+impl Handle {
+    fn new() -> Self {
+        Self {
+            in_flight: Mutex::new(HashSet::new()),
+            pacing: Pacing::default(),
+            idempotent: BTreeMap::new(),
+        }
+    }
+    fn actor(&self) -> Actor<'_> {
+        Actor {
+            owner: "me",
+            in_flight: &self.in_flight,
+            pacing: &self.pacing,
+            idempotent: &self.idempotent,
+        }
+    }
+}
+
+fn enqueue(txn: &mut MemTxn, key: &str, destination: &str) -> OutboxItem {
+    let message = NewMessage {
+        idempotency_key: key.into(),
+        connector: "telegram".into(),
+        grant_id: "bot".into(),
+        destination: destination.into(),
+        content: format!("hello from {key}"),
+        ..Default::default()
+    };
+    let hash = crate::message::content_hash(&message.content);
+    crate::rules::enqueue::insert_message(txn, message, hash).unwrap()
+}
+
+fn claimed(decision: Decision) -> OutboxItem {
+    match decision {
+        Decision::Send(item, _) => *item,
+        Decision::Done(receipt) => panic!("not claimed: {:?}", receipt.outcome),
+    }
+}
+
+fn outcome(decision: &Decision) -> Outcome {
+    match decision {
+        Decision::Send(..) => panic!("claimed"),
+        Decision::Done(receipt) => receipt.outcome,
+    }
+}
+
+#[test]
+fn a_due_head_is_claimed_and_the_next_message_to_its_chat_waits() {
+    let handle = Handle::new();
+    let mut txn = txn(at(0));
+    enqueue(&mut txn, "a", "chat");
+    enqueue(&mut txn, "b", "chat");
+    let item = claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
+    assert_eq!((item.attempts, item.claim_owner()), (1, Some("me")));
+    assert!(handle.in_flight.lock().unwrap().contains("a"));
+    let b = decide(&handle.actor(), &mut txn, "b").unwrap();
+    assert_eq!(
+        outcome(&b),
+        Outcome::Waiting,
+        "b is behind a, which is in flight"
+    );
+    assert!(!txn.items["b"].dispatch_claimed());
+}
+
+#[test]
+fn a_claim_whose_owner_is_gone_fails_ambiguous_on_record_and_is_never_resent() {
+    let handle = Handle::new();
+    let mut txn = txn(at(100));
+    enqueue(&mut txn, "a", "chat");
+    txn.items.get_mut("a").unwrap().claim = Some(Claim {
+        owner: Some("gone".into()),
+        at: Some(at(50)),
+    });
+    let before = txn.sealed.len();
+    let decision = decide(&handle.actor(), &mut txn, "a").unwrap();
+    assert_eq!(outcome(&decision), Outcome::Failed);
+    let item = &txn.items["a"];
+    assert_eq!(item.state, ItemState::Failed);
+    assert_eq!(item.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    assert_eq!(item.failure_class, Some(FailureClass::Ambiguous));
+    assert_eq!(
+        item.maybe_sent_at,
+        Some(at(50)),
+        "counts as a send from its claim"
+    );
+    assert_eq!(txn.sealed.len(), before + 1);
+    assert_eq!(
+        txn.sealed.last().unwrap().audit_id,
+        item.last_audit_id.clone().unwrap()
+    );
+    // A claim whose owner is alive is left alone.
+    enqueue(&mut txn, "b", "other");
+    txn.items.get_mut("b").unwrap().claim = Some(Claim {
+        owner: Some("alive".into()),
+        at: Some(at(60)),
+    });
+    txn.alive.insert("alive".into());
+    let decision = decide(&handle.actor(), &mut txn, "b").unwrap();
+    assert_eq!(outcome(&decision), Outcome::InFlight);
+}
+
+#[test]
+fn a_retry_after_costs_no_attempt_and_cools_the_whole_destination() {
+    let handle = Handle::new();
+    let mut txn = txn(at(0));
+    txn.settings.ordering = order::Ordering::Unordered;
+    enqueue(&mut txn, "a", "chat");
+    enqueue(&mut txn, "b", "chat");
+    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
+    let refused: crate::rules::lifecycle::SendResult = Ok(Err(
+        SendError::retryable("429").retry_after(Duration::from_secs(30))
+    ));
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    assert_eq!(receipt.outcome, Outcome::Deferred);
+    assert_eq!(wait, Some(Duration::from_secs(30)));
+    let a = &txn.items["a"];
+    assert_eq!(a.attempts, 0, "a 429 is pacing, not a failed attempt");
+    assert_eq!(a.cooldown_until, Some(at(30)));
+    assert!(a.next_attempt_at.is_some_and(|t| t >= at(30)));
+    let b = decide(&handle.actor(), &mut txn, "b").unwrap();
+    assert_eq!(outcome(&b), Outcome::Deferred);
+    assert_eq!(
+        txn.items["b"].error_code.as_deref(),
+        Some(DESTINATION_COOLDOWN)
+    );
+    assert_eq!(txn.items["b"].next_attempt_at, Some(at(30)));
+}
+
+#[test]
+fn a_full_rate_window_defers_to_the_moment_a_slot_frees() {
+    let handle = Handle::new();
+    let mut txn = txn(at(0));
+    txn.settings.rates.per_destination = RateLimit {
+        count: 1,
+        window: Duration::from_secs(60),
+    };
+    enqueue(&mut txn, "a", "chat");
+    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
+    finish(&handle.actor(), &mut txn, "a", &Ok(Ok(Some("m1".into())))).unwrap();
+    assert_eq!(txn.items["a"].state, ItemState::Sent);
+    assert_eq!(txn.items["a"].transport_ref.as_deref(), Some("m1"));
+    txn.now = at(10);
+    enqueue(&mut txn, "b", "chat");
+    let b = decide(&handle.actor(), &mut txn, "b").unwrap();
+    assert_eq!(outcome(&b), Outcome::Deferred);
+    assert_eq!(txn.items["b"].error_code.as_deref(), Some(RATE_CAPPED));
+    assert_eq!(txn.items["b"].next_attempt_at, Some(at(60)));
+    assert_eq!(txn.items["b"].attempts, 0);
+}
+
+#[test]
+fn every_change_is_on_record_in_the_order_the_rules_made_it() {
+    let handle = Handle::new();
+    let mut txn = txn(at(0));
+    enqueue(&mut txn, "a", "chat");
+    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
+    finish(&handle.actor(), &mut txn, "a", &Ok(Ok(None))).unwrap();
+    let outcomes: Vec<AuditOutcome> = txn.sealed.iter().map(|r| r.outcome).collect();
+    assert_eq!(outcomes, [AuditOutcome::Queued, AuditOutcome::Sent]);
+    let seqs: Vec<u64> = txn.sealed.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, [1, 2]);
+    assert_eq!(txn.sealed[1].prev_hash, txn.sealed[0].hash);
+}
+
+#[test]
+fn a_drain_step_records_the_finished_send_and_claims_the_next_in_one_transaction() {
+    let handle = Handle::new();
+    let mut txn = txn(at(0));
+    enqueue(&mut txn, "a", "chat-1");
+    enqueue(&mut txn, "b", "chat-1");
+    enqueue(&mut txn, "c", "chat-2");
+    let mut picker = crate::order::Picker::worker();
+    let first =
+        crate::rules::drain::step(&handle.actor(), &mut txn, None, Some(&mut picker)).unwrap();
+    let (item, _) = first.claimed.expect("one claimed");
+    let sent: crate::rules::lifecycle::SendResult = Ok(Ok(None));
+    let second = crate::rules::drain::step(
+        &handle.actor(),
+        &mut txn,
+        Some((&item.idempotency_key, &sent)),
+        Some(&mut picker),
+    )
+    .unwrap();
+    let (receipt, _) = second.finished.expect("recorded");
+    assert_eq!(receipt.outcome, Outcome::Sent);
+    let (next, _) = second.claimed.expect("the next one claimed");
+    assert_ne!(next.idempotency_key, item.idempotency_key);
+    assert_ne!(
+        next.idempotency_key, "b",
+        "b is not its chat's head before a is sent, nor the fairest pick after"
+    );
+    let claimed: Vec<&str> = txn
+        .items
+        .values()
+        .filter(|i| i.dispatch_claimed())
+        .map(|i| i.idempotency_key.as_str())
+        .collect();
+    assert_eq!(
+        claimed,
+        [next.idempotency_key.as_str()],
+        "one send at a time per step"
+    );
+}
