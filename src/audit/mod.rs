@@ -453,6 +453,54 @@ fn verify_files_from(
     })
 }
 
+/// Verifies a chain held outside a file (the PostgreSQL engine's `audit`
+/// table): `lines` in chain order, each without its newline, checked exactly
+/// as a line of `audit.jsonl`, then cross-checked against the head the store
+/// recorded (`expected`), so a cut-off tail is found too. Faults name `place`
+/// and the 1-based position in the chain.
+#[cfg(feature = "postgres")]
+pub(crate) fn verify_lines<'l>(
+    place: &Path,
+    lines: impl IntoIterator<Item = &'l [u8]>,
+    hasher: &Hasher,
+    expected: &Head,
+) -> Result<AuditReport> {
+    let mut chain = Chain {
+        hasher,
+        head: Head::genesis(),
+    };
+    let mut records = 0;
+    for line in lines {
+        records += 1;
+        chain
+            .check(line)
+            .map_err(|fault| broken(place, records, fault))?;
+    }
+    if chain.head.seq < expected.seq {
+        return Err(broken(
+            place,
+            records + 1,
+            AuditFault::Truncated {
+                expected_seq: expected.seq,
+                found_seq: chain.head.seq,
+            },
+        ));
+    }
+    if chain.head != *expected {
+        return Err(broken(
+            place,
+            expected.seq,
+            AuditFault::HeadMismatch { seq: expected.seq },
+        ));
+    }
+    Ok(AuditReport {
+        records,
+        head_seq: chain.head.seq,
+        head_hash: chain.head.hash,
+        torn_tail_bytes: 0,
+    })
+}
+
 /// Name of the sealed audit segment whose first record has seq `first`.
 fn sealed_name(first: u64) -> String {
     format!("audit-{first:012}.jsonl")

@@ -1112,6 +1112,22 @@ pub(crate) fn item_from_json(path: &Path, place: &str, json: &[u8]) -> Result<Ou
     item_from_disk(path, place, raw)
 }
 
+/// The stored settings as the JSON object `outbox.json` keeps under `"settings"`.
+#[cfg(feature = "postgres")]
+pub(crate) fn settings_to_json(stored: &Stored) -> String {
+    #[expect(clippy::expect_used, reason = "plain data always serialises")]
+    serde_json::to_string(&settings_to_disk(stored)).expect("settings serialise")
+}
+
+/// Parses and checks settings stored by [`settings_to_json`], read at `place`
+/// in `path`.
+#[cfg(feature = "postgres")]
+pub(crate) fn settings_from_json(path: &Path, place: &str, json: &str) -> Result<Stored> {
+    let raw: SettingsV1 = serde_json::from_str(json)
+        .map_err(|e| invalid(path, place.to_owned(), format!("invalid settings: {e}")))?;
+    settings_from_disk(path, place, raw)
+}
+
 /// Serialises a state as version 2, pretty-printed, newline-terminated.
 pub(crate) fn encode(state: &State) -> Vec<u8> {
     let file = FileV1 {

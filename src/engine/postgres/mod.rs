@@ -19,6 +19,9 @@
 mod liveness;
 mod notify;
 mod schema;
+mod txn;
+
+pub(crate) use txn::PgTxn;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,10 +33,11 @@ use postgres::{Client, NoTls, Row};
 use sha2::{Digest, Sha256};
 
 use super::{ChangeSet, ClaimDecision, CommitError, Engine, Expect, RateView, Versioned};
-use crate::audit::{AuditRecord, Hasher};
+use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, Hasher, Head};
 use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
-use crate::store::{item_from_json, item_to_json, rate_times};
+use crate::settings::{Settings, Stored};
+use crate::store::{item_from_json, item_to_json, rate_times, settings_from_json, settings_to_json};
 
 #[cfg(test)]
 use schema::SCHEMA_VERSION;
@@ -91,6 +95,29 @@ pub(crate) fn check_schema(schema: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The `settings` audit event: about the outbox, not an item (item fields `-`).
+fn settings_event(head: &Head, note: String, now: DateTime<Utc>) -> AuditEvent {
+    AuditEvent {
+        attempts: 0,
+        audit_id: hex::encode(&Sha256::digest(format!("{}settings", head.hash).as_bytes())[..16]),
+        connector: "-".into(),
+        content_hash: "-".into(),
+        destination: "-".into(),
+        direction: "-".into(),
+        error_code: None,
+        failure_class: None,
+        grant_id: "-".into(),
+        idempotency_key: "settings".into(),
+        lane: "-".into(),
+        outcome: AuditOutcome::Settings,
+        note: Some(note),
+        reconciled: false,
+        recorded_at_utc: crate::clock::format_timestamp(now),
+        risk_class: None,
+        transport_ref: None,
+    }
 }
 
 /// Opens connections to one server.
@@ -256,8 +283,8 @@ impl PgEngine {
         PathBuf::from(format!("postgres:{}.items", self.schema))
     }
 
-    /// An item from a row of `idempotency_key, revision, doc, enqueue_order`.
-    /// The enqueue order is the row's: one sequence across every host.
+    /// An item from a row of `idempotency_key, revision, doc, seq`. The
+    /// sequence is the row's: one sequence across every host.
     fn versioned(&self, row: &Row) -> Result<Versioned> {
         let key: String = row.get(0);
         let revision: i64 = row.get(1);
@@ -287,13 +314,16 @@ impl PgEngine {
         let claimed = item.claim.is_some();
         let owner = item.claim_owner();
         let state = item.state.as_str();
+        let seq = item.seq.and_then(|seq| i64::try_from(seq).ok());
         let written = match expect {
             Expect::Absent => tx
                 .execute(
                     &format!(
                         "INSERT INTO {s}.items (idempotency_key, revision, destination, state,
-                           claimed, claim_owner, next_attempt_at, transport_ref, doc)
-                         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8)
+                           claimed, claim_owner, next_attempt_at, transport_ref, doc, seq,
+                           created_at, updated_at)
+                         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8,
+                           COALESCE($9, nextval('{s}.enqueue_seq')), $10, $11)
                          ON CONFLICT (idempotency_key) DO NOTHING"
                     ),
                     &[
@@ -305,6 +335,9 @@ impl PgEngine {
                         &item.next_attempt_at,
                         &item.transport_ref,
                         &doc,
+                        &seq,
+                        &item.created_at,
+                        &item.updated_at,
                     ],
                 )
                 .map_err(db("insert an item"))?,
@@ -313,7 +346,8 @@ impl PgEngine {
                     &format!(
                         "UPDATE {s}.items SET revision = revision + 1, destination = $2,
                            state = $3, claimed = $4, claim_owner = $5, next_attempt_at = $6,
-                           transport_ref = $7, doc = $8
+                           transport_ref = $7, doc = $8, seq = COALESCE($10, seq),
+                           created_at = $11, updated_at = $12
                          WHERE idempotency_key = $1 AND revision = $9"
                     ),
                     &[
@@ -326,6 +360,9 @@ impl PgEngine {
                         &item.transport_ref,
                         &doc,
                         &(revision as i64),
+                        &seq,
+                        &item.created_at,
+                        &item.updated_at,
                     ],
                 )
                 .map_err(db("update an item"))?,
@@ -445,6 +482,336 @@ impl PgEngine {
         Ok(sealed)
     }
 
+    /// Whether this handle's own owner lock is still held.
+    #[expect(
+        clippy::unnecessary_wraps,
+        reason = "the same shape as probing another owner, which can fail"
+    )]
+    pub(crate) fn own_lock_held(&self) -> Result<bool> {
+        Ok(lock(&self.liveness).is_held())
+    }
+
+    fn settings_place(&self) -> PathBuf {
+        PathBuf::from(format!("postgres:{}.settings", self.schema))
+    }
+
+    /// The stored settings, read inside `tx`.
+    pub(crate) fn read_settings(&self, tx: &mut postgres::Transaction<'_>) -> Result<Stored> {
+        let row = tx
+            .query_opt(
+                &format!("SELECT doc FROM {}.settings WHERE id = 1", self.s),
+                &[],
+            )
+            .map_err(db("read the stored settings"))?;
+        match row {
+            None => Ok(Stored::default()),
+            Some(row) => settings_from_json(&self.settings_place(), "row 1", row.get(0)),
+        }
+    }
+
+    /// The stored settings, as last committed.
+    pub(crate) fn stored_settings(&self) -> Result<Stored> {
+        let mut client = self.client()?;
+        let mut tx = client.transaction().map_err(db("begin a read"))?;
+        let stored = self.read_settings(&mut tx)?;
+        tx.commit().map_err(db("end a read"))?;
+        Ok(stored)
+    }
+
+    /// Runs one read-modify-write of the rules (see [`PgTxn`]) and commits it.
+    /// Returns `f`'s value once the commit is durable; on any error nothing
+    /// of it is visible.
+    pub(crate) fn transact<T>(
+        &self,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        let mut client = self.client()?;
+        // A claim must name an owner whose lock is held (after a cut or a
+        // restart it is taken again here).
+        self.ensure_owner(&mut client)?;
+        let tx = client.transaction().map_err(db("begin a transaction"))?;
+        let mut txn = PgTxn::begin(self, tx, now, defaults)?;
+        let value = f(&mut txn)?;
+        txn.commit()?;
+        Ok(value)
+    }
+
+    /// Applies the settings rules of `settings::plan` on open: a new outbox
+    /// stores every value of the opening handle at once (no audit record: the
+    /// first state, not a change); values set explicitly on an outbox that
+    /// lacks them, or with `update_settings`, are stored with a `settings`
+    /// audit record; a builder value a stored one overrides is logged.
+    pub(crate) fn settle_settings(
+        &self,
+        defaults: &Settings,
+        explicit: &Stored,
+        update: bool,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let mut client = self.client()?;
+        let mut tx = client.transaction().map_err(db("begin storing settings"))?;
+        let s = &self.s;
+        let head = tx
+            .query_one(
+                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
+                &[],
+            )
+            .map_err(db("lock the audit head"))?;
+        let head = Head {
+            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
+            hash: head.get(1),
+        };
+        let stored = self.read_settings(&mut tx)?;
+        let items: i64 = tx
+            .query_one(&format!("SELECT count(*) FROM {s}.items"), &[])
+            .map_err(db("count items"))?
+            .get(0);
+        let new_outbox = items == 0 && head.seq == 0;
+        let plan = crate::settings::plan(&stored, defaults, explicit, update, new_outbox);
+        for ignored in &plan.ignored {
+            tracing::warn!(
+                schema = %self.schema,
+                "{ignored}: the stored value is in force (open with `update_settings()` to change it)"
+            );
+        }
+        let Some(next) = plan.store else {
+            return tx.commit().map_err(db("end a read"));
+        };
+        tx.execute(
+            &format!(
+                "INSERT INTO {s}.settings (id, doc) VALUES (1, $1)
+                 ON CONFLICT (id) DO UPDATE SET doc = EXCLUDED.doc"
+            ),
+            &[&settings_to_json(&next)],
+        )
+        .map_err(db("store the settings"))?;
+        if let Some(note) = plan.note {
+            let how = if update {
+                "updated by a handle opened with update_settings"
+            } else {
+                "stored on first explicit use"
+            };
+            let event = settings_event(&head, format!("{note} ({how})"), now);
+            let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, &self.hasher);
+            let mut line = record.to_line();
+            line.pop();
+            tx.execute(
+                &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
+                &[
+                    &i64::try_from(record.seq).unwrap_or(i64::MAX),
+                    &record.hash,
+                    &String::from_utf8_lossy(&line).into_owned(),
+                ],
+            )
+            .map_err(db("append an audit record"))?;
+            tx.execute(
+                &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
+                &[&i64::try_from(record.seq).unwrap_or(i64::MAX), &record.hash],
+            )
+            .map_err(db("move the audit head"))?;
+        }
+        tx.commit().map_err(db("store the settings"))
+    }
+
+    fn items_where(&self, condition: &str, params: &[&(dyn postgres::types::ToSql + Sync)]) -> Result<Vec<OutboxItem>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items WHERE {condition}",
+                    self.s
+                ),
+                params,
+            )
+            .map_err(db("read items"))?;
+        rows.iter()
+            .map(|row| self.versioned(row).map(|v| v.item))
+            .collect()
+    }
+
+    /// The item with this key, live or history.
+    pub(crate) fn item(&self, key: &str) -> Result<Option<OutboxItem>> {
+        Ok(self
+            .items_where("idempotency_key = $1", &[&key])?
+            .into_iter()
+            .next())
+    }
+
+    /// Live items (queued, or terminal and changed after `cutoff`), by key.
+    pub(crate) fn live_items(&self, cutoff: DateTime<Utc>) -> Result<Vec<OutboxItem>> {
+        self.items_where(
+            "state = 'queued' OR updated_at > $1 ORDER BY idempotency_key",
+            &[&cutoff],
+        )
+    }
+
+    /// History: terminal items last changed at or before `cutoff`, oldest first.
+    pub(crate) fn history_items(&self, cutoff: DateTime<Utc>) -> Result<Vec<OutboxItem>> {
+        self.items_where(
+            "state <> 'queued' AND updated_at <= $1 ORDER BY updated_at, idempotency_key",
+            &[&cutoff],
+        )
+    }
+
+    /// The item whose send returned `transport_ref` (to `destination`, when
+    /// given); the first by key when several share it.
+    pub(crate) fn find_ref(
+        &self,
+        destination: Option<&str>,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        let found = match destination {
+            Some(destination) => self.items_where(
+                "transport_ref = $1 AND destination = $2 ORDER BY idempotency_key LIMIT 1",
+                &[&transport_ref, &destination],
+            )?,
+            None => self.items_where(
+                "transport_ref = $1 ORDER BY idempotency_key LIMIT 1",
+                &[&transport_ref],
+            )?,
+        };
+        Ok(found.into_iter().next())
+    }
+
+    /// The keys of the queued items due at `now`, oldest first.
+    pub(crate) fn due_keys(&self, now: DateTime<Utc>) -> Result<Vec<String>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT idempotency_key FROM {}.items
+                     WHERE state = 'queued' AND (next_attempt_at IS NULL OR next_attempt_at <= $1)
+                     ORDER BY created_at, idempotency_key",
+                    self.s
+                ),
+                &[&now],
+            )
+            .map_err(db("read the due items"))?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
+    }
+
+    /// The earliest moment a queued, unclaimed item falls due (under
+    /// per-destination order, only each destination's head), and whether a
+    /// claim of another handle holds some line.
+    pub(crate) fn due_summary(
+        &self,
+        ordering: crate::order::Ordering,
+        now: DateTime<Utc>,
+    ) -> Result<(Option<DateTime<Utc>>, bool)> {
+        let s = &self.s;
+        let scope = match ordering {
+            crate::order::Ordering::PerDestination => format!(
+                "(SELECT DISTINCT ON (destination) claimed, next_attempt_at, created_at
+                  FROM {s}.items WHERE state = 'queued'
+                  ORDER BY destination, seq, created_at, idempotency_key)"
+            ),
+            crate::order::Ordering::Unordered => {
+                format!("(SELECT claimed, next_attempt_at, created_at FROM {s}.items WHERE state = 'queued')")
+            }
+        };
+        let mut client = self.client()?;
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT min(LEAST(COALESCE(next_attempt_at, $1), $1)) FILTER (WHERE next_attempt_at IS NULL),
+                            min(next_attempt_at) FILTER (WHERE next_attempt_at IS NOT NULL)
+                     FROM {scope} h WHERE NOT h.claimed"
+                ),
+                &[&now],
+            )
+            .map_err(db("read when the next item is due"))?;
+        let fresh: Option<DateTime<Utc>> = row.get(0);
+        let deferred: Option<DateTime<Utc>> = row.get(1);
+        let foreign: bool = client
+            .query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {s}.items WHERE state = 'queued' AND claimed
+                       AND claim_owner IS DISTINCT FROM $1)"
+                ),
+                &[&self.owner],
+            )
+            .map_err(db("read the claims"))?
+            .get(0);
+        Ok((fresh.or(deferred), foreign))
+    }
+
+    /// Every audit record about `key`, oldest first.
+    pub(crate) fn records_of(&self, key: &str) -> Result<Vec<AuditRecord>> {
+        let rows = self
+            .client()?
+            .query(
+                &format!(
+                    "SELECT seq, line FROM {}.audit
+                     WHERE line::jsonb ->> 'idempotency_key' = $1 ORDER BY seq",
+                    self.s
+                ),
+                &[&key],
+            )
+            .map_err(db("read the audit log"))?;
+        rows.iter().map(|row| self.record_of_row(row)).collect()
+    }
+
+    fn record_of_row(&self, row: &Row) -> Result<AuditRecord> {
+        let seq: i64 = row.get(0);
+        let line: &str = row.get(1);
+        serde_json::from_str(line).map_err(|e| Error::InvalidRecord {
+            path: PathBuf::from(format!("postgres:{}.audit", self.schema)),
+            location: format!("seq {seq}"),
+            reason: format!("not an audit record: {e}"),
+        })
+    }
+
+    /// The audit head as committed.
+    pub(crate) fn audit_head(&self) -> Result<Head> {
+        let row = self
+            .client()?
+            .query_one(
+                &format!("SELECT seq, hash FROM {}.audit_head WHERE id = 1", self.s),
+                &[],
+            )
+            .map_err(db("read the audit head"))?;
+        Ok(Head {
+            seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+            hash: row.get(1),
+        })
+    }
+
+    /// Verifies the whole chain in the `audit` table, as the file verifier
+    /// checks `audit.jsonl`, and against the head row (a cut-off tail is
+    /// found). One consistent snapshot: a repeatable-read transaction.
+    pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
+        let mut client = self.client()?;
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .map_err(db("begin verifying the audit log"))?;
+        let row = tx
+            .query_one(
+                &format!("SELECT seq, hash FROM {}.audit_head WHERE id = 1", self.s),
+                &[],
+            )
+            .map_err(db("read the audit head"))?;
+        let expected = Head {
+            seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+            hash: row.get(1),
+        };
+        let rows = tx
+            .query(&format!("SELECT line FROM {}.audit ORDER BY seq", self.s), &[])
+            .map_err(db("read the audit log"))?;
+        tx.commit().map_err(db("end verifying the audit log"))?;
+        let place = PathBuf::from(format!("postgres:{}.audit", self.schema));
+        crate::audit::verify_lines(
+            &place,
+            rows.iter().map(|row| row.get::<_, &str>(0).as_bytes()),
+            &self.hasher,
+            &expected,
+        )
+    }
+
     /// Every audit line in `seq` order, newline-terminated: the same bytes a
     /// file outbox's `audit.jsonl` would hold, for the offline verifier.
     pub(crate) fn export_audit(&self) -> Result<Vec<u8>> {
@@ -474,7 +841,7 @@ impl Engine for PgEngine {
             .client()?
             .query_opt(
                 &format!(
-                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items WHERE idempotency_key = $1",
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items WHERE idempotency_key = $1",
                     self.s
                 ),
                 &[&key],
@@ -488,7 +855,7 @@ impl Engine for PgEngine {
             .client()?
             .query(
                 &format!(
-                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items ORDER BY enqueue_order",
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items ORDER BY enqueue_order",
                     self.s
                 ),
                 &[],
@@ -502,7 +869,7 @@ impl Engine for PgEngine {
             .client()?
             .query_opt(
                 &format!(
-                    "SELECT idempotency_key, revision, doc, enqueue_order FROM {}.items
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
                      WHERE transport_ref = $1 ORDER BY enqueue_order LIMIT 1",
                     self.s
                 ),
@@ -548,7 +915,7 @@ impl Engine for PgEngine {
         let rows = tx
             .query(
                 &format!(
-                    "SELECT i.idempotency_key, i.revision, i.doc, i.enqueue_order FROM {s}.items i
+                    "SELECT i.idempotency_key, i.revision, i.doc, i.seq FROM {s}.items i
                      WHERE i.state = 'queued' AND NOT i.claimed
                        AND (i.next_attempt_at IS NULL OR i.next_attempt_at <= $1)
                        AND NOT EXISTS (
@@ -628,7 +995,7 @@ impl Engine for PgEngine {
             .client()?
             .query(
                 &format!(
-                    "SELECT idempotency_key, revision, doc, enqueue_order, claim_owner FROM {}.items
+                    "SELECT idempotency_key, revision, doc, seq, claim_owner FROM {}.items
                      WHERE claimed ORDER BY enqueue_order",
                     self.s
                 ),

@@ -61,6 +61,30 @@ const MIGRATIONS: &[&str] = &[
         hash text NOT NULL
      );
      INSERT INTO {s}.audit_head (id, seq, hash) VALUES (1, 0, '{genesis}');",
+    // 2: what the whole lifecycle needs (`Outbox::postgres`). Items gain their
+    // place in the destination's line (`seq`: enqueue order, a requeue moves
+    // an item to the back, handed out by `enqueue_seq` so every host agrees),
+    // `created_at` (the order's tie-break and a fresh item's due time) and
+    // `updated_at` (when a terminal item counts as history, see `history`).
+    // `settings` holds the stored settings: one row, the same JSON object
+    // `outbox.json` stores under `"settings"`.
+    "ALTER TABLE {s}.items ADD COLUMN seq bigint, ADD COLUMN created_at timestamptz,
+        ADD COLUMN updated_at timestamptz;
+     UPDATE {s}.items SET
+        seq = COALESCE((doc::jsonb ->> 'enqueue_seq')::bigint, enqueue_order),
+        created_at = (doc::jsonb ->> 'created_at_utc')::timestamptz,
+        updated_at = (doc::jsonb ->> 'updated_at_utc')::timestamptz;
+     ALTER TABLE {s}.items ALTER COLUMN seq SET NOT NULL,
+        ALTER COLUMN created_at SET NOT NULL, ALTER COLUMN updated_at SET NOT NULL;
+     CREATE SEQUENCE {s}.enqueue_seq;
+     SELECT setval('{s}.enqueue_seq', COALESCE((SELECT max(seq) FROM {s}.items), 0) + 1, false);
+     CREATE INDEX ON {s}.items (destination, seq, created_at, idempotency_key)
+        WHERE state = 'queued';
+     CREATE INDEX ON {s}.items (updated_at) WHERE state <> 'queued';
+     CREATE TABLE {s}.settings (
+        id integer PRIMARY KEY CHECK (id = 1),
+        doc text NOT NULL
+     );",
 ];
 
 /// The schema version this release writes.

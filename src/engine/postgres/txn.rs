@@ -1,0 +1,590 @@
+//! One read-modify-write of the delivery rules on PostgreSQL: one SQL
+//! transaction.
+//!
+//! Locks, always in this order, so two transactions never wait for each other
+//! in a cycle:
+//!
+//! 1. **The audit head row**, first, `FOR UPDATE`. Every transaction that may
+//!    write takes it, so writers on every host run one after another in the
+//!    order the chain records them, and the records a transaction seals chain
+//!    onto the head it holds (the same hashes as the file engine, which does
+//!    the same under `outbox.lock`). Taking it only when the first record is
+//!    sealed would deadlock: a transaction that locked an item and then seals
+//!    waits for the head, while the holder of the head, going on to the next
+//!    candidate, waits for that item.
+//! 2. **Items**, read lazily, each `FOR UPDATE` on first touch (a write through
+//!    [`Engine::commit`](crate::engine::Engine::commit), which does not take the
+//!    head, still cannot change a row under a decision made on it).
+//! 3. **The caps lock** (`pg_advisory_xact_lock` on the schema's `caps` key,
+//!    shared with [`Engine::claim_batch`](crate::engine::Engine::claim_batch)),
+//!    before send and claim times or cooldowns are read: caps hold across hosts.
+//! 4. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
+//!    a dead owner's key locked until the transaction ends.
+//!
+//! Changes go to an overlay; [`PgTxn::commit`] writes the overlay, the sealed
+//! audit rows and the head, and a `NOTIFY` when an item became due, in the one
+//! `COMMIT`. A failed statement or a dropped connection ends the transaction
+//! with [`Error::Database`] and nothing of it is visible; a connection lost
+//! during `COMMIT` itself may or may not have committed, as the error says.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use postgres::Transaction;
+
+use super::{PgEngine, db, lock_key, notify};
+use crate::audit::{AuditEvent, AuditRecord, Head};
+use crate::engine::Expect;
+use crate::error::{Error, Result};
+use crate::item::{ItemState, OutboxItem};
+use crate::order::{self, OrderKey};
+use crate::settings::Settings;
+use crate::store::rate_times;
+
+/// How many due fronts one look at the candidates takes from the table.
+pub(crate) const CANDIDATE_WINDOW: i64 = 64;
+
+/// A row read by this transaction: the item and its revision (`None`: absent).
+type Base = Option<(OutboxItem, u64)>;
+
+/// One transaction of the rules on PostgreSQL.
+pub(crate) struct PgTxn<'e, 'c> {
+    engine: &'e PgEngine,
+    tx: Transaction<'c>,
+    /// Rows as committed, locked by this transaction when read.
+    base: HashMap<String, Base>,
+    /// Items changed by this transaction (whole new versions).
+    overlay: BTreeMap<String, OutboxItem>,
+    /// Records sealed in order after the head this transaction holds.
+    records: Vec<AuditRecord>,
+    head: Head,
+    now: DateTime<Utc>,
+    settings: Settings,
+    caps_locked: bool,
+}
+
+impl<'e, 'c> PgTxn<'e, 'c> {
+    /// Begins: locks the audit head and reads the stored settings (laid over
+    /// `defaults`, this handle's own values).
+    pub(crate) fn begin(
+        engine: &'e PgEngine,
+        mut tx: Transaction<'c>,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+    ) -> Result<Self> {
+        let s = &engine.s;
+        let head = tx
+            .query_one(
+                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
+                &[],
+            )
+            .map_err(db("lock the audit head"))?;
+        let head = Head {
+            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
+            hash: head.get(1),
+        };
+        let stored = engine.read_settings(&mut tx)?;
+        Ok(Self {
+            engine,
+            tx,
+            base: HashMap::new(),
+            overlay: BTreeMap::new(),
+            records: Vec::new(),
+            head,
+            now,
+            settings: defaults.with_stored(&stored),
+            caps_locked: false,
+        })
+    }
+
+    /// The moment this transaction decides at.
+    pub(crate) fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+
+    /// The settings in force.
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// The head the next sealed record chains to.
+    pub(crate) fn head(&self) -> &Head {
+        &self.head
+    }
+
+    /// The owner id this handle's claims carry.
+    pub(crate) fn owner(&self) -> &str {
+        &self.engine.owner
+    }
+
+    /// Reads (and locks) the committed row of `key`, once per transaction.
+    fn load(&mut self, key: &str) -> Result<()> {
+        if self.overlay.contains_key(key) || self.base.contains_key(key) {
+            return Ok(());
+        }
+        let row = self
+            .tx
+            .query_opt(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
+                     WHERE idempotency_key = $1 FOR UPDATE",
+                    self.engine.s
+                ),
+                &[&key],
+            )
+            .map_err(db("read an item"))?;
+        let base = row
+            .map(|row| self.engine.versioned(&row))
+            .transpose()?
+            .map(|v| (v.item, v.revision));
+        self.base.insert(key.to_owned(), base);
+        Ok(())
+    }
+
+    /// Remembers rows read by a query of this transaction (not locked: the
+    /// head this transaction holds keeps every other writer of the rules out;
+    /// a decision locks its item through [`item_mut`](Self::item_mut)).
+    fn remember(&mut self, rows: &[postgres::Row]) -> Result<Vec<String>> {
+        let mut keys = Vec::with_capacity(rows.len());
+        for row in rows {
+            let v = self.engine.versioned(row)?;
+            let key = v.item.idempotency_key.clone();
+            self.base
+                .entry(key.clone())
+                .or_insert(Some((v.item, v.revision)));
+            keys.push(key);
+        }
+        Ok(keys)
+    }
+
+    /// The item with this key as this transaction sees it.
+    ///
+    /// # Errors
+    /// [`Error::Database`]; [`Error::InvalidRecord`] for a damaged row.
+    pub(crate) fn item(&mut self, key: &str) -> Result<Option<&OutboxItem>> {
+        self.load(key)?;
+        Ok(self.peek(key))
+    }
+
+    /// The item as this transaction sees it, among the rows read already.
+    fn peek(&self, key: &str) -> Option<&OutboxItem> {
+        self.overlay.get(key).or_else(|| {
+            self.base
+                .get(key)
+                .and_then(|b| b.as_ref().map(|(item, _)| item))
+        })
+    }
+
+    /// The item, to change it in this transaction.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; as [`item`](Self::item).
+    pub(crate) fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
+        self.load(key)?;
+        if !self.overlay.contains_key(key) {
+            let item = self
+                .peek(key)
+                .cloned()
+                .ok_or_else(|| Error::NotFound {
+                    key: key.to_owned(),
+                })?;
+            self.overlay.insert(key.to_owned(), item);
+        }
+        match self.overlay.get_mut(key) {
+            Some(item) => Ok(item),
+            None => unreachable!("inserted above"),
+        }
+    }
+
+    /// Puts a whole item into the transaction (a new one, or a replacement).
+    pub(crate) fn insert(&mut self, item: OutboxItem) {
+        self.overlay.insert(item.idempotency_key.clone(), item);
+    }
+
+    /// The next enqueue sequence, from the schema's sequence: one order for
+    /// every host.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn next_seq(&mut self) -> Result<u64> {
+        let seq: i64 = self
+            .tx
+            .query_one(
+                &format!("SELECT nextval('{}.enqueue_seq')", self.engine.s),
+                &[],
+            )
+            .map_err(db("take an enqueue sequence"))?
+            .get(0);
+        Ok(u64::try_from(seq).unwrap_or(0))
+    }
+
+    /// The keys changed by this transaction.
+    fn changed_keys(&self) -> Vec<String> {
+        self.overlay.keys().cloned().collect()
+    }
+
+    /// The place of `destination`'s head: its earliest queued item, as this
+    /// transaction sees it.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        let changed = self.changed_keys();
+        let rows = self
+            .tx
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
+                     WHERE destination = $1 AND state = 'queued'
+                       AND NOT (idempotency_key = ANY($2))
+                     ORDER BY seq, created_at, idempotency_key LIMIT 1",
+                    self.engine.s
+                ),
+                &[&destination, &changed],
+            )
+            .map_err(db("read a destination's head"))?;
+        let keys = self.remember(&rows)?;
+        let committed = keys
+            .first()
+            .and_then(|key| self.peek(key))
+            .map(OrderKey::of);
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .map(OrderKey::of)
+            .min();
+        Ok(committed.into_iter().chain(pending).min())
+    }
+
+    /// The items to decide next, as `Txn::candidates` chooses them in the file
+    /// engine: at most one per destination, claimed items first (a claim may
+    /// be dead), then the items this transaction changed or made head, then
+    /// up to [`CANDIDATE_WINDOW`] fronts due by now, earliest due first.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn candidates(
+        &mut self,
+        ordering: order::Ordering,
+        admits: &mut dyn FnMut(&OutboxItem) -> bool,
+    ) -> Result<Vec<(String, OrderKey)>> {
+        let s = self.engine.s.clone();
+        let changed = self.changed_keys();
+        let claimed_rows = self
+            .tx
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {s}.items
+                     WHERE claimed AND state = 'queued' AND NOT (idempotency_key = ANY($1))
+                     ORDER BY seq, created_at, idempotency_key"
+                ),
+                &[&changed],
+            )
+            .map_err(db("read the claimed items"))?;
+        let claimed = self.remember(&claimed_rows)?;
+        // Fronts: under per-destination order each line's head (if unclaimed
+        // and due); unordered, each destination's earliest-due unclaimed item.
+        let fronts_sql = match ordering {
+            order::Ordering::PerDestination => format!(
+                "SELECT idempotency_key, revision, doc, seq FROM (
+                   SELECT DISTINCT ON (destination) idempotency_key, revision, doc, seq,
+                     claimed, next_attempt_at, created_at
+                   FROM {s}.items WHERE state = 'queued' AND NOT (idempotency_key = ANY($1))
+                   ORDER BY destination, seq, created_at, idempotency_key) h
+                 WHERE NOT h.claimed AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= $2)
+                 ORDER BY h.next_attempt_at IS NOT NULL, COALESCE(h.next_attempt_at, h.created_at),
+                   h.seq
+                 LIMIT $3"
+            ),
+            order::Ordering::Unordered => format!(
+                "SELECT idempotency_key, revision, doc, seq FROM (
+                   SELECT DISTINCT ON (destination) idempotency_key, revision, doc, seq,
+                     next_attempt_at, created_at
+                   FROM {s}.items
+                   WHERE state = 'queued' AND NOT claimed AND NOT (idempotency_key = ANY($1))
+                     AND (next_attempt_at IS NULL OR next_attempt_at <= $2)
+                   ORDER BY destination, next_attempt_at IS NOT NULL,
+                     COALESCE(next_attempt_at, created_at), seq) f
+                 ORDER BY f.next_attempt_at IS NOT NULL, COALESCE(f.next_attempt_at, f.created_at),
+                   f.seq
+                 LIMIT $3"
+            ),
+        };
+        let front_rows = self
+            .tx
+            .query(&fronts_sql, &[&changed, &self.now, &CANDIDATE_WINDOW])
+            .map_err(db("read the due items"))?;
+        let fronts = self.remember(&front_rows)?;
+
+        let mut places: Vec<OrderKey> = Vec::new();
+        for key in &claimed {
+            places.extend(self.peek(key).map(OrderKey::of));
+        }
+        let overlay: Vec<OutboxItem> = self.overlay.values().cloned().collect();
+        for item in &overlay {
+            if item.state == ItemState::Queued {
+                places.push(OrderKey::of(item));
+            }
+            if let Some(head) = self.head_of(&item.destination)? {
+                places.push(head);
+            }
+        }
+        for key in &fronts {
+            places.extend(self.peek(key).map(OrderKey::of));
+        }
+        let mut out: Vec<(String, OrderKey)> = Vec::new();
+        let mut destinations: HashSet<String> = HashSet::new();
+        for place in places {
+            let Some(item) = self.peek(&place.key).cloned() else {
+                continue;
+            };
+            let ready = item.state == ItemState::Queued
+                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= self.now));
+            if !ready || destinations.contains(&item.destination) || !admits(&item) {
+                continue;
+            }
+            let in_line = ordering == order::Ordering::Unordered
+                || self
+                    .head_of(&item.destination)?
+                    .is_some_and(|head| head.key == place.key);
+            if in_line {
+                destinations.insert(item.destination.clone());
+                out.push((item.destination.clone(), place));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every item `filter` matches, sorted by key, as committed. On
+    /// PostgreSQL terminal items stay in `items` (see the module docs of
+    /// `engine::postgres`): the ones past `history_after` are history and left out.
+    ///
+    /// # Errors
+    /// [`Error::Database`]; [`Error::InvalidRecord`] for a damaged row.
+    pub(crate) fn select(&mut self, filter: &crate::filter::ItemFilter) -> Result<Vec<OutboxItem>> {
+        let cutoff = crate::clock::earlier(self.now, self.settings.history_after);
+        let rows = self
+            .tx
+            .query(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
+                     WHERE state = 'queued' OR updated_at > $1 ORDER BY idempotency_key",
+                    self.engine.s
+                ),
+                &[&cutoff],
+            )
+            .map_err(db("select items"))?;
+        let keys = self.remember(&rows)?;
+        Ok(keys
+            .iter()
+            .filter_map(|key| self.peek(key))
+            .filter(|item| filter.matches(item))
+            .cloned()
+            .collect())
+    }
+
+    /// Whether this transaction changed anything.
+    pub(crate) fn changed(&self) -> bool {
+        !self.overlay.is_empty() || !self.records.is_empty()
+    }
+
+    /// Takes the caps lock once: send times and cooldowns read after it
+    /// include every decision committed on any host before it was granted.
+    fn lock_caps(&mut self) -> Result<()> {
+        if !self.caps_locked {
+            self.tx
+                .execute(
+                    "SELECT pg_advisory_xact_lock($1)",
+                    &[&lock_key(&self.engine.schema, "caps")],
+                )
+                .map_err(db("lock the caps"))?;
+            self.caps_locked = true;
+        }
+        Ok(())
+    }
+
+    /// The latest platform cooldown on `destination` still in force at `now`.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn destination_cooldown(
+        &mut self,
+        destination: &str,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let now = self.now;
+        self.lock_caps()?;
+        let committed: Option<DateTime<Utc>> = self
+            .tx
+            .query_opt(
+                &format!(
+                    "SELECT until FROM {}.cooldowns WHERE destination = $1",
+                    self.engine.s
+                ),
+                &[&destination],
+            )
+            .map_err(db("read a destination's cooldown"))?
+            .map(|row| row.get(0));
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination)
+            .filter_map(|i| i.cooldown_until)
+            .max();
+        Ok(committed.max(pending).filter(|until| *until > now))
+    }
+
+    /// Send and claim times (see `store::rate_times`) at or after `since`,
+    /// of one destination or of all, as this transaction sees them.
+    fn times(
+        &mut self,
+        destination: Option<&str>,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        self.lock_caps()?;
+        let changed = self.changed_keys();
+        let s = &self.engine.s;
+        let rows = match destination {
+            Some(destination) => self.tx.query(
+                &format!(
+                    "SELECT at FROM {s}.rate_times
+                     WHERE destination = $1 AND at >= $2 AND NOT (idempotency_key = ANY($3))"
+                ),
+                &[&destination, &since, &changed],
+            ),
+            None => self.tx.query(
+                &format!(
+                    "SELECT at FROM {s}.rate_times
+                     WHERE at >= $1 AND NOT (idempotency_key = ANY($2))"
+                ),
+                &[&since, &changed],
+            ),
+        }
+        .map_err(db("read send times"))?;
+        let mut times: Vec<DateTime<Utc>> = rows.iter().map(|row| row.get(0)).collect();
+        times.extend(
+            self.overlay
+                .values()
+                .filter(|i| destination.is_none_or(|d| i.destination == d))
+                .flat_map(rate_times)
+                .filter(|at| *at >= since),
+        );
+        Ok(times)
+    }
+
+    /// Send and claim times of every destination since `since`.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>> {
+        self.times(None, since)
+    }
+
+    /// Send and claim times of `destination` since `since`.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn destination_times(
+        &mut self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        self.times(Some(destination), since)
+    }
+
+    /// Whether the handle with owner id `owner` (another handle's) holds its
+    /// lock. A dead owner's key stays locked by this transaction until it
+    /// ends, so its claims cannot be revived meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
+        if owner == self.engine.owner {
+            return self.engine.own_lock_held();
+        }
+        let free: bool = self
+            .tx
+            .query_one(
+                "SELECT pg_try_advisory_xact_lock($1)",
+                &[&lock_key(&self.engine.schema, owner)],
+            )
+            .map_err(db("probe an owner lock"))?
+            .get(0);
+        Ok(!free)
+    }
+
+    /// Seals `event` onto the chain after the head this transaction holds.
+    pub(crate) fn seal(&mut self, event: &AuditEvent) {
+        let record = AuditRecord::seal(
+            event,
+            self.head.seq + 1,
+            &self.head.hash,
+            false,
+            &self.engine.hasher,
+        );
+        self.head = Head {
+            seq: record.seq,
+            hash: record.hash.clone(),
+        };
+        self.records.push(record);
+    }
+
+    /// Writes the overlay, the sealed records and the head, and a wake-up
+    /// when an item became claimable, in one `COMMIT`. Returns the records.
+    ///
+    /// # Errors
+    /// [`Error::Database`] (nothing of the transaction is visible, unless the
+    /// connection was lost during `COMMIT` itself: then re-read).
+    pub(crate) fn commit(mut self) -> Result<Vec<AuditRecord>> {
+        if !self.changed() {
+            self.tx.commit().map_err(db("end a transaction"))?;
+            return Ok(Vec::new());
+        }
+        let wake = self
+            .overlay
+            .values()
+            .any(|item| item.state == ItemState::Queued && item.claim.is_none());
+        let overlay = std::mem::take(&mut self.overlay);
+        for (key, item) in &overlay {
+            let expect = match self.base.get(key) {
+                Some(Some((_, revision))) => Expect::Revision(*revision),
+                _ => Expect::Absent,
+            };
+            if !self.engine.put(&mut self.tx, item, expect)? {
+                // Only a writer outside the rules (an `Engine::commit`) can get
+                // here: the rows read were locked.
+                return Err(Error::Database {
+                    op: "write an item",
+                    source: format!("item {key:?} changed under this transaction").into(),
+                });
+            }
+        }
+        let s = &self.engine.s;
+        for record in &self.records {
+            let mut line = record.to_line();
+            line.pop();
+            let line = String::from_utf8_lossy(&line).into_owned();
+            let seq = i64::try_from(record.seq).unwrap_or(i64::MAX);
+            self.tx
+                .execute(
+                    &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
+                    &[&seq, &record.hash, &line],
+                )
+                .map_err(db("append an audit record"))?;
+        }
+        if !self.records.is_empty() {
+            let seq = i64::try_from(self.head.seq).unwrap_or(i64::MAX);
+            self.tx
+                .execute(
+                    &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
+                    &[&seq, &self.head.hash],
+                )
+                .map_err(db("move the audit head"))?;
+        }
+        if wake {
+            notify::wake(&mut self.tx, &self.engine.schema)?;
+        }
+        self.tx.commit().map_err(db("commit"))?;
+        Ok(self.records)
+    }
+}
