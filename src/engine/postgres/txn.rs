@@ -588,3 +588,83 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         Ok(self.records)
     }
 }
+
+impl crate::rules::txn::Txn for PgTxn<'_, '_> {
+    fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+
+    fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn item(&mut self, key: &str) -> Result<Option<&OutboxItem>> {
+        Self::item(self, key)
+    }
+
+    fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
+        Self::item_mut(self, key)
+    }
+
+    /// Terminal items never leave `items` on PostgreSQL (history is a view of
+    /// them by age): nothing is ever archived away from [`item`](Self::item).
+    fn archived(&mut self, _key: &str) -> Result<Option<OutboxItem>> {
+        Ok(None)
+    }
+
+    fn insert(&mut self, item: OutboxItem) -> Result<()> {
+        // Lock the row being replaced, if any, before the overlay hides it.
+        self.load(&item.idempotency_key)?;
+        Self::insert(self, item);
+        Ok(())
+    }
+
+    fn next_seq(&mut self) -> Result<u64> {
+        Self::next_seq(self)
+    }
+
+    fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        Self::head_of(self, destination)
+    }
+
+    fn candidates(
+        &mut self,
+        ordering: order::Ordering,
+        admits: &mut dyn FnMut(&OutboxItem) -> bool,
+    ) -> Result<Vec<(String, OrderKey)>> {
+        Self::candidates(self, ordering, admits)
+    }
+
+    fn select(&mut self, filter: &crate::filter::ItemFilter) -> Result<Vec<OutboxItem>> {
+        Self::select(self, filter)
+    }
+
+    fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>> {
+        Self::destination_cooldown(self, destination)
+    }
+
+    fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>> {
+        Self::all_times(self, since)
+    }
+
+    fn destination_times(
+        &mut self,
+        destination: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        Self::destination_times(self, destination, since)
+    }
+
+    fn audit_head(&mut self) -> Result<Head> {
+        Ok(self.head.clone())
+    }
+
+    fn seal(&mut self, event: &AuditEvent) -> Result<()> {
+        Self::seal(self, event);
+        Ok(())
+    }
+
+    fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
+        Self::owner_is_alive(self, owner)
+    }
+}
