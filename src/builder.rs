@@ -56,12 +56,30 @@ pub struct OutboxBuilder {
     pub(crate) idempotent: std::collections::BTreeMap<String, Duration>,
     #[cfg(feature = "test-failpoints")]
     pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
+    /// Where the outbox lives when it is not a directory: a PostgreSQL URL
+    /// and schema ([`Outbox::postgres`]).
+    #[cfg(feature = "postgres")]
+    pub(crate) postgres: Option<PostgresTarget>,
+    /// A schema named with [`schema`](Self::schema): refused on a directory.
+    #[cfg(feature = "postgres")]
+    pub(crate) schema_named: bool,
+}
+
+/// A PostgreSQL outbox's place: the server and the schema.
+#[cfg(feature = "postgres")]
+#[derive(Clone)]
+pub(crate) struct PostgresTarget {
+    /// The connection URL (may hold a password: never logged or shown).
+    pub(crate) url: String,
+    /// The schema holding the outbox's tables.
+    pub(crate) schema: String,
 }
 
 impl std::fmt::Debug for OutboxBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OutboxBuilder")
             .field("dir", &self.dir)
+            .field("postgres", &self.postgres_schema())
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
             .field("give_up_after", &self.give_up_after)
@@ -82,6 +100,18 @@ impl std::fmt::Debug for OutboxBuilder {
 }
 
 impl OutboxBuilder {
+    /// The schema of a PostgreSQL outbox (the URL is never shown: it may hold a password).
+    fn postgres_schema(&self) -> Option<&str> {
+        #[cfg(feature = "postgres")]
+        {
+            self.postgres.as_ref().map(|t| t.schema.as_str())
+        }
+        #[cfg(not(feature = "postgres"))]
+        {
+            None
+        }
+    }
+
     pub(crate) fn new(dir: PathBuf) -> Self {
         Self {
             dir,
@@ -105,7 +135,36 @@ impl OutboxBuilder {
             idempotent: std::collections::BTreeMap::new(),
             #[cfg(feature = "test-failpoints")]
             failpoints: Vec::new(),
+            #[cfg(feature = "postgres")]
+            postgres: None,
+            #[cfg(feature = "postgres")]
+            schema_named: false,
         }
+    }
+
+    /// A builder for an outbox in PostgreSQL (see [`Outbox::postgres`]).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn for_postgres(url: String) -> Self {
+        let mut builder = Self::new(PathBuf::new());
+        builder.postgres = Some(PostgresTarget {
+            url,
+            schema: crate::engine::postgres::DEFAULT_SCHEMA.to_owned(),
+        });
+        builder
+    }
+
+    /// The PostgreSQL schema that holds this outbox's tables (default
+    /// `durable_outbox`): many outboxes can share one database, each in its own
+    /// schema. 1 to 48 lowercase letters, digits and `_`, not starting with a
+    /// digit. Only for [`Outbox::postgres`]: opening a directory with a schema
+    /// named is refused.
+    #[cfg(feature = "postgres")]
+    pub fn schema(mut self, name: &str) -> Self {
+        self.schema_named = true;
+        if let Some(target) = &mut self.postgres {
+            name.clone_into(&mut target.schema);
+        }
+        self
     }
 
     /// Attempts (claims) allowed per item before a retryable failure becomes
@@ -409,6 +468,14 @@ impl OutboxBuilder {
     /// or a state file in it is another user's, writable by group or others, or a
     /// symlink (see [`shared_group`](Self::shared_group)); [`Error::Io`] when the
     /// directory or files are inaccessible.
+    ///
+    /// For [`Outbox::postgres`] (feature `postgres`): connects, creates or
+    /// migrates the schema's tables (refusing a newer schema with
+    /// [`Error::UnsupportedSchema`]), stores or reconciles the settings, and
+    /// takes this handle's owner lock; [`Error::InvalidConfig`] for a bad URL
+    /// or schema name, [`Error::Database`] when the server cannot be reached
+    /// or fails, [`Error::SessionLocksUnavailable`] behind a transaction-mode
+    /// pooler.
     pub fn open(self) -> Result<Outbox> {
         if self.max_attempts == 0 {
             return Err(Error::invalid_config("max_attempts", "must be at least 1"));
@@ -443,6 +510,13 @@ impl OutboxBuilder {
         }
         if matches!(&self.audit_key, Some(key) if key.is_empty()) {
             return Err(Error::invalid_config("audit_key", "must not be empty"));
+        }
+        #[cfg(feature = "postgres")]
+        if self.schema_named && self.postgres.is_none() {
+            return Err(Error::invalid_config(
+                "schema",
+                "a schema names where a PostgreSQL outbox lives; this builder opens a directory",
+            ));
         }
         Outbox::open_with(self)
     }

@@ -6,8 +6,12 @@
     reason = "tests fail loudly by panicking"
 )]
 
+mod engines;
 mod harness;
 mod seeded;
+#[cfg(feature = "postgres")]
+#[path = "../support/postgres.rs"]
+mod pg_server;
 
 mod adaptive_pacing;
 mod at_most_once;
@@ -21,6 +25,7 @@ mod hostile_input;
 mod idempotent_transport;
 mod model_check;
 mod observability;
+mod one_lifecycle;
 mod operator_actions;
 mod ordering;
 mod power_loss_regressions;

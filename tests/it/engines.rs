@@ -1,0 +1,123 @@
+//! One test body, run against each storage engine.
+//!
+//! [`on_both_engines!`] turns `fn name(engine) { … }` into a module `name`
+//! with two tests, `name::file` (a fresh directory) and `name::postgres` (a
+//! fresh database on the throwaway server this test process shares, see
+//! `tests/support/postgres.rs`; feature `postgres`). The body sees an
+//! [`EngineUnderTest`]: it opens handles with [`EngineUnderTest::open`] or
+//! [`EngineUnderTest::open_with`] and never names the engine, so the same
+//! assertions hold for both. Without a PostgreSQL server the `postgres` half
+//! skips with a printed reason, except under `CI`, where it fails.
+
+use durable_outbox::{ManualClock, Outbox, OutboxBuilder};
+
+use crate::harness::START;
+
+/// Which engine a body runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    #[cfg(feature = "postgres")]
+    Postgres,
+}
+
+/// A fresh, empty outbox on one engine, and the manual clock its handles share.
+pub struct EngineUnderTest {
+    pub kind: Kind,
+    pub clock: ManualClock,
+    dir: tempfile::TempDir,
+    #[cfg(feature = "postgres")]
+    db: Option<crate::pg_server::PgDatabase<'static>>,
+}
+
+impl EngineUnderTest {
+    /// An outbox in a fresh directory.
+    pub fn file() -> Self {
+        Self {
+            kind: Kind::File,
+            clock: ManualClock::at(START).expect("start time"),
+            dir: tempfile::tempdir().expect("temp dir"),
+            #[cfg(feature = "postgres")]
+            db: None,
+        }
+    }
+
+    /// An outbox in a fresh database, or `None` (skipped, outside CI) without
+    /// a PostgreSQL server.
+    #[cfg(feature = "postgres")]
+    pub fn postgres() -> Option<Self> {
+        let server = crate::pg_server::PgServer::shared()?;
+        Some(Self {
+            kind: Kind::Postgres,
+            clock: ManualClock::at(START).expect("start time"),
+            dir: tempfile::tempdir().expect("temp dir"),
+            db: Some(server.database()),
+        })
+    }
+
+    /// A builder for another handle on this outbox, with the shared manual
+    /// clock as clock and sleeper.
+    pub fn builder(&self) -> OutboxBuilder {
+        let builder = match self.kind {
+            Kind::File => Outbox::builder(self.dir.path()),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => Outbox::postgres(&self.url()),
+        };
+        builder.clock(self.clock.clone()).sleeper(self.clock.clone())
+    }
+
+    /// Opens a handle (another "process" or "host" when called again).
+    pub fn open(&self) -> Outbox {
+        self.open_with(|b| b)
+    }
+
+    /// Opens a handle with extra builder settings.
+    pub fn open_with(&self, configure: impl FnOnce(OutboxBuilder) -> OutboxBuilder) -> Outbox {
+        configure(self.builder())
+            .open()
+            .unwrap_or_else(|e| panic!("open the {:?} outbox: {e}", self.kind))
+    }
+
+    /// The database URL (PostgreSQL only).
+    #[cfg(feature = "postgres")]
+    pub fn url(&self) -> String {
+        self.db.as_ref().map(|db| db.url()).unwrap_or_default()
+    }
+
+    /// The database (PostgreSQL only).
+    #[cfg(feature = "postgres")]
+    pub fn database(&self) -> Option<&crate::pg_server::PgDatabase<'static>> {
+        self.db.as_ref()
+    }
+}
+
+/// `on_both_engines! { fn name(engine) { body } … }`: each body as the tests
+/// `name::file` and `name::postgres`.
+macro_rules! on_both_engines {
+    ($( $(#[doc = $doc:literal])* fn $name:ident($engine:ident) $body:block )*) => {
+        $(
+            $(#[doc = $doc])*
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+
+                fn body($engine: &$crate::engines::EngineUnderTest) $body
+
+                #[test]
+                fn file() {
+                    body(&$crate::engines::EngineUnderTest::file());
+                }
+
+                #[cfg(feature = "postgres")]
+                #[test]
+                fn postgres() {
+                    if let Some(engine) = $crate::engines::EngineUnderTest::postgres() {
+                        body(&engine);
+                    }
+                }
+            }
+        )*
+    };
+}
+
+pub(crate) use on_both_engines;

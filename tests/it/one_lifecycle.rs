@@ -1,0 +1,237 @@
+//! One lifecycle, two engines: the core delivery guarantees, each written once
+//! and run against the file engine and against PostgreSQL (`engines`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use durable_outbox::{
+    Backoff, CANCELLED, Clock, DESTINATION_COOLDOWN, Error, FailureClass, ItemState, Outcome,
+    RATE_CAPPED, SendError,
+};
+
+use crate::engines::on_both_engines;
+use crate::harness::{DEADLOCK_LIMIT, msg, secs, within};
+
+on_both_engines! {
+    /// Enqueue is durable and idempotent; get, list, process and both
+    /// transport-ref lookups see what was recorded; the audit chain verifies.
+    fn enqueue_process_and_correlate(engine) {
+        let outbox = engine.open();
+        outbox.enqueue(msg("b", "chat-2")).unwrap();
+        let a = outbox.enqueue(msg("a", "chat-1")).unwrap();
+        assert_eq!((a.state(), a.attempts()), (ItemState::Queued, 0));
+        // The same message again is the same item; another message under the key is refused.
+        assert_eq!(outbox.enqueue(msg("a", "chat-1")).unwrap(), a);
+        let mut other = msg("a", "chat-1");
+        other.content = "something else".into();
+        assert!(matches!(
+            outbox.enqueue(other),
+            Err(Error::IdempotencyConflict { .. })
+        ));
+
+        let keys: Vec<String> = outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .map(|i| i.idempotency_key().to_owned())
+            .collect();
+        assert_eq!(keys, ["a", "b"], "sorted by key");
+
+        let receipt = outbox.process("a", |_| Ok(Some("7".into()))).unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent);
+        let again = outbox.process("a", |_| panic!("a sent item is never sent again")).unwrap();
+        assert_eq!(again.outcome, Outcome::Sent);
+        outbox.process("b", |_| Ok(Some("7".into()))).unwrap();
+
+        // A second handle (another process or host) sees the same.
+        let other = engine.open();
+        let sent = other.get("a").unwrap().expect("a exists");
+        assert_eq!((sent.state(), sent.transport_ref()), (ItemState::Sent, Some("7")));
+        assert_eq!(
+            other.find_by_transport_ref_in("chat-2", "7").unwrap().unwrap().idempotency_key(),
+            "b"
+        );
+        assert_eq!(
+            other.find_by_transport_ref("7").unwrap().unwrap().idempotency_key(),
+            "a",
+            "the first by key"
+        );
+        assert!(other.find_by_transport_ref_in("chat-3", "7").unwrap().is_none());
+        assert!(other.get("missing").unwrap().is_none());
+        let report = other.verify_audit().unwrap();
+        assert_eq!(report.records, 4, "two queued, two sent");
+        let outcomes: Vec<&str> = other.history("a").unwrap().iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(outcomes, ["queued", "sent"]);
+    }
+
+    /// Handles racing to process the same keys: each key is sent exactly once.
+    fn exactly_once_claim_under_races(engine) {
+        let keys: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
+        let first = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        first
+            .enqueue_many(keys.iter().map(|k| msg(k, &format!("chat-{k}"))).collect())
+            .unwrap();
+        let handles: Vec<_> = (0..3)
+            .map(|_| engine.open_with(|b| b.rate_limit(u32::MAX, secs(60))))
+            .collect();
+        let sends: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+        within("each key is claimed by one handle only", DEADLOCK_LIMIT * 4, || {
+            std::thread::scope(|scope| {
+                for (i, handle) in handles.iter().enumerate() {
+                    for thread in 0..2 {
+                        let (keys, sends) = (&keys, Arc::clone(&sends));
+                        scope.spawn(move || {
+                            let mut order: Vec<&String> = keys.iter().collect();
+                            if (i + thread) % 2 == 1 {
+                                order.reverse();
+                            }
+                            for key in order {
+                                handle
+                                    .process(key, |item| {
+                                        *sends
+                                            .lock()
+                                            .unwrap()
+                                            .entry(item.idempotency_key().to_owned())
+                                            .or_default() += 1;
+                                        Ok(None)
+                                    })
+                                    .unwrap();
+                            }
+                        });
+                    }
+                }
+            });
+        });
+        let sends = sends.lock().unwrap();
+        for key in &keys {
+            assert_eq!(sends.get(key), Some(&1), "{key} sent exactly once");
+        }
+        assert!(first.list_items().unwrap().iter().all(|i| i.state() == ItemState::Sent));
+        first.verify_audit().unwrap();
+    }
+
+    /// Messages to one destination go in enqueue order; a later one waits.
+    fn per_destination_order(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        for key in ["a1", "a2", "a3"] {
+            outbox.enqueue(msg(key, "chat-a")).unwrap();
+        }
+        outbox.enqueue(msg("b1", "chat-b")).unwrap();
+        let early = outbox.process("a2", |_| panic!("a2 must wait for a1")).unwrap();
+        assert_eq!(early.outcome, Outcome::Waiting);
+
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        let report = engine
+            .open()
+            .process_due(move |item| {
+                log.lock().unwrap().push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(report.sent, 4);
+        let sent = sent.lock().unwrap();
+        let chat_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
+        assert_eq!(chat_a, ["a1", "a2", "a3"]);
+    }
+
+    /// A rate cap and a platform cooldown hold for every handle of the outbox.
+    fn caps_and_cooldowns_hold_across_handles(engine) {
+        let first = engine.open_with(|b| b.rate_limit(1, secs(60)));
+        let second = engine.open();
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2"), ("d", "chat-2")] {
+            first.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        assert_eq!(first.process("a", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        engine.clock.advance(secs(10));
+        let capped = second.process("b", |_| panic!("over the cap")).unwrap();
+        assert_eq!(capped.outcome, Outcome::Deferred);
+        assert_eq!(capped.error_code.as_deref(), Some(RATE_CAPPED));
+        assert_eq!(capped.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+        assert_eq!(capped.attempts, 0, "a deferral is not an attempt");
+        assert_eq!(
+            second.settings().unwrap().rate_limit().count,
+            1,
+            "the first handle's cap is stored and in force for the second"
+        );
+
+        // A 429 on chat-2 cools the whole destination down, for every handle.
+        let refused = first
+            .process("c", |_| Err(SendError::retryable("429").retry_after(secs(30))))
+            .unwrap();
+        assert_eq!(refused.outcome, Outcome::Deferred);
+        // The cooldown belongs to the destination, not to the item that got it.
+        first.cancel("c", "ops", "superseded").unwrap();
+        let cooled = second.process("d", |_| panic!("cooling down")).unwrap();
+        assert_eq!(cooled.outcome, Outcome::Deferred);
+        assert_eq!(cooled.error_code.as_deref(), Some(DESTINATION_COOLDOWN));
+        engine.clock.advance(secs(31));
+        assert_eq!(second.process("d", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+    }
+
+    /// A retryable failure is retried after its backoff; out of attempts it fails.
+    fn retry_then_give_up(engine) {
+        let outbox = engine.open_with(|b| {
+            b.max_attempts(2)
+                .backoff(Backoff::Fixed(vec![secs(30)]))
+                .max_inline_wait(secs(0))
+        });
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        let first = outbox.process("a", |_| Err(SendError::retryable("timeout"))).unwrap();
+        assert_eq!((first.outcome, first.attempts), (Outcome::Deferred, 1));
+        assert_eq!(
+            outbox.process("a", |_| panic!("not due yet")).unwrap().outcome,
+            Outcome::Deferred
+        );
+        engine.clock.advance(secs(30));
+        let second = outbox.process("a", |_| Err(SendError::retryable("timeout"))).unwrap();
+        assert_eq!((second.outcome, second.attempts), (Outcome::Failed, 2));
+        let item = engine.open().get("a").unwrap().unwrap();
+        assert_eq!(item.failure_class(), Some(FailureClass::Retryable));
+        assert_eq!(item.error_code(), Some("timeout"));
+    }
+
+    /// An ambiguous send is never resent by the outbox; an operator's requeue
+    /// and cancel are audited with who and why.
+    fn requeue_and_cancel_are_audited(engine) {
+        let outbox = engine.open();
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        outbox.enqueue(msg("b", "chat-2")).unwrap();
+        let failed = outbox.process("a", |_| Err(SendError::ambiguous("reset_after_write"))).unwrap();
+        assert_eq!(failed.outcome, Outcome::Failed);
+        assert_eq!(
+            outbox.process("a", |_| panic!("never resent")).unwrap().outcome,
+            Outcome::Failed
+        );
+        let requeued = engine.open().requeue("a", "alice", "never arrived").unwrap();
+        assert_eq!((requeued.state(), requeued.attempts()), (ItemState::Queued, 0));
+        assert_eq!(outbox.process("a", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+
+        let cancelled = outbox.cancel("b", "bob", "withdrawn").unwrap();
+        assert_eq!(
+            (cancelled.state(), cancelled.error_code()),
+            (ItemState::Failed, Some(CANCELLED))
+        );
+        assert!(matches!(
+            outbox.cancel("b", "bob", "twice"),
+            Err(Error::InvalidTransition { .. })
+        ));
+        assert!(matches!(
+            outbox.requeue("missing", "bob", "why"),
+            Err(Error::NotFound { .. })
+        ));
+        let notes: Vec<Option<String>> = outbox
+            .history("a")
+            .unwrap()
+            .into_iter()
+            .map(|r| r.note)
+            .collect();
+        assert!(notes.contains(&Some("alice: never arrived".to_owned())), "{notes:?}");
+        assert_eq!(
+            outbox.history("b").unwrap().last().and_then(|r| r.note.clone()).as_deref(),
+            Some("bob: withdrawn")
+        );
+        outbox.verify_audit().unwrap();
+    }
+}
