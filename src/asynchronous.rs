@@ -443,7 +443,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 
 pub(crate) fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error {
     Error::io(
-        outbox.dir(),
+        outbox.location(),
         "run blocking task",
         std::io::Error::other(join.to_string()),
     )

@@ -172,6 +172,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// The operation does not exist on this outbox's storage engine (e.g.
+    /// `compact` or `dir` on a PostgreSQL outbox, which has no directory,
+    /// journal or audit segment files). Nothing was done.
+    #[error("{operation} is not available on the {engine} engine: {why}")]
+    NotSupported {
+        /// The engine: `"postgres"`.
+        engine: &'static str,
+        /// The method called.
+        operation: &'static str,
+        /// Why it does not apply.
+        why: &'static str,
+    },
+
     /// An earlier durability failure (a failed fsync after data reached the kernel)
     /// left the on-disk state uncertain; this handle refuses further writes.
     /// Open the outbox again to re-read what is really on disk.

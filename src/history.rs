@@ -479,8 +479,22 @@ impl History {
 /// [`Outbox::history_items`](crate::Outbox::history_items).
 #[derive(Debug)]
 pub struct HistoryItems {
+    /// Items read already (a PostgreSQL outbox's history), handed out first.
+    ready: std::collections::VecDeque<OutboxItem>,
     logs: std::collections::VecDeque<PathBuf>,
     current: Option<(PathBuf, io::BufReader<fs::File>, u64)>,
+}
+
+impl HistoryItems {
+    /// These items, in this order (history that is not in segment files).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn of(items: Vec<OutboxItem>) -> Self {
+        Self {
+            ready: items.into(),
+            logs: std::collections::VecDeque::new(),
+            current: None,
+        }
+    }
 }
 
 impl Iterator for HistoryItems {
@@ -488,6 +502,9 @@ impl Iterator for HistoryItems {
 
     fn next(&mut self) -> Option<Self::Item> {
         use std::io::BufRead;
+        if let Some(item) = self.ready.pop_front() {
+            return Some(Ok(item));
+        }
         loop {
             if let Some((path, reader, offset)) = self.current.as_mut() {
                 let mut line = Vec::new();
@@ -521,6 +538,7 @@ impl History {
     /// needs no lock while it reads).
     pub(crate) fn items(&self) -> HistoryItems {
         HistoryItems {
+            ready: std::collections::VecDeque::new(),
             logs: self
                 .segments
                 .iter()

@@ -48,6 +48,8 @@ macro_rules! on_engine {
     ($outbox:expr, $engine:ident => $body:expr) => {
         match &$outbox.inner.backend {
             Backend::File($engine) => $body,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres($engine) => $body,
         }
     };
 }
@@ -87,7 +89,7 @@ pub struct Outbox {
 impl std::fmt::Debug for Outbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outbox")
-            .field("dir", &self.dir())
+            .field("location", &self.location())
             .field("owner", &on_engine!(self, engine => engine.owner_id()))
             .finish_non_exhaustive()
     }
@@ -107,6 +109,9 @@ struct Config {
 enum Backend {
     /// One directory: journal, snapshot, audit log, history, owner files.
     File(FileEngine),
+    /// A schema in a PostgreSQL database, shared by handles on many hosts.
+    #[cfg(feature = "postgres")]
+    Postgres(crate::engine::postgres::PgBackend),
 }
 
 struct Inner {
@@ -148,11 +153,58 @@ impl Outbox {
         OutboxBuilder::new(dir.as_ref().to_path_buf())
     }
 
+    /// Starts configuring an outbox that lives in PostgreSQL (feature
+    /// `postgres`): one outbox shared by bots on several hosts. `url` is a
+    /// `postgres://user:password@host:port/database` URL (or a `key=value`
+    /// connection string); the tables live in the schema
+    /// [`schema`](OutboxBuilder::schema) names (default `durable_outbox`),
+    /// created or migrated on open. Every other knob means what it means for
+    /// a directory, and `open` returns the same [`Outbox`].
+    ///
+    /// Connect directly or through a session-mode pool: opening refuses a
+    /// transaction-mode pooler ([`Error::SessionLocksUnavailable`]), because
+    /// each handle's liveness is a session-level advisory lock.
+    ///
+    /// On PostgreSQL, [`dir`](Self::dir), [`compact`](Self::compact),
+    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) and
+    /// [`rate_windows`](Self::rate_windows) return [`Error::NotSupported`];
+    /// terminal items stay in the table (history is those past
+    /// `history_after`), and `history_retention` is not applied yet.
+    ///
+    /// ```no_run
+    /// use durable_outbox::{NewMessage, Outbox};
+    ///
+    /// let outbox = Outbox::postgres("postgres://bot@db.internal/bot")
+    ///     .schema("telegram_outbox")
+    ///     .open()?;
+    /// outbox.enqueue(NewMessage {
+    ///     idempotency_key: "order-17".into(),
+    ///     connector: "telegram".into(),
+    ///     grant_id: "bot-1".into(),
+    ///     destination: "chat-42".into(),
+    ///     content: "your order shipped".into(),
+    ///     ..Default::default()
+    /// })?;
+    /// outbox.process_due(|item| Ok(Some(format!("sent-{}", item.idempotency_key()))))?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub fn postgres(url: &str) -> OutboxBuilder {
+        OutboxBuilder::for_postgres(url.to_owned())
+    }
+
     pub(crate) fn open_with(mut builder: OutboxBuilder) -> Result<Self> {
-        let engine = FileEngine::open(&mut builder)?;
+        #[cfg(feature = "postgres")]
+        let backend = if builder.postgres.is_some() {
+            Backend::Postgres(crate::engine::postgres::PgBackend::open(&mut builder)?)
+        } else {
+            Backend::File(FileEngine::open(&mut builder)?)
+        };
+        #[cfg(not(feature = "postgres"))]
+        let backend = Backend::File(FileEngine::open(&mut builder)?);
         Ok(Self {
             inner: Arc::new(Inner {
-                backend: Backend::File(engine),
+                backend,
                 in_flight: Mutex::new(HashSet::new()),
                 pacing: Pacing::default(),
                 wakers: Wakers::default(),
@@ -167,8 +219,38 @@ impl Outbox {
     }
 
     /// The outbox directory.
-    pub fn dir(&self) -> &Path {
-        on_engine!(self, engine => engine.dir())
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotSupported`] for an outbox in PostgreSQL, which has none.
+    pub fn dir(&self) -> Result<&Path> {
+        match &self.inner.backend {
+            Backend::File(engine) => Ok(engine.dir()),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => Err(Error::NotSupported {
+                engine: crate::engine::postgres::ENGINE,
+                operation: "dir",
+                why: "the outbox lives in a database schema, not a directory",
+            }),
+        }
+    }
+
+    /// Where the outbox lives, for logs: its directory, or `postgres:<schema>`.
+    pub(crate) fn location(&self) -> String {
+        match &self.inner.backend {
+            Backend::File(engine) => engine.dir().display().to_string(),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(engine) => format!("postgres:{}", engine.schema()),
+        }
+    }
+
+    /// The PostgreSQL engine behind this handle, if that is where it lives.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn postgres_engine(&self) -> Option<&crate::engine::postgres::PgEngine> {
+        match &self.inner.backend {
+            Backend::Postgres(engine) => Some(engine.engine()),
+            Backend::File(_) => None,
+        }
     }
 
     /// Records a message, durably, under its idempotency key.
@@ -863,8 +945,12 @@ impl Outbox {
     ///
     /// The errors of [`AuditLog::read`](crate::AuditLog::read).
     pub fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
+        #[cfg(feature = "postgres")]
+        if let Backend::Postgres(engine) = &self.inner.backend {
+            return engine.history(key);
+        }
         let mut records = Vec::new();
-        for record in crate::audit::AuditLog::records_dir(self.dir())? {
+        for record in crate::audit::AuditLog::records_dir(self.dir()?)? {
             let record = record?;
             if record.idempotency_key == key {
                 records.push(record);
@@ -880,6 +966,16 @@ impl Outbox {
         let inner = &*self.inner;
         match &inner.backend {
             Backend::File(engine) => {
+                let actor = Actor {
+                    owner: engine.owner_id(),
+                    in_flight: &inner.in_flight,
+                    pacing: &inner.pacing,
+                    idempotent: &inner.config.idempotent,
+                };
+                engine.transact(|txn| f(&actor, txn))
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(engine) => {
                 let actor = Actor {
                     owner: engine.owner_id(),
                     in_flight: &inner.in_flight,

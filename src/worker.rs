@@ -229,12 +229,12 @@ where
         });
         let wake = Arc::new(Notify::new());
         let _subscription = Subscription::new(&outbox, &wake);
-        let _watcher = Watcher::spawn(outbox.dir(), Arc::clone(&wake), watch_interval);
+        let _watcher = Watcher::spawn_for(&outbox, Arc::clone(&wake), watch_interval);
         let mut slots: JoinSet<Result<SlotEnd>> = JoinSet::new();
         let mut failure: Option<Error> = None;
         let mut shutdown = std::pin::pin!(shutdown);
         tracing::info!(
-            dir = %outbox.dir().display(),
+            outbox = %outbox.location(),
             concurrency,
             "delivery worker started"
         );
@@ -668,6 +668,53 @@ fn file_stamp(path: &Path) -> FileStamp {
 }
 
 impl Watcher {
+    /// Watches what other processes or hosts change: a directory's state
+    /// files, or a PostgreSQL outbox's `NOTIFY`s.
+    fn spawn_for(outbox: &Outbox, wake: Arc<Notify>, max_interval: Duration) -> Self {
+        match outbox.dir() {
+            Ok(dir) => Self::spawn(dir, wake, max_interval),
+            Err(_) => Self::listen(outbox.clone(), wake, max_interval),
+        }
+    }
+
+    /// Wakes the worker on every `NOTIFY` a commit on any host sends (an
+    /// enqueue, a requeue, a retry), waiting at most `max_interval` at a time
+    /// so the thread notices it should stop. A lost connection is reopened on
+    /// the next wait; meanwhile the worker still wakes at due times.
+    #[cfg_attr(not(feature = "postgres"), allow(clippy::needless_pass_by_value))]
+    fn listen(outbox: Outbox, wake: Arc<Notify>, max_interval: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        #[cfg(feature = "postgres")]
+        {
+            use crate::engine::Engine as _;
+            let flag = Arc::clone(&stop);
+            let interval = max_interval.max(Duration::from_millis(50));
+            let spawned = std::thread::Builder::new()
+                .name("outbox-listen".into())
+                .spawn(move || {
+                    let Some(engine) = outbox.postgres_engine() else {
+                        return;
+                    };
+                    while !flag.load(Ordering::Acquire) {
+                        match engine.wait_for_work(interval) {
+                            Ok(true) => wake.notify_one(),
+                            Ok(false) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "listening for wake-ups failed; retrying");
+                                std::thread::sleep(interval);
+                            }
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "could not start the wake-up listener; other hosts' enqueues wake the worker only at due times");
+            }
+        }
+        #[cfg(not(feature = "postgres"))]
+        let _ = (outbox, wake, max_interval);
+        Self { stop }
+    }
+
     fn spawn(dir: &Path, wake: Arc<Notify>, max_interval: Duration) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);

@@ -63,7 +63,9 @@ impl EngineUnderTest {
             #[cfg(feature = "postgres")]
             Kind::Postgres => Outbox::postgres(&self.url()),
         };
-        builder.clock(self.clock.clone()).sleeper(self.clock.clone())
+        builder
+            .clock(self.clock.clone())
+            .sleeper(self.clock.clone())
     }
 
     /// Opens a handle (another "process" or "host" when called again).

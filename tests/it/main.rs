@@ -8,10 +8,10 @@
 
 mod engines;
 mod harness;
-mod seeded;
 #[cfg(feature = "postgres")]
 #[path = "../support/postgres.rs"]
 mod pg_server;
+mod seeded;
 
 mod adaptive_pacing;
 mod at_most_once;

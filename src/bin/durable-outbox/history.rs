@@ -23,7 +23,7 @@ pub struct LogReader {
 impl LogReader {
     pub fn open(outbox: &Outbox) -> Result<Self> {
         Ok(Self {
-            records: AuditLog::records_dir(outbox.dir())?,
+            records: AuditLog::records_dir(outbox.dir()?)?,
             seq: 0,
         })
     }

@@ -373,7 +373,7 @@ fn export_audit(
     format: ExportFormat,
     out: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let records = AuditLog::records_dir(outbox.dir())?;
+    let records = AuditLog::records_dir(outbox.dir()?)?;
     if format == ExportFormat::Csv {
         csv_row(out, AUDIT_COLUMNS.iter().map(|h| Cow::Borrowed(*h)))?;
     }

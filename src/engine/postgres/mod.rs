@@ -16,11 +16,13 @@
 //! bytes as a line of `audit.jsonl`) and `audit_head`, whose single row every
 //! commit that seals records locks: that is the chain's one total order.
 
+mod backend;
 mod liveness;
 mod notify;
 mod schema;
 mod txn;
 
+pub(crate) use backend::{ENGINE, PgBackend};
 pub(crate) use txn::PgTxn;
 
 use std::path::PathBuf;
@@ -37,7 +39,9 @@ use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, Hasher, H
 use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
 use crate::settings::{Settings, Stored};
-use crate::store::{item_from_json, item_to_json, rate_times, settings_from_json, settings_to_json};
+use crate::store::{
+    item_from_json, item_to_json, rate_times, settings_from_json, settings_to_json,
+};
 
 #[cfg(test)]
 use schema::SCHEMA_VERSION;
@@ -615,7 +619,11 @@ impl PgEngine {
         tx.commit().map_err(db("store the settings"))
     }
 
-    fn items_where(&self, condition: &str, params: &[&(dyn postgres::types::ToSql + Sync)]) -> Result<Vec<OutboxItem>> {
+    fn items_where(
+        &self,
+        condition: &str,
+        params: &[&(dyn postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<OutboxItem>> {
         let rows = self
             .client()?
             .query(
@@ -708,7 +716,9 @@ impl PgEngine {
                   ORDER BY destination, seq, created_at, idempotency_key)"
             ),
             crate::order::Ordering::Unordered => {
-                format!("(SELECT claimed, next_attempt_at, created_at FROM {s}.items WHERE state = 'queued')")
+                format!(
+                    "(SELECT claimed, next_attempt_at, created_at FROM {s}.items WHERE state = 'queued')"
+                )
             }
         };
         let mut client = self.client()?;
@@ -800,7 +810,10 @@ impl PgEngine {
             hash: row.get(1),
         };
         let rows = tx
-            .query(&format!("SELECT line FROM {}.audit ORDER BY seq", self.s), &[])
+            .query(
+                &format!("SELECT line FROM {}.audit ORDER BY seq", self.s),
+                &[],
+            )
             .map_err(db("read the audit log"))?;
         tx.commit().map_err(db("end verifying the audit log"))?;
         let place = PathBuf::from(format!("postgres:{}.audit", self.schema));

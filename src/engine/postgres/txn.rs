@@ -182,12 +182,9 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     pub(crate) fn item_mut(&mut self, key: &str) -> Result<&mut OutboxItem> {
         self.load(key)?;
         if !self.overlay.contains_key(key) {
-            let item = self
-                .peek(key)
-                .cloned()
-                .ok_or_else(|| Error::NotFound {
-                    key: key.to_owned(),
-                })?;
+            let item = self.peek(key).cloned().ok_or_else(|| Error::NotFound {
+                key: key.to_owned(),
+            })?;
             self.overlay.insert(key.to_owned(), item);
         }
         match self.overlay.get_mut(key) {

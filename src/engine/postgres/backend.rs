@@ -1,0 +1,239 @@
+//! What an `Outbox` handle asks of its PostgreSQL engine: the same calls as
+//! `engine::file::FileEngine`, so `Outbox` dispatches to either with one arm.
+//!
+//! **History on PostgreSQL.** The file engine moves terminal items out of its
+//! in-memory state into history segments, because every handle keeps the live
+//! state in memory and replays it. Here nothing is held in memory and every
+//! lookup is an index scan, so moving rows would cost writes and buy nothing:
+//! terminal items stay in `items`, and "history" is the view of those last
+//! changed more than `history_after` ago (`list_items` leaves them out,
+//! `history_items` lists them, `get` and the transport-ref lookups find both).
+//! Retention (`history_retention`) is not applied on PostgreSQL yet: every row
+//! is kept (as with `Retention::KeepAll`).
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+
+use super::{PgEngine, PgTxn};
+use crate::audit::{AuditRecord, AuditReport, Hasher, Head};
+use crate::builder::OutboxBuilder;
+use crate::clock::{Clock, earlier};
+use crate::engine::file::DueSummary;
+use crate::error::{Error, Result};
+use crate::filter::ItemFilter;
+use crate::item::{ItemState, OutboxItem};
+use crate::rate::{DestinationWindow, RateLimit};
+use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+use crate::settings::Settings;
+
+/// The engine's name in errors about operations it does not offer.
+pub(crate) const ENGINE: &str = "postgres";
+
+/// An open PostgreSQL outbox, as a handle uses it.
+pub(crate) struct PgBackend {
+    engine: PgEngine,
+    /// This handle's builder values of the stored settings.
+    defaults: Settings,
+    clock: Arc<dyn Clock>,
+}
+
+impl PgBackend {
+    /// Opens the outbox the builder names (see [`OutboxBuilder::open`]).
+    pub(crate) fn open(builder: &mut OutboxBuilder) -> Result<Self> {
+        let Some(target) = builder.postgres.clone() else {
+            return Err(Error::invalid_config("url", "no PostgreSQL URL was given"));
+        };
+        let hasher = builder
+            .audit_key
+            .take()
+            .map_or(Hasher::Plain, Hasher::Keyed);
+        let engine = PgEngine::open(&target.url, &target.schema, hasher)?;
+        let defaults = Settings {
+            rates: builder.rates.clone(),
+            history_after: builder.history_after,
+            retention: builder.retention,
+            max_attempts: builder.max_attempts,
+            backoff: builder.backoff.clone(),
+            give_up_after: builder.give_up_after,
+            ordering: builder.ordering,
+            stored: Vec::new(),
+        };
+        engine.settle_settings(
+            &defaults,
+            &builder.explicit,
+            builder.update_settings,
+            builder.clock.now(),
+        )?;
+        Ok(Self {
+            engine,
+            defaults,
+            clock: Arc::clone(&builder.clock),
+        })
+    }
+
+    /// The engine underneath (liveness, wake-ups).
+    pub(crate) fn engine(&self) -> &PgEngine {
+        &self.engine
+    }
+
+    /// The schema the outbox lives in.
+    pub(crate) fn schema(&self) -> &str {
+        self.engine.schema()
+    }
+
+    /// This handle's owner id.
+    pub(crate) fn owner_id(&self) -> &str {
+        &self.engine.owner
+    }
+
+    /// This handle's builder values of the stored settings.
+    pub(crate) fn defaults(&self) -> &Settings {
+        &self.defaults
+    }
+
+    /// No fault points on PostgreSQL.
+    #[expect(
+        clippy::unnecessary_wraps,
+        clippy::unused_self,
+        reason = "the same call as the file engine's, whose fault point can fail"
+    )]
+    pub(crate) fn check_after_send(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs one transaction of the rules.
+    pub(crate) fn transact<T>(&self, f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>) -> Result<T> {
+        self.engine.transact(self.clock.now(), &self.defaults, f)
+    }
+
+    /// The item with this key, live or history.
+    pub(crate) fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
+        self.engine.item(key)
+    }
+
+    /// When terminal items count as history: `history_after` before now.
+    fn history_cutoff(&self) -> Result<DateTime<Utc>> {
+        Ok(earlier(self.clock.now(), self.settings()?.history_after))
+    }
+
+    /// Live items (matching `filter`), sorted by key.
+    pub(crate) fn list(&self, filter: Option<&ItemFilter>) -> Result<Vec<OutboxItem>> {
+        let mut items = self.engine.live_items(self.history_cutoff()?)?;
+        if let Some(filter) = filter {
+            items.retain(|item| filter.matches(item));
+        }
+        Ok(items)
+    }
+
+    /// Terminal items past `history_after`, oldest first.
+    pub(crate) fn history_items(&self) -> Result<crate::history::HistoryItems> {
+        Ok(crate::history::HistoryItems::of(
+            self.engine.history_items(self.history_cutoff()?)?,
+        ))
+    }
+
+    /// How many items are history.
+    pub(crate) fn history_len(&self) -> Result<usize> {
+        Ok(self.engine.history_items(self.history_cutoff()?)?.len())
+    }
+
+    /// The item whose send returned `transport_ref` (to `destination`).
+    pub(crate) fn find_by_transport_ref(
+        &self,
+        destination: Option<&str>,
+        transport_ref: &str,
+    ) -> Result<Option<OutboxItem>> {
+        self.engine.find_ref(destination, transport_ref)
+    }
+
+    /// Adds a `Waiting` receipt for each of `keys` still queued and unclaimed.
+    pub(crate) fn report_waiting(&self, keys: &[String], report: &mut DrainReport) -> Result<()> {
+        for key in keys {
+            if let Some(item) = self.engine.item(key)?
+                && item.state == ItemState::Queued
+                && item.claim.is_none()
+            {
+                report.add(
+                    DeliveryReceipt::for_item(&item, Outcome::Waiting, None),
+                    false,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// When the next item is due, and whether another handle's claim holds a line.
+    pub(crate) fn due_summary(&self, _own: &str, now: DateTime<Utc>) -> Result<DueSummary> {
+        let ordering = self.settings()?.ordering;
+        let (next_due, foreign_claim) = self.engine.due_summary(ordering, now)?;
+        Ok(DueSummary {
+            next_due,
+            foreign_claim,
+        })
+    }
+
+    /// The keys of the items due at `now`, oldest first.
+    pub(crate) fn due_keys(&self, now: DateTime<Utc>) -> Result<Vec<String>> {
+        self.engine.due_keys(now)
+    }
+
+    /// Sets the queue gauges from the queued items.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn publish_gauges(&self, now: DateTime<Utc>) -> Result<()> {
+        let queued = self.engine.live_items(now)?;
+        crate::metrics::gauges(queued.iter(), now);
+        Ok(())
+    }
+
+    /// The settings in force.
+    pub(crate) fn settings(&self) -> Result<Settings> {
+        Ok(self.defaults.with_stored(&self.engine.stored_settings()?))
+    }
+
+    /// Not offered on PostgreSQL yet.
+    pub(crate) fn rate_windows(
+        &self,
+        _what_if: Option<RateLimit>,
+        _now: DateTime<Utc>,
+    ) -> Result<Vec<DestinationWindow>> {
+        Err(Error::NotSupported {
+            engine: ENGINE,
+            operation: "rate_windows",
+            why: "not implemented for PostgreSQL yet",
+        })
+    }
+
+    /// Not offered: the audit chain is a table, not segment files.
+    pub(crate) fn remove_old_audit_segments(&self, _keep: usize, _note: &str) -> Result<usize> {
+        Err(Error::NotSupported {
+            engine: ENGINE,
+            operation: "remove_old_audit_segments",
+            why: "the audit chain is one table, with no sealed segment files to remove",
+        })
+    }
+
+    /// Verifies the audit table's chain against its head row.
+    pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
+        self.engine.verify_audit()
+    }
+
+    /// Not offered: there is no journal to fold into a snapshot.
+    pub(crate) fn compact(&self) -> Result<()> {
+        Err(Error::NotSupported {
+            engine: ENGINE,
+            operation: "compact",
+            why: "there is no journal or snapshot: every commit is a database transaction",
+        })
+    }
+
+    /// The audit chain's head.
+    pub(crate) fn audit_head(&self) -> Result<Head> {
+        self.engine.audit_head()
+    }
+
+    /// Every audit record about `key`, oldest first.
+    pub(crate) fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
+        self.engine.records_of(key)
+    }
+}
