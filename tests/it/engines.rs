@@ -80,16 +80,61 @@ impl EngineUnderTest {
             .unwrap_or_else(|e| panic!("open the {:?} outbox: {e}", self.kind))
     }
 
+    /// Makes `key` (queued, unclaimed, committed) look as a handle killed
+    /// inside `send` leaves it: claimed (attempt 1) by an owner whose liveness
+    /// token nobody holds. File: the claim is written into a fresh
+    /// `outbox.json`, and an unlocked owner file planted (what SIGKILL leaves).
+    /// PostgreSQL: the row names an owner whose advisory lock is free (what a
+    /// dead session leaves).
+    pub fn forge_dead_claim(&self, key: &str) {
+        const OWNER: &str = "4242-dead-0";
+        const AT: &str = "2026-01-15T09:00:00.000000Z";
+        match self.kind {
+            Kind::File => {
+                // Opening compacts: the snapshot then holds every item.
+                drop(self.open());
+                let path = self.dir.path().join("outbox.json");
+                let text = std::fs::read_to_string(&path).expect("read outbox.json");
+                let needle = format!("\"idempotency_key\": \"{key}\"");
+                let at = text.find(&needle).expect("the item is in the snapshot");
+                let (head, tail) = text.split_at(at);
+                // The item's fields are sorted: `attempts` and
+                // `dispatch_claimed` come before its key.
+                let start = head.rfind('{').expect("the item's object");
+                let (before, item) = head.split_at(start);
+                let item = item
+                    .replacen("\"attempts\": 0", "\"attempts\": 1", 1)
+                    .replacen(
+                        "\"dispatch_claimed\": false",
+                        &format!(
+                            "\"claim_owner\": \"{OWNER}\",\n      \"claimed_at_utc\": \"{AT}\",\n      \"dispatch_claimed\": true"
+                        ),
+                        1,
+                    );
+                std::fs::write(&path, format!("{before}{item}{tail}")).expect("write outbox.json");
+                crate::harness::plant_dead_owner(self.dir.path(), OWNER);
+            }
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => {
+                let db = self.db.as_ref().expect("a database");
+                let updated = db.psql(&format!(
+                    "UPDATE durable_outbox.items SET claimed = true, claim_owner = '{OWNER}',
+                       revision = revision + 1,
+                       doc = (doc::jsonb || '{{\"claim_owner\": \"{OWNER}\",
+                         \"claimed_at_utc\": \"{AT}\", \"dispatch_claimed\": true,
+                         \"attempts\": 1}}'::jsonb)::text
+                     WHERE idempotency_key = '{key}' AND state = 'queued' AND NOT claimed
+                     RETURNING idempotency_key"
+                ));
+                assert_eq!(updated, key, "forged the claim");
+            }
+        }
+    }
+
     /// The database URL (PostgreSQL only).
     #[cfg(feature = "postgres")]
     pub fn url(&self) -> String {
         self.db.as_ref().map(|db| db.url()).unwrap_or_default()
-    }
-
-    /// The database (PostgreSQL only).
-    #[cfg(feature = "postgres")]
-    pub fn database(&self) -> Option<&crate::pg_server::PgDatabase<'static>> {
-        self.db.as_ref()
     }
 }
 

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use durable_outbox::{
-    Backoff, CANCELLED, Clock, DESTINATION_COOLDOWN, Error, FailureClass, ItemState, Outcome,
-    RATE_CAPPED, SendError,
+    AMBIGUOUS_AFTER_RESTART, Backoff, CANCELLED, Clock, DESTINATION_COOLDOWN, Error, FailureClass,
+    ItemState, Outcome, RATE_CAPPED, SendError,
 };
 
 use crate::engines::on_both_engines;
@@ -233,5 +233,92 @@ on_both_engines! {
             Some("bob: withdrawn")
         );
         outbox.verify_audit().unwrap();
+    }
+}
+
+on_both_engines! {
+    /// A claim whose owner died mid-send (its liveness token is free) is
+    /// failed as ambiguous by the next handle that looks, and never resent.
+    fn a_dead_owners_claim_becomes_ambiguous_never_resent(engine) {
+        engine.open().enqueue(msg("k", "chat-1")).unwrap();
+        engine.forge_dead_claim("k");
+        let outbox = engine.open();
+        let receipt = outbox
+            .process("k", |_| panic!("an ambiguous claim must never be resent"))
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Failed);
+        assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+        let report = outbox.process_due(|_| panic!("never resent by a drain")).unwrap();
+        assert_eq!(report.sent, 0);
+        let item = engine.open().get("k").unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.failure_class()),
+            (ItemState::Failed, Some(FailureClass::Ambiguous))
+        );
+        let outcomes: Vec<&str> = outbox.history("k").unwrap().iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(outcomes, ["queued", "failed"]);
+        outbox.verify_audit().unwrap();
+    }
+
+    /// Settings the first handle stored are in force for a handle opened
+    /// with other values; `update_settings` changes them, audited.
+    fn stored_settings_are_shared(engine) {
+        let first = engine.open_with(|b| b.max_attempts(3));
+        first.enqueue(msg("a", "chat-1")).unwrap();
+        let second = engine.open_with(|b| b.max_attempts(7));
+        assert_eq!(second.settings().unwrap().max_attempts(), 3, "the stored value wins");
+        let third = engine.open_with(|b| b.max_attempts(5).update_settings());
+        assert_eq!(third.settings().unwrap().max_attempts(), 5);
+        assert_eq!(first.settings().unwrap().max_attempts(), 5, "reaches open handles");
+        let note = third.history("settings").unwrap().last().and_then(|r| r.note.clone());
+        assert!(note.is_some_and(|n| n.contains("max_attempts 3 -> 5")));
+        third.verify_audit().unwrap();
+    }
+}
+
+#[cfg(feature = "tokio")]
+on_both_engines! {
+    /// The delivery worker drains what another handle (process, host)
+    /// enqueues while it runs, woken without polling the items.
+    fn the_worker_drains_what_another_handle_enqueues(engine) {
+        use std::time::Duration;
+        let worker_handle = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        let producer = engine.open();
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let report = within("the worker is woken by another handle's enqueue", DEADLOCK_LIMIT * 2, || {
+            runtime.block_on(async {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let worker = worker_handle.worker(move |item: durable_outbox::OutboxItem| {
+                    let log = Arc::clone(&log);
+                    async move {
+                        log.lock().unwrap().push(item.idempotency_key().to_owned());
+                        Ok::<_, SendError>(None)
+                    }
+                });
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                for (key, chat) in [("a1", "chat-a"), ("b1", "chat-b"), ("a2", "chat-a")] {
+                    producer.enqueue(msg(key, chat)).unwrap();
+                }
+                while sent.lock().unwrap().len() < 3 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap()
+            })
+        });
+        assert_eq!(report.sent, 3);
+        let sent = sent.lock().unwrap();
+        let chat_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
+        assert_eq!(chat_a, ["a1", "a2"], "in order");
+        assert!(producer.list_items().unwrap().iter().all(|i| i.state() == ItemState::Sent));
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
-use super::{PgEngine, PgTxn};
+use super::{PgEngine, PgTxn, blocking};
 use crate::audit::{AuditRecord, AuditReport, Hasher, Head};
 use crate::builder::OutboxBuilder;
 use crate::clock::{Clock, earlier};
@@ -32,7 +32,9 @@ pub(crate) const ENGINE: &str = "postgres";
 
 /// An open PostgreSQL outbox, as a handle uses it.
 pub(crate) struct PgBackend {
-    engine: PgEngine,
+    /// Always `Some` until dropped (taken out to close its connections where
+    /// the client may block, see [`blocking`]).
+    engine: Option<PgEngine>,
     /// This handle's builder values of the stored settings.
     defaults: Settings,
     clock: Arc<dyn Clock>,
@@ -48,7 +50,7 @@ impl PgBackend {
             .audit_key
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
-        let engine = PgEngine::open(&target.url, &target.schema, hasher)?;
+        let engine = blocking(|| PgEngine::open(&target.url, &target.schema, hasher))?;
         let defaults = Settings {
             rates: builder.rates.clone(),
             history_after: builder.history_after,
@@ -59,14 +61,12 @@ impl PgBackend {
             ordering: builder.ordering,
             stored: Vec::new(),
         };
-        engine.settle_settings(
-            &defaults,
-            &builder.explicit,
-            builder.update_settings,
-            builder.clock.now(),
-        )?;
+        let now = builder.clock.now();
+        blocking(|| {
+            engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
+        })?;
         Ok(Self {
-            engine,
+            engine: Some(engine),
             defaults,
             clock: Arc::clone(&builder.clock),
         })
@@ -74,17 +74,20 @@ impl PgBackend {
 
     /// The engine underneath (liveness, wake-ups).
     pub(crate) fn engine(&self) -> &PgEngine {
-        &self.engine
+        match &self.engine {
+            Some(engine) => engine,
+            None => unreachable!("taken only when dropped"),
+        }
     }
 
     /// The schema the outbox lives in.
     pub(crate) fn schema(&self) -> &str {
-        self.engine.schema()
+        self.engine().schema()
     }
 
     /// This handle's owner id.
     pub(crate) fn owner_id(&self) -> &str {
-        &self.engine.owner
+        &self.engine().owner
     }
 
     /// This handle's builder values of the stored settings.
@@ -104,12 +107,12 @@ impl PgBackend {
 
     /// Runs one transaction of the rules.
     pub(crate) fn transact<T>(&self, f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>) -> Result<T> {
-        self.engine.transact(self.clock.now(), &self.defaults, f)
+        blocking(|| self.engine().transact(self.clock.now(), &self.defaults, f))
     }
 
     /// The item with this key, live or history.
     pub(crate) fn get(&self, key: &str) -> Result<Option<OutboxItem>> {
-        self.engine.item(key)
+        blocking(|| self.engine().item(key))
     }
 
     /// When terminal items count as history: `history_after` before now.
@@ -119,7 +122,8 @@ impl PgBackend {
 
     /// Live items (matching `filter`), sorted by key.
     pub(crate) fn list(&self, filter: Option<&ItemFilter>) -> Result<Vec<OutboxItem>> {
-        let mut items = self.engine.live_items(self.history_cutoff()?)?;
+        let cutoff = self.history_cutoff()?;
+        let mut items = blocking(|| self.engine().live_items(cutoff))?;
         if let Some(filter) = filter {
             items.retain(|item| filter.matches(item));
         }
@@ -128,14 +132,16 @@ impl PgBackend {
 
     /// Terminal items past `history_after`, oldest first.
     pub(crate) fn history_items(&self) -> Result<crate::history::HistoryItems> {
-        Ok(crate::history::HistoryItems::of(
-            self.engine.history_items(self.history_cutoff()?)?,
-        ))
+        let cutoff = self.history_cutoff()?;
+        Ok(crate::history::HistoryItems::of(blocking(|| {
+            self.engine().history_items(cutoff)
+        })?))
     }
 
     /// How many items are history.
     pub(crate) fn history_len(&self) -> Result<usize> {
-        Ok(self.engine.history_items(self.history_cutoff()?)?.len())
+        let cutoff = self.history_cutoff()?;
+        Ok(blocking(|| self.engine().history_items(cutoff))?.len())
     }
 
     /// The item whose send returned `transport_ref` (to `destination`).
@@ -144,13 +150,13 @@ impl PgBackend {
         destination: Option<&str>,
         transport_ref: &str,
     ) -> Result<Option<OutboxItem>> {
-        self.engine.find_ref(destination, transport_ref)
+        blocking(|| self.engine().find_ref(destination, transport_ref))
     }
 
     /// Adds a `Waiting` receipt for each of `keys` still queued and unclaimed.
     pub(crate) fn report_waiting(&self, keys: &[String], report: &mut DrainReport) -> Result<()> {
         for key in keys {
-            if let Some(item) = self.engine.item(key)?
+            if let Some(item) = blocking(|| self.engine().item(key))?
                 && item.state == ItemState::Queued
                 && item.claim.is_none()
             {
@@ -166,7 +172,7 @@ impl PgBackend {
     /// When the next item is due, and whether another handle's claim holds a line.
     pub(crate) fn due_summary(&self, _own: &str, now: DateTime<Utc>) -> Result<DueSummary> {
         let ordering = self.settings()?.ordering;
-        let (next_due, foreign_claim) = self.engine.due_summary(ordering, now)?;
+        let (next_due, foreign_claim) = blocking(|| self.engine().due_summary(ordering, now))?;
         Ok(DueSummary {
             next_due,
             foreign_claim,
@@ -175,20 +181,21 @@ impl PgBackend {
 
     /// The keys of the items due at `now`, oldest first.
     pub(crate) fn due_keys(&self, now: DateTime<Utc>) -> Result<Vec<String>> {
-        self.engine.due_keys(now)
+        blocking(|| self.engine().due_keys(now))
     }
 
     /// Sets the queue gauges from the queued items.
     #[cfg(feature = "metrics")]
     pub(crate) fn publish_gauges(&self, now: DateTime<Utc>) -> Result<()> {
-        let queued = self.engine.live_items(now)?;
+        let queued = blocking(|| self.engine().live_items(now))?;
         crate::metrics::gauges(queued.iter(), now);
         Ok(())
     }
 
     /// The settings in force.
     pub(crate) fn settings(&self) -> Result<Settings> {
-        Ok(self.defaults.with_stored(&self.engine.stored_settings()?))
+        let stored = blocking(|| self.engine().stored_settings())?;
+        Ok(self.defaults.with_stored(&stored))
     }
 
     /// Not offered on PostgreSQL yet.
@@ -215,7 +222,7 @@ impl PgBackend {
 
     /// Verifies the audit table's chain against its head row.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
-        self.engine.verify_audit()
+        blocking(|| self.engine().verify_audit())
     }
 
     /// Not offered: there is no journal to fold into a snapshot.
@@ -229,11 +236,20 @@ impl PgBackend {
 
     /// The audit chain's head.
     pub(crate) fn audit_head(&self) -> Result<Head> {
-        self.engine.audit_head()
+        blocking(|| self.engine().audit_head())
     }
 
     /// Every audit record about `key`, oldest first.
     pub(crate) fn history(&self, key: &str) -> Result<Vec<AuditRecord>> {
-        self.engine.records_of(key)
+        blocking(|| self.engine().records_of(key))
+    }
+}
+
+impl Drop for PgBackend {
+    fn drop(&mut self) {
+        // Closing the connections talks to the server: where the client may block.
+        if let Some(engine) = self.engine.take() {
+            blocking(move || drop(engine));
+        }
     }
 }

@@ -52,6 +52,22 @@ pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
 /// How long opening a connection may take when the URL sets no `connect_timeout`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Runs `f`, which uses the synchronous client, so that the client may block
+/// the thread: on a worker thread of a multi-thread tokio runtime (a bot
+/// calling `enqueue` from async code, a handle dropped there), through
+/// `block_in_place`, since the client drives its own small runtime and must
+/// not be started inside another. Elsewhere (plain threads, the blocking pool
+/// the `_async` forms use) `f` just runs. On a current-thread runtime's own
+/// thread the client cannot run at all: use the `_async` forms there.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// Turns a client error into the crate's error, naming the operation.
 fn db(op: &'static str) -> impl Fn(postgres::Error) -> Error {
     move |source| Error::Database {
