@@ -26,6 +26,8 @@ mod idempotent_transport;
 mod model_check;
 mod observability;
 mod one_lifecycle;
+#[cfg(feature = "postgres")]
+mod postgres_outbox;
 mod operator_actions;
 mod ordering;
 mod power_loss_regressions;

@@ -1,0 +1,164 @@
+//! What only a PostgreSQL outbox (`Outbox::postgres`) must show: liveness
+//! that ends with the owner's session, typed errors for what it does not
+//! offer, and calls from async code. The shared lifecycle runs in
+//! `one_lifecycle` against both engines.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, ItemState, Outbox, Outcome};
+
+use crate::engines::EngineUnderTest;
+use crate::harness::{DEADLOCK_LIMIT, msg, within};
+
+fn engine() -> Option<EngineUnderTest> {
+    EngineUnderTest::postgres()
+}
+
+fn not_supported(result: Result<impl std::fmt::Debug, Error>, operation: &str) {
+    match result {
+        Err(Error::NotSupported {
+            engine: "postgres",
+            operation: op,
+            ..
+        }) if op == operation => {}
+        other => panic!("{operation} on postgres: expected NotSupported, got {other:?}"),
+    }
+}
+
+#[test]
+fn what_the_postgres_engine_lacks_is_a_typed_error_naming_it() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    not_supported(outbox.dir(), "dir");
+    not_supported(outbox.compact(), "compact");
+    not_supported(
+        outbox.remove_old_audit_segments(0, "alice", "tidy"),
+        "remove_old_audit_segments",
+    );
+    not_supported(outbox.rate_windows(None), "rate_windows");
+    let message = outbox.compact().unwrap_err().to_string();
+    assert!(message.contains("postgres"), "{message}");
+    // The outbox is still fine afterwards.
+    outbox.enqueue(msg("a", "chat-1")).unwrap();
+    assert_eq!(outbox.verify_audit().unwrap().records, 1);
+}
+
+#[test]
+fn a_schema_on_a_directory_and_bad_urls_are_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    match Outbox::builder(dir.path()).schema("bots").open() {
+        Err(Error::InvalidConfig {
+            setting: "schema", ..
+        }) => {}
+        other => panic!("a schema on a directory must be refused: {other:?}"),
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
+    match Outbox::postgres("postgres://bot:sekrit@host:notaport/db").open() {
+        Err(Error::InvalidConfig { setting: "url", reason }) => {
+            assert!(!reason.contains("sekrit"), "the password is not echoed: {reason}");
+        }
+        other => panic!("a bad URL must be refused: {other:?}"),
+    }
+    let Some(engine) = engine() else { return };
+    match Outbox::postgres(&engine.url()).schema("Not-A-Name").open() {
+        Err(Error::InvalidConfig {
+            setting: "schema", ..
+        }) => {}
+        other => panic!("a bad schema name must be refused: {other:?}"),
+    }
+}
+
+#[test]
+fn outboxes_in_two_schemas_of_one_database_are_apart() {
+    let Some(engine) = engine() else { return };
+    let first = engine.open_with(|b| b.schema("bot_one"));
+    let second = engine.open_with(|b| b.schema("bot_two"));
+    first.enqueue(msg("a", "chat-1")).unwrap();
+    assert!(second.get("a").unwrap().is_none());
+    second.enqueue(msg("a", "chat-1")).unwrap();
+    first.process("a", |_| Ok(None)).unwrap();
+    assert_eq!(second.get("a").unwrap().unwrap().state(), ItemState::Queued);
+}
+
+/// Kills every owner session (each handle's advisory-lock connection) as a
+/// network cut or a server restart would; handles take their lock again on
+/// their next call.
+fn cut_owner_sessions(engine: &EngineUnderTest) {
+    let url = engine.url();
+    let db = url.rsplit('/').next().unwrap().to_owned();
+    let server = crate::pg_server::PgServer::shared().unwrap();
+    server.psql(
+        &db,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
+    );
+}
+
+#[test]
+fn a_cut_owner_session_mid_send_makes_the_claim_ambiguous_and_it_is_never_resent() {
+    let Some(engine) = engine() else { return };
+    let worker = engine.open();
+    let other = engine.open();
+    worker.enqueue(msg("k", "chat-1")).unwrap();
+    let sends = AtomicUsize::new(0);
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let late = within("a send outlives its owner's session", DEADLOCK_LIMIT, || {
+        std::thread::scope(|scope| {
+            let (worker, sends) = (&worker, &sends);
+            let sending = scope.spawn(move || {
+                worker
+                    .process("k", |_| {
+                        sends.fetch_add(1, Ordering::SeqCst);
+                        entered_tx.send(()).unwrap();
+                        release_rx.recv().unwrap();
+                        Ok(Some("delivered-late".into()))
+                    })
+                    .unwrap()
+            });
+            entered_rx.recv().unwrap();
+            // While it sends, the owner's session ends: to every other handle
+            // the send now looks dead. Nothing is resent.
+            cut_owner_sessions(&engine);
+            let receipt = other.process("k", |_| panic!("never resent")).unwrap();
+            assert_eq!(receipt.outcome, Outcome::Failed);
+            assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+            assert_eq!(other.process_due(|_| panic!("never resent")).unwrap().sent, 0);
+            release_tx.send(()).unwrap();
+            sending.join().unwrap()
+        })
+    });
+    assert_eq!(sends.load(Ordering::SeqCst), 1, "sent exactly once");
+    // The late finish does not revive the claim it lost.
+    assert_ne!(late.outcome, Outcome::Sent, "{late:?}");
+    let item = other.get("k").unwrap().unwrap();
+    assert_eq!(item.state(), ItemState::Failed);
+    // Both handles carry on: the cut handle took its owner lock again.
+    worker.enqueue(msg("after", "chat-2")).unwrap();
+    assert_eq!(
+        worker.process("after", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    other.verify_audit().unwrap();
+}
+
+#[test]
+fn calls_from_async_code_and_drops_there_do_not_panic() {
+    let Some(engine) = engine() else { return };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = engine.url();
+    let state = runtime.block_on(async move {
+        let outbox = Outbox::postgres(&url).open().unwrap();
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        outbox.process("a", |_| Ok(None)).unwrap();
+        let state = outbox.get("a").unwrap().unwrap().state();
+        drop(outbox);
+        state
+    });
+    assert_eq!(state, ItemState::Sent);
+}
