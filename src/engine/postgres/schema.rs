@@ -92,6 +92,12 @@ pub(crate) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Creates or migrates the tables of `schema`; refuses a newer version.
 pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
+    migrate_to(client, schema, SCHEMA_VERSION)
+}
+
+/// Creates or migrates the tables of `schema` up to version `target` (tests
+/// build an older schema with it); refuses a version newer than this release.
+pub(crate) fn migrate_to(client: &mut Client, schema: &str, target: i64) -> Result<()> {
     let s = quoted(schema);
     let mut tx = client.transaction().map_err(db("begin migration"))?;
     tx.execute(
@@ -119,7 +125,13 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             known: SCHEMA_VERSION,
         });
     }
-    for (index, migration) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+    let target = usize::try_from(target).unwrap_or(0).min(MIGRATIONS.len());
+    for (index, migration) in MIGRATIONS
+        .iter()
+        .enumerate()
+        .take(target)
+        .skip(usize::try_from(found).unwrap_or(0))
+    {
         let sql = migration
             .replace("{s}", &s)
             .replace("{genesis}", GENESIS_HASH);
@@ -132,7 +144,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     }
     tx.execute(
         &format!("UPDATE {s}.outbox_meta SET version = $1"),
-        &[&SCHEMA_VERSION.max(found)],
+        &[&(target as i64).max(found)],
     )
     .map_err(db("record the schema version"))?;
     tx.commit().map_err(db("commit the migration"))

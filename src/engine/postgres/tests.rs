@@ -1255,3 +1255,62 @@ fn destination_caps_and_cooldowns_hold_across_hosts() {
     .unwrap();
     assert!(after.iter().any(|c| c.item.idempotency_key == "x2"));
 }
+
+#[test]
+fn a_version_1_schema_migrates_forward_keeping_items_and_their_order() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let mut client = super::Connector::parse(&url).unwrap().connect().unwrap();
+    super::schema::migrate_to(&mut client, DEFAULT_SCHEMA, 1).unwrap();
+    assert_eq!(db.psql("SELECT version FROM durable_outbox.outbox_meta"), "1");
+    // Two items as the first stage wrote them: no seq, created or updated columns.
+    for key in ["b-first", "a-second"] {
+        let doc = String::from_utf8(crate::store::item_to_json(&item(key, "chat-1"))).unwrap();
+        client
+            .execute(
+                "INSERT INTO durable_outbox.items (idempotency_key, revision, destination, state,
+                   claimed, claim_owner, next_attempt_at, transport_ref, doc)
+                 VALUES ($1, 1, 'chat-1', 'queued', false, NULL, NULL, NULL, $2)",
+                &[&key, &doc],
+            )
+            .unwrap();
+    }
+    drop(client);
+    let engine = open(&url);
+    assert_eq!(
+        db.psql("SELECT version FROM durable_outbox.outbox_meta"),
+        super::SCHEMA_VERSION.to_string()
+    );
+    let listed: Vec<(String, Option<u64>)> = engine
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|v| (v.item.idempotency_key, v.item.seq))
+        .collect();
+    assert_eq!(
+        listed,
+        [("b-first".to_owned(), Some(1)), ("a-second".to_owned(), Some(2))],
+        "each item's place in line is its enqueue order"
+    );
+    // The sequence continues after them, and the rules' transaction runs on them.
+    let defaults = crate::settings::Settings {
+        rates: crate::rate::RatePolicy::default(),
+        history_after: Duration::from_secs(60),
+        retention: crate::history::Retention::KeepAll,
+        max_attempts: 3,
+        backoff: crate::retry::Backoff::default(),
+        give_up_after: Duration::from_secs(3600),
+        ordering: crate::order::Ordering::PerDestination,
+        stored: Vec::new(),
+    };
+    let head = engine
+        .transact(Utc::now(), &defaults, |txn| {
+            assert_eq!(txn.next_seq().unwrap(), 3);
+            Ok(txn.head_of("chat-1").unwrap().map(|place| place.key))
+        })
+        .unwrap();
+    assert_eq!(head.as_deref(), Some("b-first"));
+}
