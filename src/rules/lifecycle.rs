@@ -282,9 +282,15 @@ fn finish_inner<T: Txn + ?Sized>(
     result: &SendResult,
 ) -> Result<(DeliveryReceipt, Option<Duration>)> {
     let now = txn.now();
+    if txn.existing(key)?.claim_owner() != Some(actor.owner)
+        && let Some(corrected) = correct_lost_claim(txn, key, result)?
+    {
+        return Ok((corrected, None));
+    }
     let item = txn.existing(key)?;
     if item.claim_owner() != Some(actor.owner) {
-        // Only possible if the state files were replaced behind our back.
+        // File engine: only possible if the state files were replaced behind
+        // our back. PostgreSQL: the claim was lost and the item moved on.
         tracing::error!(
             key,
             "our claim vanished while sending; leaving the item as it is"
@@ -305,6 +311,56 @@ fn finish_inner<T: Txn + ?Sized>(
         Ok(Err(error)) => finish_failed(actor, txn, key, error, attempts, created_at),
         Err(_panic) => Ok((done(fail_ambiguous(txn, key, SEND_PANICKED)?), None)),
     }
+}
+
+/// [`finish`] for a send whose claim another handle declared ambiguous while
+/// it ran (its owner's session ended under it: a network cut, a server
+/// restart; see the module docs). If the item is still failed as
+/// [`AMBIGUOUS_AFTER_RESTART`] and unclaimed, what really happened is
+/// recorded as a correction (a note saying so on the audit record): a
+/// delivery makes it `sent` with its transport ref; a failure that certainly
+/// did not deliver keeps it failed with the real error and no longer counts
+/// it as a possible send. Nothing is resent. `None`: left alone (the item
+/// moved on, or the send is ambiguous again or panicked).
+fn correct_lost_claim<T: Txn + ?Sized>(
+    txn: &mut T,
+    key: &str,
+    result: &SendResult,
+) -> Result<Option<DeliveryReceipt>> {
+    let now = txn.now();
+    let item = txn.existing(key)?;
+    let declared_ambiguous = item.state == ItemState::Failed
+        && item.error_code.as_deref() == Some(AMBIGUOUS_AFTER_RESTART)
+        && item.claim.is_none();
+    let known = match result {
+        Ok(Ok(_)) => true,
+        Ok(Err(error)) => error.class() != FailureClass::Ambiguous,
+        Err(_panic) => false,
+    };
+    if !declared_ambiguous || !known {
+        return Ok(None);
+    }
+    tracing::warn!(
+        key,
+        "this send's claim was declared ambiguous while it ran; recording its real outcome"
+    );
+    let item = txn.item_mut(key)?;
+    item.updated_at = now;
+    let (outcome, receipt_outcome) = match result {
+        Ok(Ok(reference)) => {
+            mark_sent(item, now, reference.as_deref());
+            (AuditOutcome::Sent, Outcome::Sent)
+        }
+        Ok(Err(error)) => {
+            item.error_code = Some(sanitize(error.code(), limits::TRANSPORT_REF));
+            item.failure_class = Some(error.class());
+            item.maybe_sent_at = None;
+            (AuditOutcome::Failed, Outcome::Failed)
+        }
+        Err(_) => return Ok(None),
+    };
+    let audit_id = record(txn, key, outcome, Some(CORRECTION_NOTE), false)?;
+    Ok(Some(receipt(txn, key, receipt_outcome, Some(audit_id))?))
 }
 
 /// [`finish`] for a send that reported an error.
@@ -510,10 +566,6 @@ fn audit_outcome_of(state: ItemState) -> AuditOutcome {
 // ----- the rules written against `engine::Engine` (batch drains) ----------
 
 /// The note on a correction's audit record.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
 pub(crate) const CORRECTION_NOTE: &str = "correction: this attempt's claim was declared \
      ambiguous after its owner's session ended; the send itself finished";
 

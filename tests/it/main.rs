@@ -26,10 +26,10 @@ mod idempotent_transport;
 mod model_check;
 mod observability;
 mod one_lifecycle;
-#[cfg(feature = "postgres")]
-mod postgres_outbox;
 mod operator_actions;
 mod ordering;
+#[cfg(feature = "postgres")]
+mod postgres_outbox;
 mod power_loss_regressions;
 mod rate_caps;
 mod replies;

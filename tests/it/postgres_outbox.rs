@@ -53,10 +53,20 @@ fn a_schema_on_a_directory_and_bad_urls_are_refused_before_anything_is_written()
         }) => {}
         other => panic!("a schema on a directory must be refused: {other:?}"),
     }
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "nothing written"
+    );
     match Outbox::postgres("postgres://bot:sekrit@host:notaport/db").open() {
-        Err(Error::InvalidConfig { setting: "url", reason }) => {
-            assert!(!reason.contains("sekrit"), "the password is not echoed: {reason}");
+        Err(Error::InvalidConfig {
+            setting: "url",
+            reason,
+        }) => {
+            assert!(
+                !reason.contains("sekrit"),
+                "the password is not echoed: {reason}"
+            );
         }
         other => panic!("a bad URL must be refused: {other:?}"),
     }
@@ -96,7 +106,7 @@ fn cut_owner_sessions(engine: &EngineUnderTest) {
 }
 
 #[test]
-fn a_cut_owner_session_mid_send_makes_the_claim_ambiguous_and_it_is_never_resent() {
+fn a_cut_owner_session_mid_send_is_ambiguous_never_resent_then_corrected_when_the_send_ends() {
     let Some(engine) = engine() else { return };
     let worker = engine.open();
     let other = engine.open();
@@ -104,36 +114,63 @@ fn a_cut_owner_session_mid_send_makes_the_claim_ambiguous_and_it_is_never_resent
     let sends = AtomicUsize::new(0);
     let (entered_tx, entered_rx) = mpsc::channel();
     let (release_tx, release_rx) = mpsc::channel::<()>();
-    let late = within("a send outlives its owner's session", DEADLOCK_LIMIT, || {
-        std::thread::scope(|scope| {
-            let (worker, sends) = (&worker, &sends);
-            let sending = scope.spawn(move || {
-                worker
-                    .process("k", |_| {
-                        sends.fetch_add(1, Ordering::SeqCst);
-                        entered_tx.send(()).unwrap();
-                        release_rx.recv().unwrap();
-                        Ok(Some("delivered-late".into()))
-                    })
-                    .unwrap()
-            });
-            entered_rx.recv().unwrap();
-            // While it sends, the owner's session ends: to every other handle
-            // the send now looks dead. Nothing is resent.
-            cut_owner_sessions(&engine);
-            let receipt = other.process("k", |_| panic!("never resent")).unwrap();
-            assert_eq!(receipt.outcome, Outcome::Failed);
-            assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
-            assert_eq!(other.process_due(|_| panic!("never resent")).unwrap().sent, 0);
-            release_tx.send(()).unwrap();
-            sending.join().unwrap()
-        })
-    });
+    let late = within(
+        "a send outlives its owner's session",
+        DEADLOCK_LIMIT,
+        || {
+            std::thread::scope(|scope| {
+                let (worker, sends) = (&worker, &sends);
+                let sending = scope.spawn(move || {
+                    worker
+                        .process("k", |_| {
+                            sends.fetch_add(1, Ordering::SeqCst);
+                            entered_tx.send(()).unwrap();
+                            release_rx.recv().unwrap();
+                            Ok(Some("delivered-late".into()))
+                        })
+                        .unwrap()
+                });
+                entered_rx.recv().unwrap();
+                // While it sends, the owner's session ends: to every other handle
+                // the send now looks dead. Nothing is resent.
+                cut_owner_sessions(&engine);
+                let receipt = other.process("k", |_| panic!("never resent")).unwrap();
+                assert_eq!(receipt.outcome, Outcome::Failed);
+                assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+                assert_eq!(
+                    other.process_due(|_| panic!("never resent")).unwrap().sent,
+                    0
+                );
+                release_tx.send(()).unwrap();
+                sending.join().unwrap()
+            })
+        },
+    );
     assert_eq!(sends.load(Ordering::SeqCst), 1, "sent exactly once");
-    // The late finish does not revive the claim it lost.
-    assert_ne!(late.outcome, Outcome::Sent, "{late:?}");
+    // The late finish records what really happened, as an audited correction:
+    // the item is sent, with its transport ref, so a reply still correlates.
+    assert_eq!(late.outcome, Outcome::Sent, "{late:?}");
     let item = other.get("k").unwrap().unwrap();
-    assert_eq!(item.state(), ItemState::Failed);
+    assert_eq!(
+        (item.state(), item.transport_ref()),
+        (ItemState::Sent, Some("delivered-late"))
+    );
+    let records = other.history("k").unwrap();
+    let outcomes: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["queued", "failed", "sent"]);
+    let note = records
+        .last()
+        .and_then(|r| r.note.clone())
+        .unwrap_or_default();
+    assert!(note.starts_with("correction:"), "{note}");
+    assert_eq!(
+        other
+            .find_by_transport_ref("delivered-late")
+            .unwrap()
+            .unwrap()
+            .idempotency_key(),
+        "k"
+    );
     // Both handles carry on: the cut handle took its owner lock again.
     worker.enqueue(msg("after", "chat-2")).unwrap();
     assert_eq!(

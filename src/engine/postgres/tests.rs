@@ -1265,7 +1265,10 @@ fn a_version_1_schema_migrates_forward_keeping_items_and_their_order() {
     let url = db.url();
     let mut client = super::Connector::parse(&url).unwrap().connect().unwrap();
     super::schema::migrate_to(&mut client, DEFAULT_SCHEMA, 1).unwrap();
-    assert_eq!(db.psql("SELECT version FROM durable_outbox.outbox_meta"), "1");
+    assert_eq!(
+        db.psql("SELECT version FROM durable_outbox.outbox_meta"),
+        "1"
+    );
     // Two items as the first stage wrote them: no seq, created or updated columns.
     for key in ["b-first", "a-second"] {
         let doc = String::from_utf8(crate::store::item_to_json(&item(key, "chat-1"))).unwrap();
@@ -1292,7 +1295,10 @@ fn a_version_1_schema_migrates_forward_keeping_items_and_their_order() {
         .collect();
     assert_eq!(
         listed,
-        [("b-first".to_owned(), Some(1)), ("a-second".to_owned(), Some(2))],
+        [
+            ("b-first".to_owned(), Some(1)),
+            ("a-second".to_owned(), Some(2))
+        ],
         "each item's place in line is its enqueue order"
     );
     // The sequence continues after them, and the rules' transaction runs on them.
