@@ -101,6 +101,13 @@ impl std::fmt::Debug for OutboxBuilder {
 
 impl OutboxBuilder {
     /// The schema of a PostgreSQL outbox (the URL is never shown: it may hold a password).
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(
+            clippy::unused_self,
+            reason = "no PostgreSQL target without the feature"
+        )
+    )]
     fn postgres_schema(&self) -> Option<&str> {
         #[cfg(feature = "postgres")]
         {

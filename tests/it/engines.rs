@@ -134,7 +134,10 @@ impl EngineUnderTest {
     /// The database URL (PostgreSQL only).
     #[cfg(feature = "postgres")]
     pub fn url(&self) -> String {
-        self.db.as_ref().map(|db| db.url()).unwrap_or_default()
+        self.db
+            .as_ref()
+            .map(crate::pg_server::PgDatabase::url)
+            .unwrap_or_default()
     }
 }
 

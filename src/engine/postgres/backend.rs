@@ -199,6 +199,7 @@ impl PgBackend {
     }
 
     /// Not offered on PostgreSQL yet.
+    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
     pub(crate) fn rate_windows(
         &self,
         _what_if: Option<RateLimit>,
@@ -212,6 +213,7 @@ impl PgBackend {
     }
 
     /// Not offered: the audit chain is a table, not segment files.
+    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
     pub(crate) fn remove_old_audit_segments(&self, _keep: usize, _note: &str) -> Result<usize> {
         Err(Error::NotSupported {
             engine: ENGINE,
@@ -226,6 +228,7 @@ impl PgBackend {
     }
 
     /// Not offered: there is no journal to fold into a snapshot.
+    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
     pub(crate) fn compact(&self) -> Result<()> {
         Err(Error::NotSupported {
             engine: ENGINE,
