@@ -322,3 +322,131 @@ on_both_engines! {
         assert!(producer.list_items().unwrap().iter().all(|i| i.state() == ItemState::Sent));
     }
 }
+
+on_both_engines! {
+    /// `enqueue_many` is all or nothing: one conflicting message and none is written.
+    fn enqueue_many_is_all_or_nothing(engine) {
+        let outbox = engine.open();
+        outbox.enqueue(msg("taken", "chat-1")).unwrap();
+        let mut conflicting = msg("taken", "chat-1");
+        conflicting.content = "another body".into();
+        let result = outbox.enqueue_many(vec![msg("new-1", "chat-1"), conflicting, msg("new-2", "chat-2")]);
+        assert!(matches!(result, Err(Error::IdempotencyConflict { .. })), "{result:?}");
+        let other = engine.open();
+        assert!(other.get("new-1").unwrap().is_none(), "nothing of the batch was written");
+        assert!(other.get("new-2").unwrap().is_none());
+        assert_eq!(other.verify_audit().unwrap().records, 1);
+        let items = other.enqueue_many(vec![msg("new-1", "chat-1"), msg("new-2", "chat-2")]).unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!(outbox.list_items().unwrap().len(), 3);
+    }
+
+    /// Bulk requeue and cancel act on what the filter selects, each audited,
+    /// and a dry run writes nothing.
+    fn bulk_actions_by_filter(engine) {
+        use durable_outbox::ItemFilter;
+        let outbox = engine.open_with(|b| b.max_attempts(1));
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-2"), ("c", "chat-3")] {
+            outbox.enqueue(msg(key, chat)).unwrap();
+        }
+        outbox.process("a", |_| Err(SendError::retryable("outage"))).unwrap();
+        outbox.process("b", |_| Err(SendError::retryable("outage"))).unwrap();
+        let failed = ItemFilter::new().state(ItemState::Failed);
+        let before = outbox.verify_audit().unwrap().records;
+        let preview = outbox.preview_requeue_where(&failed).unwrap();
+        assert_eq!(preview.changed.len(), 2);
+        assert_eq!(outbox.verify_audit().unwrap().records, before, "a dry run writes nothing");
+        let report = engine.open().requeue_where(&failed, "alice", "platform back").unwrap();
+        assert_eq!(report.changed.len(), 2);
+        assert!(report.changed.iter().all(|i| i.state() == ItemState::Queued));
+        let queued = ItemFilter::new().state(ItemState::Queued).destination("chat-3");
+        let cancelled = outbox.cancel_where(&queued, "bob", "obsolete").unwrap();
+        assert_eq!(cancelled.changed.len(), 1);
+        assert_eq!(cancelled.changed[0].error_code(), Some(CANCELLED));
+        assert_eq!(outbox.verify_audit().unwrap().records, before + 3);
+        assert_eq!(
+            outbox.select(&ItemFilter::new().state(ItemState::Queued)).unwrap().len(),
+            2
+        );
+    }
+
+    /// Terminal items older than `history_after` leave the live listing and
+    /// appear in history; `get` and the transport-ref lookups still find them,
+    /// and a requeue brings one back.
+    fn old_terminal_items_become_history(engine) {
+        let outbox = engine.open_with(|b| b.history_after(secs(60)));
+        outbox.enqueue(msg("old", "chat-1")).unwrap();
+        outbox.process("old", |_| Ok(Some("ref-old".into()))).unwrap();
+        engine.clock.advance(secs(120));
+        outbox.enqueue(msg("new", "chat-2")).unwrap();
+        // The file engine moves them at compaction, which every open runs.
+        let reader = engine.open();
+        let live: Vec<String> = reader.list_items().unwrap().iter().map(|i| i.idempotency_key().to_owned()).collect();
+        assert_eq!(live, ["new"]);
+        let history: Vec<String> = reader
+            .history_items()
+            .unwrap()
+            .map(|i| i.unwrap().idempotency_key().to_owned())
+            .collect();
+        assert_eq!(history, ["old"]);
+        assert_eq!(reader.history_len().unwrap(), 1);
+        assert_eq!(reader.get("old").unwrap().unwrap().state(), ItemState::Sent);
+        assert_eq!(
+            reader.find_by_transport_ref_in("chat-1", "ref-old").unwrap().unwrap().idempotency_key(),
+            "old"
+        );
+        // Same key, same message: still the old item, nothing new.
+        assert_eq!(reader.enqueue(msg("old", "chat-1")).unwrap().state(), ItemState::Sent);
+        reader.verify_audit().unwrap();
+    }
+}
+
+#[cfg(feature = "tokio")]
+on_both_engines! {
+    /// The async forms keep the same guarantees; a send future dropped
+    /// mid-flight fails its item as ambiguous (`send_cancelled`), never resent.
+    fn async_forms_and_a_dropped_send(engine) {
+        use durable_outbox::SEND_CANCELLED;
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            outbox.enqueue_async(msg("a", "chat-1")).await.unwrap();
+            outbox.enqueue_async(msg("b", "chat-2")).await.unwrap();
+            outbox.enqueue_async(msg("c", "chat-3")).await.unwrap();
+            let receipt = outbox
+                .process_async("a", |_| async { Ok(Some("ref-a".into())) })
+                .await
+                .unwrap();
+            assert_eq!(receipt.outcome, Outcome::Sent);
+            // A send that never finishes, dropped by a timeout.
+            let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+            let mut entered_tx = Some(entered_tx);
+            let stuck = outbox.process_async("b", move |_| {
+                if let Some(tx) = entered_tx.take() {
+                    tx.send(()).ok();
+                }
+                std::future::pending::<Result<Option<String>, SendError>>()
+            });
+            tokio::select! {
+                _ = stuck => panic!("the send never finishes"),
+                _ = entered_rx => {}
+            }
+            let report = outbox
+                .process_due_async(2, |_| async { Ok(None) })
+                .await
+                .unwrap();
+            assert_eq!(report.sent, 1, "only c: b is ambiguous, never resent");
+            let found = outbox.find_by_transport_ref_async("ref-a").await.unwrap().unwrap();
+            assert_eq!(found.idempotency_key(), "a");
+        });
+        let b = engine.open().get("b").unwrap().unwrap();
+        assert_eq!(
+            (b.state(), b.error_code(), b.failure_class()),
+            (ItemState::Failed, Some(SEND_CANCELLED), Some(FailureClass::Ambiguous))
+        );
+    }
+}
