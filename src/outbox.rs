@@ -176,7 +176,8 @@ impl Outbox {
     /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) and
     /// [`rate_windows`](Self::rate_windows) return [`Error::NotSupported`];
     /// terminal items stay in the table (history is those past
-    /// `history_after`), and `history_retention` is not applied yet.
+    /// `history_after`); `history_retention` `MaxAge` deletes them on open,
+    /// audited, and `MaxSegments` keeps everything.
     ///
     /// ```no_run
     /// use durable_outbox::{NewMessage, Outbox};

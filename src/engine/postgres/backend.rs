@@ -8,8 +8,10 @@
 //! terminal items stay in `items`, and "history" is the view of those last
 //! changed more than `history_after` ago (`list_items` leaves them out,
 //! `history_items` lists them, `get` and the transport-ref lookups find both).
-//! Retention (`history_retention`) is not applied on PostgreSQL yet: every row
-//! is kept (as with `Retention::KeepAll`).
+//! Retention applies on open (as the file engine's compaction on open):
+//! under `history_retention` `MaxAge(age)` the terminal items last changed
+//! longer ago than `age` are deleted, with one `pruned` audit record;
+//! `MaxSegments` has no segments to count here and keeps everything (logged).
 
 use std::sync::Arc;
 
@@ -65,6 +67,10 @@ impl PgBackend {
         blocking(|| {
             engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
         })?;
+        // Like the file engine's compaction on open: history past
+        // `history_retention` goes now.
+        let settings = defaults.with_stored(&blocking(|| engine.stored_settings())?);
+        blocking(|| engine.apply_retention(&settings, now))?;
         Ok(Self {
             engine: Some(engine),
             defaults,

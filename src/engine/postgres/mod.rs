@@ -117,11 +117,18 @@ pub(crate) fn check_schema(schema: &str) -> Result<()> {
     Ok(())
 }
 
-/// The `settings` audit event: about the outbox, not an item (item fields `-`).
-fn settings_event(head: &Head, note: String, now: DateTime<Utc>) -> AuditEvent {
+/// An audit event about the outbox, not an item (`settings`, a retention
+/// prune): `subject` stands where an item's key would, item fields are `-`.
+fn system_event(
+    outcome: AuditOutcome,
+    head: &Head,
+    subject: &str,
+    note: String,
+    now: DateTime<Utc>,
+) -> AuditEvent {
     AuditEvent {
         attempts: 0,
-        audit_id: hex::encode(&Sha256::digest(format!("{}settings", head.hash).as_bytes())[..16]),
+        audit_id: hex::encode(&Sha256::digest(format!("{}{subject}", head.hash).as_bytes())[..16]),
         connector: "-".into(),
         content_hash: "-".into(),
         destination: "-".into(),
@@ -129,9 +136,9 @@ fn settings_event(head: &Head, note: String, now: DateTime<Utc>) -> AuditEvent {
         error_code: None,
         failure_class: None,
         grant_id: "-".into(),
-        idempotency_key: "settings".into(),
+        idempotency_key: subject.to_owned(),
         lane: "-".into(),
-        outcome: AuditOutcome::Settings,
+        outcome,
         note: Some(note),
         reconciled: false,
         recorded_at_utc: crate::clock::format_timestamp(now),
@@ -613,26 +620,117 @@ impl PgEngine {
             } else {
                 "stored on first explicit use"
             };
-            let event = settings_event(&head, format!("{note} ({how})"), now);
-            let record = AuditRecord::seal(&event, head.seq + 1, &head.hash, false, &self.hasher);
-            let mut line = record.to_line();
-            line.pop();
-            tx.execute(
-                &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
-                &[
-                    &i64::try_from(record.seq).unwrap_or(i64::MAX),
-                    &record.hash,
-                    &String::from_utf8_lossy(&line).into_owned(),
-                ],
-            )
-            .map_err(db("append an audit record"))?;
-            tx.execute(
-                &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
-                &[&i64::try_from(record.seq).unwrap_or(i64::MAX), &record.hash],
-            )
-            .map_err(db("move the audit head"))?;
+            let event = system_event(
+                AuditOutcome::Settings,
+                &head,
+                "settings",
+                format!("{note} ({how})"),
+                now,
+            );
+            self.append_system_record(&mut tx, &head, &event)?;
         }
         tx.commit().map_err(db("store the settings"))
+    }
+
+    /// Seals `event` after `head` (locked by `tx`) and moves the head.
+    fn append_system_record(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        head: &Head,
+        event: &AuditEvent,
+    ) -> Result<()> {
+        let s = &self.s;
+        let record = AuditRecord::seal(event, head.seq + 1, &head.hash, false, &self.hasher);
+        let mut line = record.to_line();
+        line.pop();
+        let seq = i64::try_from(record.seq).unwrap_or(i64::MAX);
+        tx.execute(
+            &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
+            &[
+                &seq,
+                &record.hash,
+                &String::from_utf8_lossy(&line).into_owned(),
+            ],
+        )
+        .map_err(db("append an audit record"))?;
+        tx.execute(
+            &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
+            &[&seq, &record.hash],
+        )
+        .map_err(db("move the audit head"))?;
+        Ok(())
+    }
+
+    /// Applies `history_retention` at `now`: under `MaxAge(age)`, deletes the
+    /// terminal items last changed longer ago than `age` (and than
+    /// `history_after`, and outside every rate window, so nothing that still
+    /// counts against a cap goes), with one `pruned` audit record saying how
+    /// many and up to when, in one transaction. `KeepAll` keeps everything;
+    /// `MaxSegments` counts files the PostgreSQL engine does not have, so it
+    /// keeps everything too (logged). Returns how many items went.
+    pub(crate) fn apply_retention(&self, settings: &Settings, now: DateTime<Utc>) -> Result<u64> {
+        let age = match settings.retention {
+            crate::history::Retention::MaxAge(age) => age,
+            crate::history::Retention::MaxSegments(_) => {
+                tracing::warn!(
+                    schema = %self.schema,
+                    "history_retention max_segments does not apply to a PostgreSQL outbox \
+                     (it has no segment files); keeping all history: use max_age"
+                );
+                return Ok(0);
+            }
+            _ => return Ok(0),
+        };
+        let keep_for = age
+            .max(settings.history_after)
+            .max(settings.rates.longest_window());
+        let cutoff = crate::clock::earlier(now, keep_for);
+        let mut client = self.client()?;
+        let mut tx = client
+            .transaction()
+            .map_err(db("begin a retention prune"))?;
+        let s = &self.s;
+        let head = tx
+            .query_one(
+                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
+                &[],
+            )
+            .map_err(db("lock the audit head"))?;
+        let head = Head {
+            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
+            hash: head.get(1),
+        };
+        let gone: Vec<String> = tx
+            .query(
+                &format!(
+                    "DELETE FROM {s}.items
+                     WHERE state <> 'queued' AND NOT claimed AND updated_at <= $1
+                     RETURNING idempotency_key"
+                ),
+                &[&cutoff],
+            )
+            .map_err(db("prune history"))?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if gone.is_empty() {
+            tx.commit().map_err(db("end a retention look"))?;
+            return Ok(0);
+        }
+        tx.execute(
+            &format!("DELETE FROM {s}.rate_times WHERE idempotency_key = ANY($1)"),
+            &[&gone],
+        )
+        .map_err(db("prune history's send times"))?;
+        let note = format!(
+            "retention pruned {} history items last changed at or before {}",
+            gone.len(),
+            crate::clock::format_timestamp(cutoff)
+        );
+        let event = system_event(AuditOutcome::Pruned, &head, "history-retention", note, now);
+        self.append_system_record(&mut tx, &head, &event)?;
+        tx.commit().map_err(db("commit a retention prune"))?;
+        Ok(gone.len() as u64)
     }
 
     fn items_where(
