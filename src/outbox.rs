@@ -172,9 +172,9 @@ impl Outbox {
     /// transaction-mode pooler ([`Error::SessionLocksUnavailable`]), because
     /// each handle's liveness is a session-level advisory lock.
     ///
-    /// On PostgreSQL, [`dir`](Self::dir), [`compact`](Self::compact),
-    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) and
-    /// [`rate_windows`](Self::rate_windows) return [`Error::NotSupported`];
+    /// On PostgreSQL, [`dir`](Self::dir), [`compact`](Self::compact) and
+    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) return
+    /// [`Error::NotSupported`];
     /// terminal items stay in the table (history is those past
     /// `history_after`); `history_retention` `MaxAge` deletes them on open,
     /// audited, and `MaxSegments` keeps everything.

@@ -476,3 +476,45 @@ on_both_engines! {
         assert_eq!(report.records, 5, "two queued, two sent, one pruned");
     }
 }
+
+on_both_engines! {
+    /// `rate_windows` measures each destination as the caps see it: sends in
+    /// the window (an ambiguous one included; a refused one not), when it
+    /// frees, what is queued, a cooldown.
+    fn rate_windows_measure_what_the_caps_see(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(2, secs(60)));
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-1"), ("d", "chat-2")] {
+            outbox.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        outbox.process("a", |_| Ok(None)).unwrap();
+        engine.clock.advance(secs(10));
+        outbox.process("b", |_| Err(SendError::ambiguous("reset"))).unwrap();
+        outbox
+            .process("d", |_| Err(SendError::retryable("429").retry_after(secs(30))))
+            .unwrap();
+        let windows = engine.open().rate_windows(None).unwrap();
+        let summary: Vec<(String, usize, usize, bool, bool)> = windows
+            .iter()
+            .map(|w| {
+                (
+                    w.destination.clone(),
+                    w.sends_in_window,
+                    w.queued,
+                    w.next_free_slot.is_some(),
+                    w.cooldown_until.is_some(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("chat-1".to_owned(), 2, 1, true, false),
+                ("chat-2".to_owned(), 0, 1, false, true),
+            ]
+        );
+        assert_eq!(windows[0].next_free_slot, Some(t0 + chrono::Duration::seconds(60)));
+        let what_if = outbox.rate_windows(Some(durable_outbox::RateLimit { count: 5, window: secs(60) }));
+        assert!(what_if.unwrap().iter().all(|w| w.next_free_slot.is_none()));
+    }
+}

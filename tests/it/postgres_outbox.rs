@@ -36,7 +36,6 @@ fn what_the_postgres_engine_lacks_is_a_typed_error_naming_it() {
         outbox.remove_old_audit_segments(0, "alice", "tidy"),
         "remove_old_audit_segments",
     );
-    not_supported(outbox.rate_windows(None), "rate_windows");
     let message = outbox.compact().unwrap_err().to_string();
     assert!(message.contains("postgres"), "{message}");
     // The outbox is still fine afterwards.

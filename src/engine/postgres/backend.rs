@@ -204,18 +204,47 @@ impl PgBackend {
         Ok(self.defaults.with_stored(&stored))
     }
 
-    /// Not offered on PostgreSQL yet.
-    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
+    /// Every destination with something in its rate window, something
+    /// queued, or a cooldown, measured at `now` against its cap (or
+    /// `what_if`), sorted by destination: as the file engine measures it.
     pub(crate) fn rate_windows(
         &self,
-        _what_if: Option<RateLimit>,
-        _now: DateTime<Utc>,
+        what_if: Option<RateLimit>,
+        now: DateTime<Utc>,
     ) -> Result<Vec<DestinationWindow>> {
-        Err(Error::NotSupported {
-            engine: ENGINE,
-            operation: "rate_windows",
-            why: "not implemented for PostgreSQL yet",
-        })
+        let settings = self.settings()?;
+        let longest = what_if.map_or_else(|| settings.rates.longest_window(), |cap| cap.window);
+        let (queued, times, cooldowns) =
+            blocking(|| self.engine().rate_inputs(earlier(now, longest), now))?;
+        let mut destinations: std::collections::BTreeSet<&String> = queued.keys().collect();
+        destinations.extend(times.keys());
+        destinations.extend(cooldowns.keys());
+        Ok(destinations
+            .into_iter()
+            .filter_map(|destination| {
+                let cap = what_if.unwrap_or_else(|| settings.rate_limit_for(destination));
+                let cutoff = earlier(now, cap.window);
+                let in_window: Vec<DateTime<Utc>> = times
+                    .get(destination)
+                    .into_iter()
+                    .flatten()
+                    .copied()
+                    .filter(|at| *at > cutoff)
+                    .collect();
+                let queued = queued.get(destination).copied().unwrap_or(0);
+                let cooldown_until = cooldowns.get(destination).copied();
+                (queued > 0 || !in_window.is_empty() || cooldown_until.is_some()).then(|| {
+                    DestinationWindow {
+                        destination: destination.clone(),
+                        cap,
+                        sends_in_window: in_window.len(),
+                        next_free_slot: cap.next_free_slot(now, in_window.iter().copied()),
+                        queued,
+                        cooldown_until,
+                    }
+                })
+            })
+            .collect())
     }
 
     /// Not offered: the audit chain is a table, not segment files.

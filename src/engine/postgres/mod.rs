@@ -861,6 +861,69 @@ impl PgEngine {
         Ok((fresh.or(deferred), foreign))
     }
 
+    /// What `rate_windows` measures, read in one snapshot: queued items per
+    /// destination, send times since `since` per destination, and cooldowns
+    /// still ahead of `now`.
+    #[expect(
+        clippy::type_complexity,
+        reason = "three plain maps, named at the one caller"
+    )]
+    pub(crate) fn rate_inputs(
+        &self,
+        since: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Result<(
+        std::collections::BTreeMap<String, usize>,
+        std::collections::BTreeMap<String, Vec<DateTime<Utc>>>,
+        std::collections::BTreeMap<String, DateTime<Utc>>,
+    )> {
+        let s = &self.s;
+        let mut client = self.client()?;
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .map_err(db("begin reading rate windows"))?;
+        let queued = tx
+            .query(
+                &format!(
+                    "SELECT destination, count(*) FROM {s}.items WHERE state = 'queued'
+                     GROUP BY destination"
+                ),
+                &[],
+            )
+            .map_err(db("count queued items"))?
+            .iter()
+            .map(|row| {
+                let count: i64 = row.get(1);
+                (row.get(0), usize::try_from(count).unwrap_or(0))
+            })
+            .collect();
+        let mut times: std::collections::BTreeMap<String, Vec<DateTime<Utc>>> =
+            std::collections::BTreeMap::new();
+        for row in tx
+            .query(
+                &format!("SELECT destination, at FROM {s}.rate_times WHERE at >= $1"),
+                &[&since],
+            )
+            .map_err(db("read send times"))?
+        {
+            times.entry(row.get(0)).or_default().push(row.get(1));
+        }
+        let cooldowns = tx
+            .query(
+                &format!("SELECT destination, until FROM {s}.cooldowns WHERE until > $1"),
+                &[&now],
+            )
+            .map_err(db("read cooldowns"))?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        tx.commit().map_err(db("end reading rate windows"))?;
+        Ok((queued, times, cooldowns))
+    }
+
     /// Every audit record about `key`, oldest first.
     pub(crate) fn records_of(&self, key: &str) -> Result<Vec<AuditRecord>> {
         let rows = self
