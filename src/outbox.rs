@@ -862,7 +862,8 @@ impl Outbox {
     /// # Errors
     ///
     /// [`Error::InvalidField`] for a blank operator or reason; the load and write
-    /// errors of every operation.
+    /// errors of every operation; [`Error::NotSupported`] on PostgreSQL, whose
+    /// audit chain is one table.
     pub fn remove_old_audit_segments(
         &self,
         keep: usize,
@@ -882,6 +883,9 @@ impl Outbox {
     ///
     /// [`Error::AuditBroken`] naming the first bad line and the fault, including
     /// [`AuditFault::Truncated`](crate::AuditFault::Truncated); the load errors of `outbox.json`.
+    /// On PostgreSQL the `audit` table is checked the same way, row by row in
+    /// `seq` order, against its head row ([`Error::AuditBroken`] names
+    /// `postgres:<schema>.audit` and the position).
     pub fn verify_audit(&self) -> Result<AuditReport> {
         on_engine!(self, engine => engine.verify_audit())
     }
@@ -894,7 +898,8 @@ impl Outbox {
     ///
     /// # Errors
     ///
-    /// The load and write errors of every operation.
+    /// The load and write errors of every operation; [`Error::NotSupported`] on
+    /// PostgreSQL, which has no journal or snapshot.
     ///
     /// # Durability
     ///

@@ -198,3 +198,43 @@ fn calls_from_async_code_and_drops_there_do_not_panic() {
     });
     assert_eq!(state, ItemState::Sent);
 }
+
+#[test]
+fn an_edited_or_cut_audit_table_fails_verification_at_its_position() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    for key in ["a", "b", "c"] {
+        outbox.enqueue(msg(key, "chat-1")).unwrap();
+    }
+    assert_eq!(outbox.verify_audit().unwrap().records, 3);
+    let url = engine.url();
+    let db = url.rsplit('/').next().unwrap().to_owned();
+    let server = crate::pg_server::PgServer::shared().unwrap();
+    // The last row cut off: the head row still names it.
+    server.psql(&db, "DELETE FROM durable_outbox.audit WHERE seq = 3");
+    match outbox.verify_audit() {
+        Err(Error::AuditBroken {
+            path,
+            line: 3,
+            fault:
+                durable_outbox::AuditFault::Truncated {
+                    expected_seq: 3,
+                    found_seq: 2,
+                },
+        }) => assert_eq!(path.to_string_lossy(), "postgres:durable_outbox.audit"),
+        other => panic!("a cut tail must be found: {other:?}"),
+    }
+    // A row edited in place: its hash no longer matches, at its position.
+    server.psql(
+        &db,
+        "UPDATE durable_outbox.audit SET line = replace(line, '\"chat-1\"', '\"chat-9\"') WHERE seq = 2",
+    );
+    match outbox.verify_audit() {
+        Err(Error::AuditBroken {
+            line: 2,
+            fault: durable_outbox::AuditFault::HashMismatch,
+            ..
+        }) => {}
+        other => panic!("an edited row must be found: {other:?}"),
+    }
+}
