@@ -32,6 +32,15 @@
 //! directory, each with T threads and keys i ≡ p (mod P) of N (the parent
 //! prints the figure for all of them together).
 //!
+//! `--postgres URL [--schema NAME]` (feature `postgres`; W1 and W2): the same
+//! workload on a PostgreSQL outbox in schema NAME (default `bench`; it must be
+//! new or empty), instead of `--dir`:
+//!
+//! ```text
+//! cargo run --release --features postgres --example bench -- --workload w2 --threads 8 \
+//!     --n 2000 --postgres postgres://postgres@127.0.0.1:5432/bench --schema w2_8
+//! ```
+//!
 //! async (`--features tokio`, `--workload async --concurrency C [--send-us U]`):
 //! enqueue N messages (untimed, `enqueue_many`), then one `process_due_async`
 //! with C sends in flight, each sleeping U µs (tokio's timer); prints
@@ -54,6 +63,10 @@ struct Args {
     /// `--part p`: this child runs only the keys with i % processes == p.
     part: Option<usize>,
     concurrency: usize,
+    /// `--postgres URL`: a PostgreSQL outbox instead of `--dir`.
+    postgres: Option<String>,
+    /// `--schema NAME`: its schema.
+    schema: String,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -68,6 +81,8 @@ fn parse_args() -> Result<Args, String> {
         processes: 1,
         part: None,
         concurrency: 64,
+        postgres: None,
+        schema: "bench".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -89,8 +104,14 @@ fn parse_args() -> Result<Args, String> {
                 args.concurrency = value.parse().map_err(|e| format!("--concurrency: {e}"))?;
             }
             "--part" => args.part = Some(value.parse().map_err(|e| format!("--part: {e}"))?),
+            "--postgres" => args.postgres = Some(value),
+            "--schema" => args.schema = value,
             other => return Err(format!("unknown flag {other}")),
         }
+    }
+    if args.postgres.is_some() {
+        // The outbox is the schema; the directory only holds nothing.
+        args.dir = std::env::temp_dir().join(format!("bench-pg-{}", std::process::id()));
     }
     if args.dir.as_os_str().is_empty()
         || args.n == 0
@@ -141,6 +162,15 @@ fn message(i: usize, destination: String) -> NewMessage {
 }
 
 fn open(args: &Args) -> Result<Outbox, Box<dyn std::error::Error>> {
+    if let Some(url) = &args.postgres {
+        #[cfg(feature = "postgres")]
+        return Ok(Outbox::postgres(url)
+            .schema(&args.schema)
+            .rate_limit(u32::MAX, Duration::from_secs(60))
+            .open()?);
+        #[cfg(not(feature = "postgres"))]
+        return Err(format!("--postgres {url}: build with --features postgres").into());
+    }
     Ok(Outbox::builder(&args.dir)
         .rate_limit(u32::MAX, Duration::from_secs(60))
         .open()?)
@@ -305,6 +335,8 @@ fn history(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>>
     let empty_args = Args {
         dir: empty_dir.path().join("w1"),
         workload: "w1".into(),
+        postgres: None,
+        schema: String::new(),
         ..*args
     };
     let empty = w1(&empty_args)?;
