@@ -466,26 +466,18 @@ impl PgEngine {
         })
     }
 
-    /// Seals `change.audit` onto the chain inside `tx`: locks the head row
-    /// (every sealing commit waits here, which gives the chain its one order),
-    /// appends, moves the head.
+    /// Seals `change.audit` onto the chain inside `tx` after `head`, which
+    /// `tx` holds locked (every sealing commit waits for it: the chain's one
+    /// order), appends, moves the head.
     fn seal(
         &self,
         tx: &mut postgres::Transaction<'_>,
         change: &ChangeSet,
+        head: Head,
     ) -> Result<Vec<AuditRecord>> {
-        if change.audit.is_empty() {
-            return Ok(Vec::new());
-        }
         let s = &self.s;
-        let head = tx
-            .query_one(
-                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
-                &[],
-            )
-            .map_err(db("lock the audit head"))?;
-        let mut seq = head.get::<_, i64>(0) as u64;
-        let mut prev: String = head.get(1);
+        let mut seq = head.seq;
+        let mut prev = head.hash;
         let mut sealed = Vec::with_capacity(change.audit.len());
         for event in &change.audit {
             seq += 1;
@@ -1002,6 +994,24 @@ impl PgEngine {
         )
     }
 
+    /// Locks the audit head row in `tx` (the first lock of every writer) and
+    /// returns it.
+    fn lock_head(&self, tx: &mut postgres::Transaction<'_>) -> Result<Head> {
+        let row = tx
+            .query_one(
+                &format!(
+                    "SELECT seq, hash FROM {}.audit_head WHERE id = 1 FOR UPDATE",
+                    self.s
+                ),
+                &[],
+            )
+            .map_err(db("lock the audit head"))?;
+        Ok(Head {
+            seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+            hash: row.get(1),
+        })
+    }
+
     /// Every audit line in `seq` order, newline-terminated: the same bytes a
     /// file outbox's `audit.jsonl` would hold, for the offline verifier.
     pub(crate) fn export_audit(&self) -> Result<Vec<u8>> {
@@ -1072,6 +1082,12 @@ impl Engine for PgEngine {
     fn commit(&self, change: ChangeSet) -> Result<Vec<AuditRecord>, CommitError> {
         let mut client = self.client()?;
         let mut tx = client.transaction().map_err(db("begin a commit"))?;
+        // The lock order of every writer (see `txn`): the head before any row.
+        let head = if change.audit.is_empty() {
+            None
+        } else {
+            Some(self.lock_head(&mut tx)?)
+        };
         for put in &change.puts {
             if !self.put(&mut tx, &put.item, put.expect)? {
                 // Dropping `tx` rolls everything back.
@@ -1080,7 +1096,10 @@ impl Engine for PgEngine {
                 });
             }
         }
-        let sealed = self.seal(&mut tx, &change)?;
+        let sealed = match head {
+            Some(head) => self.seal(&mut tx, &change, head)?,
+            None => Vec::new(),
+        };
         if change.wake {
             notify::wake(&mut tx, &self.schema)?;
         }
@@ -1099,6 +1118,10 @@ impl Engine for PgEngine {
         self.ensure_owner(&mut client)?;
         let s = &self.s;
         let mut tx = client.transaction().map_err(db("begin a claim"))?;
+        // The lock order of every writer (see `txn`): the head, then rows,
+        // then the caps lock, so a batch claim never waits in a cycle with a
+        // transaction of the rules.
+        self.lock_head(&mut tx)?;
         // Rows another claimer is deciding about are skipped, not waited for;
         // an earlier queued item of the same destination (claimed or not,
         // locked or not) keeps a later one out: per-destination order.

@@ -13,8 +13,10 @@
 //!    waits for the head, while the holder of the head, going on to the next
 //!    candidate, waits for that item.
 //! 2. **Items**, read lazily, each `FOR UPDATE` on first touch (a write through
-//!    [`Engine::commit`](crate::engine::Engine::commit), which does not take the
-//!    head, still cannot change a row under a decision made on it).
+//!    [`Engine::commit`](crate::engine::Engine::commit) without audit records,
+//!    which does not take the head, still cannot change a row under a decision
+//!    made on it). `Engine::commit` with records and `Engine::claim_batch` take
+//!    the head first too: every writer follows this one order.
 //! 3. **The caps lock** (`pg_advisory_xact_lock` on the schema's `caps` key,
 //!    shared with [`Engine::claim_batch`](crate::engine::Engine::claim_batch)),
 //!    before send and claim times or cooldowns are read: caps hold across hosts.
