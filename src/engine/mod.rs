@@ -31,15 +31,16 @@
 //! The rules themselves run inside a transaction, [`rules::txn::Txn`](crate::rules::txn::Txn):
 //! the file engine ([`file`]: `store`, `lock`, `audit` under the directory
 //! lock) serves it with an overlay over its in-memory state; the PostgreSQL
-//! engine is to serve it with rows read `FOR UPDATE`. The primitives above are
-//! what the PostgreSQL engine offers today, and what its batch drains
-//! (`rules::lifecycle::claim_due`, `finish_claimed`) run on (see
-//! ARCHITECTURE.md, "Two engines").
+//! engine serves it with `postgres::PgTxn` (the audit head row locked first,
+//! rows read `FOR UPDATE`, one `COMMIT`), and that is what `Outbox::postgres`
+//! runs on. The primitives above are the PostgreSQL engine's batch path
+//! (`rules::lifecycle::claim_due`, `finish_claimed`), tested on its own; the
+//! handle does not use it yet (see ARCHITECTURE.md, "Two engines").
 
 #![allow(
     dead_code,
-    reason = "the PostgreSQL engine is tested on its own until `Outbox` runs on it \
-              (ARCHITECTURE.md, \"Two engines\")"
+    reason = "the batch primitives are tested on their own; `Outbox` runs the \
+              `Txn` rules (ARCHITECTURE.md, \"Two engines\")"
 )]
 
 use std::time::Duration;
