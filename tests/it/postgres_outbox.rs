@@ -238,3 +238,99 @@ fn an_edited_or_cut_audit_table_fails_verification_at_its_position() {
         other => panic!("an edited row must be found: {other:?}"),
     }
 }
+
+/// Hosts racing one outbox: real processes (`outbox-test-worker torture`)
+/// enqueue, process and drain random keys of one key space at once, one of
+/// them SIGKILLed mid-run. Each key reaches the transport at most once, every
+/// delivered key is recorded `sent` or (the killed host's send) ambiguous,
+/// and the chain verifies.
+#[cfg(all(unix, feature = "test-failpoints"))]
+#[test]
+fn host_processes_racing_one_outbox_send_each_key_at_most_once() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+    let Some(engine) = engine() else { return };
+    let url = engine.url();
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("transport.log");
+    let rounds = std::env::var("OUTBOX_PG_HOST_ROUNDS").unwrap_or_else(|_| "120".into());
+    within("host processes finish", DEADLOCK_LIMIT * 4, || {
+        let hosts: Vec<_> = (0..4)
+            .map(|seed| {
+                Command::new(WORKER)
+                    .args([
+                        "torture",
+                        &url,
+                        log.to_str().unwrap(),
+                        &(seed * 7919 + 1).to_string(),
+                        &rounds,
+                    ])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .expect("spawn a host")
+            })
+            .collect();
+        let mut hosts = hosts.into_iter();
+        // The first host is killed once it has done some work.
+        let mut victim = hosts.next().unwrap();
+        let lines = BufReader::new(victim.stdout.take().unwrap()).lines();
+        let mut seen = 0;
+        for line in lines {
+            let line = line.unwrap();
+            if line.starts_with("queued") {
+                seen += 1;
+            }
+            if seen == 5 || line == "done" {
+                break;
+            }
+        }
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        for mut host in hosts {
+            assert!(host.wait().unwrap().success(), "a host failed");
+        }
+    });
+    let delivered = std::fs::read_to_string(&log).unwrap_or_default();
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for key in delivered.lines() {
+        *counts.entry(key).or_default() += 1;
+    }
+    assert!(!counts.is_empty(), "the hosts delivered something");
+    for (key, n) in &counts {
+        assert_eq!(*n, 1, "{key} reached the transport {n} times");
+    }
+    let outbox = engine.open();
+    for key in counts.keys() {
+        let item = outbox.get(key).unwrap().expect("a delivered key is known");
+        let ambiguous = item.failure_class() == Some(durable_outbox::FailureClass::Ambiguous);
+        assert!(
+            item.state() == ItemState::Sent || ambiguous,
+            "{key} was delivered but is {:?}",
+            item.state()
+        );
+    }
+    // A last drain sends what is still queued, and nothing that left already
+    // (the killed host's claim, if any, is failed as ambiguous instead).
+    let mut resent = Vec::new();
+    outbox
+        .process_due(|item| {
+            if counts.contains_key(item.idempotency_key()) {
+                resent.push(item.idempotency_key().to_owned());
+            }
+            Ok(None)
+        })
+        .unwrap();
+    assert!(resent.is_empty(), "sent again: {resent:?}");
+    assert!(
+        outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .all(|i| i.state() != ItemState::Queued),
+        "everything is decided"
+    );
+    outbox.verify_audit().unwrap();
+}

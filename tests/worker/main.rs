@@ -4,6 +4,9 @@
 //! Every line it prints is flushed at once, so the parent knows exactly what was
 //! acknowledged before a kill. Failpoints come from `DURABLE_OUTBOX_FAILPOINTS`.
 //!
+//! Where a command takes DIR, `open` also accepts a `postgres://` URL (feature
+//! `postgres`): the same workload on a PostgreSQL outbox, one process per "host".
+//!
 //! Commands:
 //! - `enqueue DIR PREFIX N`: enqueue `PREFIX-0..N` (destination `chat-{i%7}`),
 //!   printing `queued KEY` after each call returns.
@@ -79,7 +82,17 @@ fn message(key: &str, i: u64) -> NewMessage {
 }
 
 fn open(dir: &str) -> Outbox {
-    Outbox::builder(dir)
+    // A `postgres://` URL in place of DIR: the same workload on PostgreSQL,
+    // each process a "host".
+    #[cfg(feature = "postgres")]
+    let builder = if dir.starts_with("postgres://") {
+        Outbox::postgres(dir)
+    } else {
+        Outbox::builder(dir)
+    };
+    #[cfg(not(feature = "postgres"))]
+    let builder = Outbox::builder(dir);
+    builder
         .rate_limit(u32::MAX, Duration::from_secs(60))
         .max_inline_wait(Duration::ZERO)
         .open()
