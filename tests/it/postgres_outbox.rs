@@ -241,7 +241,7 @@ fn an_edited_or_cut_audit_table_fails_verification_at_its_position() {
 
 /// Hosts racing one outbox: real processes (`outbox-test-worker torture`)
 /// enqueue, process and drain random keys of one key space at once, one of
-/// them SIGKILLed mid-run. Each key reaches the transport at most once, every
+/// them killed (`SIGKILL`) mid-run. Each key reaches the transport at most once, every
 /// delivered key is recorded `sent` or (the killed host's send) ambiguous,
 /// and the chain verifies.
 #[cfg(all(unix, feature = "test-failpoints"))]
