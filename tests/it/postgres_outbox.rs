@@ -334,3 +334,46 @@ fn host_processes_racing_one_outbox_send_each_key_at_most_once() {
     );
     outbox.verify_audit().unwrap();
 }
+
+#[test]
+fn a_dropped_connection_is_a_typed_error_with_nothing_half_written_then_reconnects() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    outbox.enqueue(msg("before", "chat-1")).unwrap();
+    let url = engine.url();
+    let db = url.rsplit('/').next().unwrap().to_owned();
+    let server = crate::pg_server::PgServer::shared().unwrap();
+    // Every session of the database ends, as in a failover or a cut.
+    server.psql(
+        &db,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    );
+    let batch = || {
+        vec![
+            msg("x1", "chat-1"),
+            msg("x2", "chat-2"),
+            msg("x3", "chat-3"),
+        ]
+    };
+    match outbox.enqueue_many(batch()) {
+        Ok(items) => assert_eq!(items.len(), 3),
+        Err(Error::Database { .. }) => {
+            let other = engine.open();
+            for key in ["x1", "x2", "x3"] {
+                assert!(
+                    other.get(key).unwrap().is_none(),
+                    "{key}: nothing half-written"
+                );
+            }
+            // The handle reconnects on its next call.
+            assert_eq!(outbox.enqueue_many(batch()).unwrap().len(), 3);
+        }
+        Err(other) => panic!("a dropped connection must be Error::Database: {other:?}"),
+    }
+    assert_eq!(
+        outbox.process("x2", |_| Ok(None)).unwrap().outcome,
+        Outcome::Sent
+    );
+    assert_eq!(outbox.verify_audit().unwrap().records, 5);
+}
