@@ -522,3 +522,56 @@ on_both_engines! {
         assert!(what_if.unwrap().iter().all(|w| w.next_free_slot.is_none()));
     }
 }
+
+on_both_engines! {
+    /// `next_due_at` says when a hand-written loop should look again: now
+    /// when something is due, a retry's moment when only that is left, and an
+    /// item waiting behind its chat's deferred head does not count.
+    fn next_due_at_tells_a_loop_when_to_look(engine) {
+        let outbox = engine.open_with(|b| {
+            b.backoff(Backoff::Fixed(vec![secs(30)]))
+                .max_inline_wait(secs(0))
+                .rate_limit(u32::MAX, secs(60))
+        });
+        assert_eq!(outbox.next_due_at().unwrap(), None, "nothing queued");
+        let now = engine.clock.now();
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        assert!(outbox.next_due_at().unwrap().is_some_and(|at| at <= now));
+        outbox.process("a", |_| Err(SendError::retryable("timeout"))).unwrap();
+        let retry_at = now + chrono::Duration::seconds(30);
+        assert_eq!(outbox.next_due_at().unwrap(), Some(retry_at));
+        outbox.enqueue(msg("b", "chat-1")).unwrap();
+        assert_eq!(
+            engine.open().next_due_at().unwrap(),
+            Some(retry_at),
+            "b waits behind a"
+        );
+        outbox.enqueue(msg("c", "chat-2")).unwrap();
+        assert!(outbox.next_due_at().unwrap().is_some_and(|at| at <= now));
+    }
+}
+
+on_both_engines! {
+    /// The cap across all destinations holds for every handle: the third
+    /// send in its window, from another handle, waits for the first to age out.
+    fn the_global_cap_holds_across_handles(engine) {
+        let configure = |b: durable_outbox::OutboxBuilder| {
+            b.rate_limit(u32::MAX, secs(60)).global_rate_limit(2, secs(60))
+        };
+        let first = engine.open_with(configure);
+        let second = engine.open_with(configure);
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-2"), ("c", "chat-3")] {
+            first.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        assert_eq!(first.process("a", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        engine.clock.advance(secs(5));
+        assert_eq!(second.process("b", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        let capped = second.process("c", |_| panic!("over the global cap")).unwrap();
+        assert_eq!(capped.outcome, Outcome::Deferred);
+        assert_eq!(capped.error_code.as_deref(), Some(durable_outbox::GLOBAL_RATE_CAPPED));
+        assert_eq!(capped.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+        engine.clock.set(t0 + chrono::Duration::seconds(60));
+        assert_eq!(first.process("c", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+    }
+}
