@@ -575,3 +575,43 @@ on_both_engines! {
         assert_eq!(first.process("c", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
     }
 }
+
+on_both_engines! {
+    /// A message in flight holds its chat's followers for every other handle;
+    /// `Ordering::Unordered` opts out, and a drain then passes a deferred item.
+    fn order_holds_across_handles_unless_unordered(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        outbox.enqueue(msg("m1", "chat-1")).unwrap();
+        outbox.enqueue(msg("m2", "chat-1")).unwrap();
+        let other = engine.open();
+        let first = outbox
+            .process("m1", |_| {
+                let r = other.process("m2", |_| panic!("m2 started while m1 was in flight")).unwrap();
+                assert_eq!(r.outcome, Outcome::Waiting);
+                let drained = other.process_due(|_| panic!("nothing may pass m1")).unwrap();
+                assert_eq!(drained.sent, 0);
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(first.outcome, Outcome::Sent);
+
+        let loose = engine.open_with(|b| {
+            b.ordering(durable_outbox::Ordering::Unordered)
+                .backoff(Backoff::Fixed(vec![secs(30)]))
+                .max_inline_wait(secs(0))
+                .update_settings()
+        });
+        loose.enqueue(msg("u1", "chat-2")).unwrap();
+        loose.enqueue(msg("u2", "chat-2")).unwrap();
+        loose.process("u1", |_| Err(SendError::retryable("timeout"))).unwrap();
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        loose
+            .process_due(move |item| {
+                log.lock().unwrap().push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(*sent.lock().unwrap(), ["m2", "u2"], "u2 passes the deferred u1");
+    }
+}
