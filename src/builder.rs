@@ -476,7 +476,7 @@ impl OutboxBuilder {
     /// symlink (see [`shared_group`](Self::shared_group)); [`Error::Io`] when the
     /// directory or files are inaccessible.
     ///
-    /// For [`Outbox::postgres`] (feature `postgres`): connects, creates or
+    /// For `Outbox::postgres` (feature `postgres`): connects, creates or
     /// migrates the schema's tables (refusing a newer schema with
     /// [`Error::UnsupportedSchema`]), stores or reconciles the settings, and
     /// takes this handle's owner lock; [`Error::InvalidConfig`] for a bad URL

@@ -59,6 +59,7 @@
 //! |---|---|
 //! | `tokio` | the delivery worker (`Outbox::worker`) and async forms for tokio bots: `Outbox::process_async`, `Outbox::process_due_async`, and `_async` forms of `enqueue`, `get`, `find_*`, `list_items`, `requeue`, `cancel` and the bulk actions, all running file work on the blocking pool |
 //! | `metrics` | counters per outcome and error code, an enqueue-to-sent latency histogram and queue gauges through the [`metrics`](https://docs.rs/metrics) facade (names in the README's "Observability" table) |
+//! | `postgres` | `Outbox::postgres(url)`: the same `Outbox` in a PostgreSQL schema, shared by bots on several hosts (owner liveness by session advisory locks, one audit chain in a table, wake-ups by `LISTEN`/`NOTIFY`; see the README, "More than one host") |
 //! | `cli` | the `durable-outbox` operator tool (a binary; no library items) |
 //!
 //! `tracing` spans (`outbox.enqueue`, `outbox.claim`, `outbox.send`,

@@ -54,7 +54,8 @@ macro_rules! on_engine {
     };
 }
 
-/// A durable, at-most-once outbox in one directory.
+/// A durable, at-most-once outbox in one directory (or, with the `postgres`
+/// feature, in one PostgreSQL schema: `Outbox::postgres`).
 ///
 /// Cheap to clone (an `Arc` inside) and `Send + Sync`: share one across threads.
 /// Any number of processes may open the same directory; every read-modify-write
