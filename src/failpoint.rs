@@ -21,6 +21,10 @@ pub enum FailAction {
     KillOnHit(u32),
     /// Panic in the calling thread.
     Panic,
+    /// Sleep this many milliseconds, then pass: a slow step (e.g. a slow
+    /// fdatasync) without a fault. Hits are counted, as for every armed point
+    /// (see `Outbox::failpoint_hits`).
+    DelayMs(u32),
 }
 
 #[cfg(feature = "test-failpoints")]
@@ -50,7 +54,7 @@ mod enabled {
                 .insert(name.to_owned(), (action, 0));
         }
 
-        /// Reads `name=error;name2=kill;name3=error@2;name4=kill@5` from the environment.
+        /// Reads `name=error;name2=kill;name3=error@2;name4=kill@5;name5=delay@20` from the environment.
         pub(crate) fn from_env() -> Self {
             let this = Self::default();
             if let Ok(spec) = std::env::var("DURABLE_OUTBOX_FAILPOINTS") {
@@ -65,6 +69,12 @@ mod enabled {
                             }
                         }
                         "panic" => FailAction::Panic,
+                        other if other.starts_with("delay@") => {
+                            match other.trim_start_matches("delay@").parse() {
+                                Ok(ms) => FailAction::DelayMs(ms),
+                                Err(_) => FailAction::Error,
+                            }
+                        }
                         other => match other.strip_prefix("error@").map(str::parse) {
                             Some(Ok(n)) => FailAction::ErrorOnHit(n),
                             _ => FailAction::Error,
@@ -74,6 +84,15 @@ mod enabled {
                 }
             }
             this
+        }
+
+        /// How often the armed failpoint `name` was reached (0 if not armed).
+        pub(crate) fn hits(&self, name: &str) -> u32 {
+            self.armed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get(name)
+                .map_or(0, |(_, hits)| *hits)
         }
 
         pub(crate) fn check(&self, name: &str) -> io::Result<()> {
@@ -92,6 +111,10 @@ mod enabled {
                 FailAction::Error => Err(super::injected(name)),
                 FailAction::ErrorOnHit(n) if n == hits => Err(super::injected(name)),
                 FailAction::ErrorOnHit(_) => Ok(()),
+                FailAction::DelayMs(ms) => {
+                    std::thread::sleep(std::time::Duration::from_millis(u64::from(ms)));
+                    Ok(())
+                }
                 FailAction::KillOnHit(n) if n != hits => Ok(()),
                 FailAction::Kill | FailAction::KillOnHit(_) => {
                     // SIGKILL ourselves: the closest a test can get to pulling the plug

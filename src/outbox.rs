@@ -503,13 +503,13 @@ impl Outbox {
     where
         F: FnMut(&OutboxItem) -> std::result::Result<Option<String>, SendError>,
     {
-        let mut picker = Picker::pass(self.due_keys()?);
+        let picker = Mutex::new(Picker::pass(self.due_keys()?));
         let mut report = DrainReport::default();
         let mut finished: Option<(String, SendResult)> = None;
         loop {
             let stepped = self.step(
                 finished.as_ref().map(|(k, r)| (k.as_str(), r)),
-                Some(&mut picker),
+                Some(&picker),
             )?;
             stepped.tally(&mut report);
             let Some((item, _)) = stepped.claimed else {
@@ -527,6 +527,7 @@ impl Outbox {
             }
             finished = Some((item.idempotency_key.clone(), result));
         }
+        let picker = picker.into_inner().unwrap_or_else(PoisonError::into_inner);
         self.report_waiting(&picker, &mut report)?;
         self.publish_gauges()?;
         Ok(report)
@@ -550,10 +551,13 @@ impl Outbox {
     ///
     /// The claimed key is in this handle's in-flight set until the next step
     /// records it, or [`release`](Self::release) or [`abandon`](Self::abandon).
+    ///
+    /// The picker is locked only inside the transaction, not across its sync:
+    /// concurrent steps (a worker's slots) then share one commit group.
     pub(crate) fn step(
         &self,
         finished: Option<(&str, &SendResult)>,
-        pick: Option<&mut Picker>,
+        pick: Option<&Mutex<Picker>>,
     ) -> Result<Stepped> {
         if finished.is_some() {
             self.check_after_send().inspect_err(|_| {
@@ -564,7 +568,10 @@ impl Outbox {
         }
         let mut claimed_here: Option<String> = None;
         let stepped = self.transact(|actor, txn| {
-            let stepped = drain::step(actor, txn, finished, pick)?;
+            // Locked here, inside the transaction, never across its sync: a
+            // worker's slots then share one commit group.
+            let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
+            let stepped = drain::step(actor, txn, finished, picker.as_deref_mut())?;
             claimed_here = stepped
                 .claimed
                 .as_ref()
@@ -971,6 +978,14 @@ impl Outbox {
             }
         }
         Ok(records)
+    }
+
+    /// How often the armed test failpoint `name` was reached on this handle
+    /// (feature `test-failpoints` only).
+    #[cfg(feature = "test-failpoints")]
+    #[doc(hidden)]
+    pub fn failpoint_hits(&self, name: &str) -> u32 {
+        on_engine!(self, engine => engine.failpoint_hits(name))
     }
 
     /// Runs `f` (a rule, given this handle as its [`Actor`]) inside one

@@ -447,12 +447,10 @@ where
     let work = Arc::clone(shared);
     let stepped = blocking(&shared.outbox, move || {
         let finished_ref = finished.as_ref().map(|(k, r)| (k.as_str(), r));
-        let stepped = if work.stopping() {
-            work.outbox.step(finished_ref, None)?
-        } else {
-            let mut picker = work.picker.lock().unwrap_or_else(PoisonError::into_inner);
-            work.outbox.step(finished_ref, Some(&mut picker))?
-        };
+        // The picker is locked inside the step's transaction only, never
+        // across its sync, so the slots' steps join one commit group.
+        let pick = (!work.stopping()).then_some(&work.picker);
+        let stepped = work.outbox.step(finished_ref, pick)?;
         work.tally().add_step(&stepped);
         Ok(stepped
             .claimed

@@ -344,3 +344,92 @@ fn two_processes_with_many_threads_each_interleave_their_groups_safely() {
         },
     );
 }
+
+/// A worker's slots that finish together share commit groups: one slot's step
+/// never holds the others back while it waits for its fdatasync. (Its picker
+/// used to be locked across the step's sync, so every step paid its own.) The
+/// sync is slowed to 100 ms so the other slots surely arrive during it; the
+/// sends of each round are held until all eight are running, then let go at once.
+#[cfg(feature = "tokio")]
+#[test]
+fn a_workers_slots_that_finish_together_share_one_sync() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const CHATS: usize = 8;
+    const ROUNDS: usize = 4;
+    const SYNC_MS: u32 = 100;
+    within(
+        "group commit: a worker's concurrent outcomes share a sync",
+        std::time::Duration::from_secs(120),
+        || {
+            let dir = tempfile::tempdir().unwrap();
+            let outbox = Outbox::builder(dir.path())
+                .rate_limit(u32::MAX, std::time::Duration::from_secs(60))
+                .failpoint("journal.fsync", FailAction::DelayMs(SYNC_MS))
+                .open()
+                .unwrap();
+            // Round r of chat c is the r-th message to chat c.
+            let messages = (1..=ROUNDS)
+                .flat_map(|r| {
+                    (0..CHATS).map(move |c| msg(&format!("r{r}-c{c}"), &format!("chat-{c}")))
+                })
+                .collect();
+            outbox.enqueue_many(messages).unwrap();
+            let before = outbox.failpoint_hits("journal.fsync");
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let started = Arc::new(AtomicUsize::new(0));
+            let (gate, opened) = tokio::sync::watch::channel(0usize);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let send = {
+                let started = Arc::clone(&started);
+                move |item: durable_outbox::OutboxItem| {
+                    let started = Arc::clone(&started);
+                    let mut opened = opened.clone();
+                    async move {
+                        let key = item.idempotency_key().to_owned();
+                        let round: usize = key[1..key.find('-').unwrap()].parse().unwrap();
+                        started.fetch_add(1, Ordering::SeqCst);
+                        opened.wait_for(|open| *open >= round).await.unwrap();
+                        Ok(Some(format!("tr-{key}")))
+                    }
+                }
+            };
+            let report = runtime.block_on(async {
+                let worker = outbox.worker(send).concurrency(CHATS);
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                for round in 1..=ROUNDS {
+                    // Every slot is in its send of this round: let them all go.
+                    while started.load(Ordering::SeqCst) < round * CHATS {
+                        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                    }
+                    gate.send(round).unwrap();
+                }
+                loop {
+                    let items = outbox.list_items().unwrap();
+                    if items.iter().all(|i| i.state() == ItemState::Sent) {
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap()
+            });
+            assert_eq!(report.sent, CHATS * ROUNDS);
+            let syncs = outbox.failpoint_hits("journal.fsync") - before;
+            // Each of the CHATS * ROUNDS sends ends in a step of its own; alone,
+            // each would cost a sync, plus one per first claim.
+            let alone = (CHATS + CHATS * ROUNDS) as u32;
+            assert!(
+                syncs <= alone / 2,
+                "{syncs} fdatasyncs for {alone} steps: the slots' steps did not share syncs"
+            );
+        },
+    );
+}

@@ -180,6 +180,12 @@ impl FileEngine {
         &self.defaults
     }
 
+    /// How often the armed test failpoint `name` was reached.
+    #[cfg(feature = "test-failpoints")]
+    pub(crate) fn failpoint_hits(&self, name: &str) -> u32 {
+        self.faults.hits(name)
+    }
+
     /// The fault point between a send and the transaction that records it.
     ///
     /// # Errors
