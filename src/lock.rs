@@ -122,6 +122,33 @@ impl<T> DirLock<T> {
     }
 }
 
+/// Reads the change counter without taking the lock, for a watcher that only
+/// wants to know *whether* anyone wrote: one `pread`, no `stat` (a `stat` of
+/// the journal between two of its writes would make the next one dirty the
+/// journal's inode, and the next `fdatasync` pay a second I/O for it).
+#[derive(Debug)]
+pub(crate) struct CounterProbe {
+    file: File,
+}
+
+impl CounterProbe {
+    /// Opens `outbox.lock` in `dir` for reading (never through a symlink).
+    pub(crate) fn open(dir: &Path) -> io::Result<Self> {
+        Ok(Self {
+            file: fsutil::open_existing(&dir.join(LOCK_FILE), false)?,
+        })
+    }
+
+    /// The counter now; `None` if it cannot be read (never written, or an error).
+    pub(crate) fn read(&self) -> Option<u64> {
+        let mut buf = [0u8; 8];
+        match read_exact_at(&self.file, &mut buf) {
+            Ok(true) => Some(u64::from_le_bytes(buf)),
+            _ => None,
+        }
+    }
+}
+
 /// Reads exactly `buf.len()` bytes at offset 0; `false` if the file is shorter.
 fn read_exact_at(file: &File, buf: &mut [u8]) -> io::Result<bool> {
     #[cfg(unix)]

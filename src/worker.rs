@@ -8,13 +8,15 @@
 //! directory changes (another process), at the exact moment the earliest
 //! deferred item falls due, or when `shutdown` completes.
 //!
-//! **Cross-process wake-ups** come from a watcher thread that `stat`s
-//! `outbox.journal` and `outbox.json` (identity, size, modification time): every
-//! change from another process appends to the journal or replaces it. The
-//! interval starts at 1 ms after a change and doubles to at most
-//! [`Worker::watch_interval`] (50 ms by default) while nothing changes: about 20
-//! `stat` pairs a second when idle, no reads, and an enqueue by another process
-//! is seen within that interval.
+//! **Cross-process wake-ups** come from a watcher thread that reads the change
+//! counter in `outbox.lock` (eight bytes, which every writer bumps before it
+//! writes) and `stat`s `outbox.json` (identity, size, modification time: an
+//! operator may replace it). It never `stat`s the journal: on kernels with
+//! multigrain timestamps that would make the journal's next write dirty its
+//! inode, and the next `fdatasync` write the inode too. The interval starts at
+//! 1 ms after a change and doubles to at most [`Worker::watch_interval`] (50 ms
+//! by default) while nothing changes: about 20 looks a second when idle, and an
+//! enqueue by another process is seen within that interval.
 //!
 //! **Backpressure:** the worker claims an item only when a slot is free to send
 //! it, so at most `concurrency` items are claimed (and held in memory) at once,
@@ -32,6 +34,7 @@ use tokio::task::JoinSet;
 use crate::asynchronous::{CatchUnwind, ClaimTicket, blocking, pool_gone};
 use crate::error::{Error, Result};
 use crate::item::OutboxItem;
+use crate::lock::CounterProbe;
 use crate::order::Picker;
 use crate::outbox::{Outbox, SEND_CANCELLED, SendResult, Stepped};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
@@ -716,14 +719,20 @@ impl Watcher {
     fn spawn(dir: &Path, wake: Arc<Notify>, max_interval: Duration) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let files: Vec<PathBuf> = [crate::store::JOURNAL_FILE, crate::store::STATE_FILE]
-            .iter()
-            .map(|name| dir.join(name))
-            .collect();
+        let snapshot: PathBuf = dir.join(crate::store::STATE_FILE);
+        let counter = crate::lock::CounterProbe::open(dir);
+        if let Err(e) = &counter {
+            tracing::warn!(error = %e, "could not open the lock file to watch its change counter; other processes' enqueues wake the worker only at due times");
+        }
         let spawned = std::thread::Builder::new()
             .name("outbox-watch".into())
             .spawn(move || {
-                let look = || files.iter().map(|f| file_stamp(f)).collect::<Vec<_>>();
+                let look = || {
+                    (
+                        counter.as_ref().ok().and_then(CounterProbe::read),
+                        file_stamp(&snapshot),
+                    )
+                };
                 let mut last = look();
                 let mut interval = Duration::from_millis(1);
                 while !flag.load(Ordering::Acquire) {

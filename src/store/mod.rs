@@ -449,7 +449,7 @@ impl Store {
         let Some(current) = loaded.as_mut() else {
             unreachable!("reload handles None")
         };
-        if let (Some(cursor), Some(j)) = (&current.cursor, journal) {
+        if let (Some(cursor), Some(j)) = (current.cursor.as_mut(), journal) {
             if j.len < cursor.offset {
                 return Err(invalid(
                     &self.journal_path,
@@ -460,6 +460,13 @@ impl Store {
                     ),
                 ));
             }
+            // Another handle may have grown the file: never write zeros below
+            // its real length, they would cover acknowledged entries. (A handle
+            // that finds the change counter unmoved knows nobody did, and never
+            // `stat`s the journal: on a kernel with multigrain timestamps a
+            // `stat` between two writes makes the next write dirty the inode,
+            // and the next `fdatasync` write it out, a second I/O.)
+            cursor.allocated = cursor.allocated.max(j.len);
             // The journal is preallocated, so its length says nothing about new
             // entries: probe the bytes at the cursor (one small read).
             self.read_journal(current)?;
@@ -832,19 +839,9 @@ impl Store {
                 Error::io(&self.journal_path, "append", e),
             )
         })?;
-        // Another handle may have grown the file since we last did: never write
-        // zeros below its real length, they would cover acknowledged entries.
-        let actual = cursor
-            .file
-            .metadata()
-            .map_err(|e| {
-                (
-                    CommitFailure::Clean,
-                    Error::io(&self.journal_path, "stat", e),
-                )
-            })?
-            .len();
-        cursor.allocated = cursor.allocated.max(actual);
+        // `allocated` is the file's real length: this handle extended it last,
+        // or another did and `refresh` (run before any write of a handle whose
+        // cache is stale) took its length. No `stat` here (see `refresh`).
         // Keep at least one zero byte after the entry: it marks the end.
         let needed = cursor.offset + line.len() as u64 + 1;
         if needed > cursor.allocated {
