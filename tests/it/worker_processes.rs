@@ -439,3 +439,96 @@ fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() 
     sigterm(&worker);
     wait_exit(&mut worker, "shutdown");
 }
+
+/// A worker whose slots share commit groups, SIGKILLed at its k-th fdatasync
+/// (the leader's sync of a group, with other slots' steps written and waiting):
+/// every send that had started has its claim on disk (or its outcome), none of
+/// them is ever resent, and every item that was not in flight goes out once
+/// afterwards. (A claim written but not yet synced survives a process kill in
+/// the page cache: its item fails as ambiguous though its send never started,
+/// at most one per slot.)
+#[test]
+fn sigkill_at_a_sync_shared_by_worker_slots_resends_nothing() {
+    // The first 8 syncs are the slots' first claims, one by one; from then on
+    // each round of 8 sends costs at least one: 80 items take at least 18.
+    for hit in [9, 12, 16] {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("transport.log");
+        {
+            let outbox = Outbox::open(dir.path()).expect("open");
+            let batch = (0..80)
+                .map(|i| message(&format!("k{hit}-{i:02}"), &format!("chat-{i}")))
+                .collect();
+            outbox.enqueue_many(batch).expect("enqueue");
+        }
+        let mut child = Reaped(
+            Command::new(WORKER)
+                .arg("serve")
+                .arg(dir.path())
+                .arg(&log)
+                .args(["8", "5", "20000"])
+                .env(
+                    "DURABLE_OUTBOX_FAILPOINTS",
+                    format!("journal.fsync=kill@{hit}"),
+                )
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn the worker"),
+        );
+        let deadline = Instant::now() + WATCHDOG;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the worker was not killed at sync {hit} within {WATCHDOG:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(!status.success(), "sync {hit}: the worker was not killed");
+        let started: HashSet<String> = started(&log).into_iter().collect();
+        let before = items(dir.path());
+        for key in &started {
+            let item = &before[key];
+            assert!(
+                item.dispatch_claimed() || item.state() == ItemState::Sent,
+                "sync {hit}: {key}'s send started but neither its claim nor its outcome is on disk"
+            );
+        }
+        for (key, item) in &before {
+            if item.state() == ItemState::Sent {
+                assert!(started.contains(key), "sync {hit}: {key} sent unseen");
+            }
+        }
+        let claimed = before.values().filter(|i| i.dispatch_claimed()).count();
+        assert!(
+            claimed <= 8,
+            "sync {hit}: {claimed} claims, more than the 8 slots"
+        );
+        let outbox = Outbox::open(dir.path()).expect("reopen");
+        outbox
+            .process_due(|item| {
+                assert!(
+                    !started.contains(item.idempotency_key()),
+                    "at-most-once: {} was resent after the kill at sync {hit}",
+                    item.idempotency_key()
+                );
+                Ok(Some(format!("tr-{}", item.idempotency_key())))
+            })
+            .expect("drain");
+        for (key, item) in items(dir.path()) {
+            let was_claimed = before[&key].dispatch_claimed();
+            if was_claimed {
+                assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART), "{key}");
+            } else {
+                assert_eq!(
+                    (item.state(), item.attempts()),
+                    (ItemState::Sent, 1),
+                    "sync {hit}: {key} was not in flight at the kill: sent once"
+                );
+            }
+        }
+    }
+}
