@@ -60,7 +60,7 @@ impl SyncState {
     /// lowest ticket not yet durable first (it leads the next sync, so it
     /// should not wait for the others' wake-ups), then every one whose ticket
     /// is now durable (all of them after a failure).
-    fn to_wake(&mut self) -> Vec<Thread> {
+    fn take_wakeups(&mut self) -> Vec<Thread> {
         let durable = self.durable;
         let failed = self.failed;
         let (done, mut left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.parked)
@@ -169,7 +169,7 @@ impl Group {
                         Some(e)
                     }
                 };
-                let wake = state.to_wake();
+                let wake = state.take_wakeups();
                 drop(state);
                 for parked in wake {
                     parked.unpark();
@@ -202,7 +202,7 @@ impl Drop for Leading<'_> {
             let mut state = self.group.state();
             state.syncing = false;
             state.failed = true;
-            let wake = state.to_wake();
+            let wake = state.take_wakeups();
             self.group.changed.notify_all();
             drop(state);
             for parked in wake {

@@ -126,11 +126,13 @@ impl<T> DirLock<T> {
 /// wants to know *whether* anyone wrote: one `pread`, no `stat` (a `stat` of
 /// the journal between two of its writes would make the next one dirty the
 /// journal's inode, and the next `fdatasync` pay a second I/O for it).
+#[cfg(feature = "tokio")]
 #[derive(Debug)]
 pub(crate) struct CounterProbe {
     file: File,
 }
 
+#[cfg(feature = "tokio")]
 impl CounterProbe {
     /// Opens `outbox.lock` in `dir` for reading (never through a symlink).
     pub(crate) fn open(dir: &Path) -> io::Result<Self> {

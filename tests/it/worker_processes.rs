@@ -440,7 +440,7 @@ fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() 
     wait_exit(&mut worker, "shutdown");
 }
 
-/// A worker whose slots share commit groups, SIGKILLed at its k-th fdatasync
+/// A worker whose slots share commit groups, `SIGKILL`ed at its k-th fdatasync
 /// (the leader's sync of a group, with other slots' steps written and waiting):
 /// every send that had started has its claim on disk (or its outcome), none of
 /// them is ever resent, and every item that was not in flight goes out once
