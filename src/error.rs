@@ -185,6 +185,40 @@ pub enum Error {
         why: &'static str,
     },
 
+    /// The outbox directory is in use: another process holds its directory
+    /// lock, or an open handle holds an owner file (`owners/<pid>-….owner`).
+    /// Nothing was read or written; stop the bots using it and try again.
+    #[error("{path}: the outbox is in use: {reason}")]
+    InUse {
+        /// The lock or owner file found held.
+        path: PathBuf,
+        /// Who holds it, as far as it is known.
+        reason: String,
+    },
+
+    /// A migration's target PostgreSQL schema already holds items or audit
+    /// records: a migration only fills an empty outbox. Nothing was written.
+    #[error(
+        "postgres schema {schema:?} is not empty ({items} items, {audit_records} audit records): \
+         a migration needs an empty schema"
+    )]
+    TargetNotEmpty {
+        /// The PostgreSQL schema.
+        schema: String,
+        /// Items found there.
+        items: u64,
+        /// Audit records found there.
+        audit_records: u64,
+    },
+
+    /// What a migration wrote did not read back equal to its source, so it was
+    /// rolled back. Nothing was written.
+    #[error("migration check failed, nothing was committed: {what}")]
+    MigrationMismatch {
+        /// The first difference found.
+        what: String,
+    },
+
     /// An earlier durability failure (a failed fsync after data reached the kernel)
     /// left the on-disk state uncertain; this handle refuses further writes.
     /// Open the outbox again to re-read what is really on disk.

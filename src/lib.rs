@@ -108,6 +108,8 @@ mod lock;
 mod matrix;
 mod message;
 mod metrics;
+#[cfg(feature = "postgres")]
+mod migrate;
 mod order;
 mod outbox;
 mod pacing;
@@ -139,6 +141,8 @@ pub use crate::item::{ItemState, OutboxItem};
 #[cfg(feature = "matrix")]
 pub use crate::matrix::{MatrixClient, MatrixReply, MatrixSession, SyncBatch};
 pub use crate::message::{DEFAULT_DIRECTION, DEFAULT_LANE, NewMessage, limits};
+#[cfg(feature = "postgres")]
+pub use crate::migrate::{Migration, MigrationReport};
 pub use crate::order::Ordering;
 pub use crate::outbox::Outbox;
 pub use crate::rate::{DestinationWindow, RateLimit};

@@ -184,6 +184,7 @@ impl AuditLog {
         let dir = dir.as_ref();
         let anchor = anchor::read_anchor(dir, &Hasher::Plain)?.head;
         Ok(AuditChainRecords {
+            ready: VecDeque::new(),
             files: chain_files(dir, &anchor)?.into(),
             current: None,
         })
@@ -247,14 +248,31 @@ impl AuditLog {
 /// segments first; see [`AuditLog::records_dir`].
 #[derive(Debug)]
 pub struct AuditChainRecords {
-    files: std::collections::VecDeque<PathBuf>,
+    /// Records read already (a PostgreSQL outbox's), handed out first.
+    ready: VecDeque<AuditRecord>,
+    files: VecDeque<PathBuf>,
     current: Option<AuditRecords>,
+}
+
+impl AuditChainRecords {
+    /// These records, in this order (a chain that is not in files).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn of(records: Vec<AuditRecord>) -> Self {
+        Self {
+            ready: records.into(),
+            files: VecDeque::new(),
+            current: None,
+        }
+    }
 }
 
 impl Iterator for AuditChainRecords {
     type Item = Result<AuditRecord>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if let Some(record) = self.ready.pop_front() {
+            return Some(Ok(record));
+        }
         loop {
             if let Some(record) = self.current.as_mut().and_then(Iterator::next) {
                 return Some(record);
@@ -451,6 +469,68 @@ fn verify_files_from(
         head_hash: chain.head.hash,
         torn_tail_bytes: torn,
     })
+}
+
+/// Every record line of an outbox directory's audit chain, verified with
+/// `hasher` from genesis, exactly as the files hold them (without the
+/// newline), then `journal` (sealed records a crash left only in the
+/// journal, past the files' head), for copying the chain elsewhere byte for
+/// byte. A torn last line is left out, as it was never acknowledged.
+///
+/// # Errors
+/// [`Error::AuditBroken`] naming the file and line of the first fault (a keyed
+/// chain read without its key fails at line 1); [`Error::NotSupported`] when
+/// old segments were removed (the chain starts at an anchor, not genesis);
+/// [`Error::Io`] when a file cannot be read.
+#[cfg(feature = "postgres")]
+pub(crate) fn chain_lines(
+    dir: &Path,
+    hasher: &Hasher,
+    journal: &[AuditRecord],
+) -> Result<(Vec<(Head, Vec<u8>)>, Head)> {
+    let anchor = anchor::read_anchor(dir, hasher)?.head;
+    if anchor.seq != 0 {
+        return Err(Error::NotSupported {
+            engine: "postgres",
+            operation: "migrate",
+            why: "the audit chain's oldest segments were removed (audit.anchor): \
+                  a PostgreSQL chain starts at genesis",
+        });
+    }
+    let mut chain = Chain {
+        hasher,
+        head: Head::genesis(),
+    };
+    let mut lines = Vec::new();
+    let files = chain_files(dir, &anchor)?;
+    for (i, path) in files.iter().enumerate() {
+        let torn = for_each_line(path, |line_no, line| {
+            chain
+                .check(line)
+                .map_err(|fault| broken(path, line_no, fault))?;
+            lines.push((chain.head.clone(), line.to_vec()));
+            Ok(())
+        })?;
+        if torn > 0 && i + 1 < files.len() {
+            return Err(broken(
+                path,
+                lines.len() as u64 + 1,
+                AuditFault::Malformed("a sealed audit segment ends in an unfinished line".into()),
+            ));
+        }
+    }
+    let place = dir.join("outbox.journal");
+    let files_head = chain.head.seq;
+    for record in journal.iter().filter(|r| r.seq > files_head) {
+        let mut line = record.to_line();
+        line.pop();
+        chain
+            .check(&line)
+            .map_err(|fault| broken(&place, record.seq, fault))?;
+        lines.push((chain.head.clone(), line));
+    }
+    let head = chain.head;
+    Ok((lines, head))
 }
 
 /// Verifies a chain held outside a file (the PostgreSQL engine's `audit`

@@ -23,6 +23,8 @@ mod durable_writes;
 mod failure_class;
 mod hostile_input;
 mod idempotent_transport;
+#[cfg(feature = "postgres")]
+mod migration;
 mod model_check;
 mod observability;
 mod one_lifecycle;

@@ -17,12 +17,14 @@
 //! commit that seals records locks: that is the chain's one total order.
 
 mod backend;
+mod import;
 mod liveness;
 mod notify;
 mod schema;
 mod txn;
 
 pub(crate) use backend::{ENGINE, PgBackend};
+pub(crate) use import::{Import, import};
 pub(crate) use txn::PgTxn;
 
 use std::path::PathBuf;
