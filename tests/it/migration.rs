@@ -344,6 +344,31 @@ fn a_failure_half_way_leaves_the_target_empty() {
 }
 
 #[test]
+fn a_copy_that_reads_back_different_is_rolled_back() {
+    let Some(db) = database() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::at(START).unwrap();
+    busy_file_outbox(dir.path(), &clock);
+    // The server changes one audit line as it stores it: the check before
+    // the commit must see it.
+    drop(pg_builder(&db, &clock).open().unwrap());
+    db.psql(
+        "CREATE FUNCTION durable_outbox.tamper() RETURNS trigger LANGUAGE plpgsql AS
+         $$ BEGIN NEW.line := replace(NEW.line, 'chat-9', 'chat-8'); RETURN NEW; END $$",
+    );
+    db.psql(
+        "CREATE TRIGGER tamper BEFORE INSERT ON durable_outbox.audit
+         FOR EACH ROW EXECUTE FUNCTION durable_outbox.tamper()",
+    );
+    match Migration::new(dir.path(), &db.url()).run() {
+        Err(Error::MigrationMismatch { what }) => assert!(what.contains("audit record"), "{what}"),
+        other => panic!("a copy that differs must be refused: {other:?}"),
+    }
+    assert_eq!(db.psql("SELECT count(*) FROM durable_outbox.items"), "0");
+    assert_eq!(db.psql("SELECT count(*) FROM durable_outbox.audit"), "0");
+}
+
+#[test]
 fn a_directory_whose_lock_is_held_is_refused_naming_the_lock() {
     let Some(db) = database() else { return };
     let dir = tempfile::tempdir().unwrap();
