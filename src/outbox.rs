@@ -992,6 +992,29 @@ impl Outbox {
         }
     }
 
+    /// Every audit record, in chain order: on a directory, streamed from its
+    /// audit files (sealed segments, then `audit.jsonl`, as
+    /// [`AuditLog::records_dir`](crate::AuditLog::records_dir)); on
+    /// PostgreSQL, read from the `audit` table at once. For tools that read
+    /// the whole log (the CLI's `verify` and `export --audit`) without knowing
+    /// the engine. Records past [`audit_head`](Self::audit_head) may appear
+    /// while a bot writes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the directory cannot be listed, [`Error::Database`]
+    /// when the table cannot be read; each item as
+    /// [`AuditLog::records`](crate::AuditLog::records).
+    pub fn audit_records(&self) -> Result<crate::audit::AuditChainRecords> {
+        #[cfg(feature = "postgres")]
+        if let Backend::Postgres(engine) = &self.inner.backend {
+            use crate::engine::Engine;
+            let records = crate::engine::postgres::blocking(|| engine.engine().audit_records(0))?;
+            return Ok(crate::audit::AuditChainRecords::of(records));
+        }
+        crate::audit::AuditLog::records_dir(self.dir()?)
+    }
+
     /// Runs `f` (a rule, given this handle as its [`Actor`]) inside one
     /// transaction of the engine: everything it changes and every record it
     /// seals commit together, durably, or not at all.

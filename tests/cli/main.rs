@@ -9,6 +9,9 @@
 )]
 
 mod harness;
+#[cfg(feature = "postgres")]
+#[path = "../support/postgres.rs"]
+mod pg_server;
 
 mod bulk;
 mod concurrent_bot;
@@ -16,6 +19,8 @@ mod export;
 mod history;
 mod inspect;
 mod operator_actions;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod replies;
 #[cfg(unix)]
 mod security;

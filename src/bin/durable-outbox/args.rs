@@ -99,14 +99,52 @@ pub enum Command {
     /// no bodies unless --show-content; audit records are exported as stored.
     #[command(after_help = EXIT_CODES)]
     Export(ExportArgs),
+    /// Copy a file outbox into PostgreSQL, to run the bot on more than one host.
+    ///
+    /// Copies every live item (claims included: a send that was in progress
+    /// becomes failed as ambiguous on PostgreSQL, never resent), history, the
+    /// stored settings, cooldowns and the audit chain byte for byte, in one
+    /// transaction that commits only once the copy reads back equal and the
+    /// chain verifies to the same head. Refuses while a bot has DIR open, and
+    /// a schema that already holds an outbox. DIR is only read. Stop the bots
+    /// first; start them again with `Outbox::postgres(URL)`.
+    #[command(after_help = EXIT_CODES)]
+    Migrate(MigrateArgs),
+}
+
+/// `migrate`.
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// The file outbox to copy.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The PostgreSQL database, `postgres://user@host:port/database`.
+    #[arg(value_name = "URL")]
+    pub url: String,
+    /// The schema to fill (default `durable_outbox`); it must hold no outbox yet.
+    #[arg(long, value_name = "SCHEMA")]
+    pub schema: Option<String>,
+    /// The audit HMAC key of a keyed chain, as for the other commands.
+    #[arg(long, value_name = "FILE")]
+    pub audit_key_file: Option<PathBuf>,
+    /// Use the --audit-key-file even if group or others can read it.
+    #[arg(long, requires = "audit_key_file")]
+    pub allow_readable_key_file: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The outbox a command works on.
 #[derive(Debug, Args)]
 pub struct Target {
-    /// The outbox directory (the one the bot opens).
-    #[arg(value_name = "DIR")]
+    /// The outbox directory (the one the bot opens), or the PostgreSQL
+    /// database of a `Outbox::postgres` outbox: `postgres://user@host:port/db`.
+    #[arg(value_name = "DIR|URL")]
     pub dir: PathBuf,
+    /// With a `postgres://` URL: the schema the outbox lives in (default `durable_outbox`).
+    #[arg(long, value_name = "SCHEMA")]
+    pub schema: Option<String>,
     /// A file holding the audit HMAC key, for bots that set `audit_key` (its exact bytes).
     /// It must not be readable by group or others (chmod 600), as ssh requires of
     /// private keys: whoever can read the key can forge the audit log.

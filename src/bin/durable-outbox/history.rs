@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use durable_outbox::{AuditLog, AuditRecord, Head, Outbox, OutboxItem, Result};
+use durable_outbox::{AuditRecord, Head, Outbox, OutboxItem, Result};
 
 /// Reads the audit log in order, up to a given sequence number and no further.
 ///
@@ -23,7 +23,7 @@ pub struct LogReader {
 impl LogReader {
     pub fn open(outbox: &Outbox) -> Result<Self> {
         Ok(Self {
-            records: AuditLog::records_dir(outbox.dir()?)?,
+            records: outbox.audit_records()?,
             seq: 0,
         })
     }

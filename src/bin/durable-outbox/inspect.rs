@@ -5,7 +5,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use chrono::{DateTime, Utc};
-use durable_outbox::{AuditLog, AuditRecord, ItemState, Outbox, OutboxItem};
+use durable_outbox::{AuditRecord, ItemState, Outbox, OutboxItem};
 use serde::Serialize;
 
 use crate::args::{ExportArgs, ExportFormat, FindArgs, ListArgs, ShowArgs, StateFilter};
@@ -373,7 +373,7 @@ fn export_audit(
     format: ExportFormat,
     out: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let records = AuditLog::records_dir(outbox.dir()?)?;
+    let records = outbox.audit_records()?;
     if format == ExportFormat::Csv {
         csv_row(out, AUDIT_COLUMNS.iter().map(|h| Cow::Borrowed(*h)))?;
     }

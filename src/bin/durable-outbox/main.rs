@@ -7,6 +7,7 @@
 mod args;
 mod history;
 mod inspect;
+mod migrate;
 mod operate;
 mod status;
 mod verify;
@@ -83,6 +84,7 @@ where
         Command::Requeue(args) => operate::requeue(&args, out, err)?,
         Command::Cancel(args) => operate::cancel(&args, out, err)?,
         Command::Export(args) => inspect::export(&args, out)?,
+        Command::Migrate(args) => migrate::run(&args, out)?,
     };
     out.flush()?;
     Ok(code)
@@ -199,7 +201,16 @@ pub fn open(target: &Target) -> Result<Outbox, Box<dyn Error>> {
 ///
 /// [`UsageError`] when `DIR` is not an outbox or the key file is unreadable or empty.
 pub fn builder(target: &Target) -> Result<OutboxBuilder, Box<dyn Error>> {
-    let dir = &target.dir;
+    let dir = match place(target) {
+        Place::Dir(dir) => dir,
+        Place::Postgres(url) => return postgres_builder(target, url),
+    };
+    if target.schema.is_some() {
+        return Err(usage(
+            dir,
+            "--schema applies to a postgres:// URL, not a directory",
+        ));
+    }
     match std::fs::metadata(dir) {
         Ok(meta) if meta.is_dir() => {}
         Ok(_) => return Err(usage(dir, "not a directory")),
@@ -219,6 +230,68 @@ pub fn builder(target: &Target) -> Result<OutboxBuilder, Box<dyn Error>> {
         builder = builder.audit_key(key);
     }
     Ok(builder)
+}
+
+/// Where an outbox lives: the one place that tells a directory from a
+/// PostgreSQL URL, for every command that takes `DIR|URL`.
+#[derive(Debug, Clone, Copy)]
+pub enum Place<'a> {
+    /// A file outbox directory.
+    Dir(&'a Path),
+    /// A PostgreSQL outbox: the connection URL.
+    Postgres(&'a str),
+}
+
+/// Which engine `target` names: a `postgres://` or `postgresql://` URL, or a directory.
+pub fn place(target: &Target) -> Place<'_> {
+    match target.dir.to_str() {
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            Place::Postgres(url)
+        }
+        _ => Place::Dir(&target.dir),
+    }
+}
+
+/// How to name the target in output: the directory, or the URL without its password.
+pub fn target_label(target: &Target) -> String {
+    match place(target) {
+        Place::Dir(dir) => dir.display().to_string(),
+        Place::Postgres(url) => {
+            let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+            let shown = match rest.split_once('@') {
+                Some((user, host)) => {
+                    let user = user.split_once(':').map_or(user, |(name, _)| name);
+                    format!("{scheme}://{user}@{host}")
+                }
+                None => url.to_owned(),
+            };
+            match &target.schema {
+                Some(schema) => format!("{shown} (schema {schema})"),
+                None => shown,
+            }
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+fn postgres_builder(target: &Target, url: &str) -> Result<OutboxBuilder, Box<dyn Error>> {
+    let mut builder = Outbox::postgres(url);
+    if let Some(schema) = &target.schema {
+        builder = builder.schema(schema);
+    }
+    if let Some(key) = audit_key(target)? {
+        builder = builder.audit_key(key);
+    }
+    Ok(builder)
+}
+
+#[cfg(not(feature = "postgres"))]
+fn postgres_builder(_target: &Target, _url: &str) -> Result<OutboxBuilder, Box<dyn Error>> {
+    Err(Box::new(UsageError(
+        "this durable-outbox was built without PostgreSQL support: \
+         build it with `--features cli,postgres`"
+            .into(),
+    )))
 }
 
 /// The HMAC key from `--audit-key-file`, if given.

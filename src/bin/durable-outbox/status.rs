@@ -144,7 +144,7 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         .chain(args.ambiguous_codes.iter().map(String::as_str))
         .collect();
     let mut status = Status {
-        dir: args.target.dir.display().to_string(),
+        dir: crate::target_label(&args.target),
         now_utc: short(now),
         healthy: true,
         attention: Vec::new(),
@@ -199,7 +199,9 @@ pub fn run(args: &StatusArgs, out: &mut dyn Write) -> CliResult {
         }
         Err(e) => return Err(e),
     }
-    status.set_aside = set_aside_files(&args.target.dir)?;
+    if let crate::Place::Dir(dir) = crate::place(&args.target) {
+        status.set_aside = set_aside_files(dir)?;
+    }
     status.healthy = status.attention.is_empty();
     if args.json {
         view::write_json(out, &status)?;

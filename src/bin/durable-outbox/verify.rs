@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, IsTerminal, Write};
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -64,15 +63,21 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
     let builder = crate::builder(&args.target)?;
     let mut progress = Progress::new(err, args.progress);
     let mut result = Verification::default();
-    check(&args.target.dir, builder, &mut progress, &mut result)?;
+    let outbox = check(
+        crate::place(&args.target),
+        builder,
+        &mut progress,
+        &mut result,
+    )?;
     if let Some(expected) = &args.expect_head
+        && let Some(outbox) = &outbox
         && result.problems.is_empty()
     {
         progress.update(&format!(
             "looking for the expected head, seq {}",
             expected.seq
         ))?;
-        check_expected_head(&args.target.dir, expected, &mut result);
+        check_expected_head(outbox, expected, &mut result);
     }
     progress.finish()?;
     result.problems.sort_by(|a, b| {
@@ -139,18 +144,23 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
 
 /// Runs the phases in order; the first one that fails ends the run with its problem.
 fn check(
-    dir: &Path,
+    place: crate::Place<'_>,
     builder: durable_outbox::OutboxBuilder,
     progress: &mut Progress<'_>,
     result: &mut Verification,
-) -> io::Result<()> {
-    let size = std::fs::metadata(dir.join("audit.jsonl")).map_or(0, |m| m.len());
-    let label = format!("opening the outbox (audit.jsonl is {})", human_size(size));
+) -> io::Result<Option<Outbox>> {
+    let label = match place {
+        crate::Place::Dir(dir) => {
+            let size = std::fs::metadata(dir.join("audit.jsonl")).map_or(0, |m| m.len());
+            format!("opening the outbox (audit.jsonl is {})", human_size(size))
+        }
+        crate::Place::Postgres(_) => "opening the outbox".to_owned(),
+    };
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
         Err(e) => {
             result.problems.push(problem_of(&e));
-            return Ok(());
+            return Ok(None);
         }
     };
     let report = match progress.phase(
@@ -160,7 +170,7 @@ fn check(
         Ok(report) => report,
         Err(e) => {
             result.problems.push(problem_of(&e));
-            return Ok(());
+            return Ok(Some(outbox));
         }
     };
     result.torn_tail_bytes = report.torn_tail_bytes;
@@ -169,13 +179,16 @@ fn check(
         report.records
     ));
     // Name only files that exist: a young outbox has a journal and no snapshot.
-    let recorded_by = match (
-        dir.join("outbox.json").exists(),
-        dir.join("outbox.journal").exists(),
-    ) {
-        (true, _) => Some("outbox.json"),
-        (false, true) => Some("outbox.journal"),
-        (false, false) => None,
+    let recorded_by = match place {
+        crate::Place::Postgres(_) => Some("the audit_head row"),
+        crate::Place::Dir(dir) => match (
+            dir.join("outbox.json").exists(),
+            dir.join("outbox.journal").exists(),
+        ) {
+            (true, _) => Some("outbox.json"),
+            (false, true) => Some("outbox.journal"),
+            (false, false) => None,
+        },
     };
     result.passed.push(match recorded_by {
         Some(files) => format!("the log reaches the head {files} recorded"),
@@ -187,15 +200,15 @@ fn check(
             Failure::Outbox(e) => result.problems.push(problem_of(&e)),
         }
     }
-    Ok(())
+    Ok(Some(outbox))
 }
 
 /// `--expect-head`: the (verified) log still holds the record an operator
 /// copied off the host earlier, with the same hash.
-fn check_expected_head(dir: &Path, expected: &Head, result: &mut Verification) {
+fn check_expected_head(outbox: &Outbox, expected: &Head, result: &mut Verification) {
     let mut last = 0;
     let mut found = None;
-    let records = match durable_outbox::AuditLog::records_dir(dir) {
+    let records = match outbox.audit_records() {
         Ok(records) => records,
         Err(e) => {
             result.problems.push(problem_of(&e));

@@ -1,0 +1,133 @@
+//! The tool on a PostgreSQL outbox: `migrate DIR URL` moves a file outbox,
+//! and every command takes the `postgres://` URL where it takes a directory.
+//! Runs against the throwaway server of `tests/support/postgres.rs` (skipped
+//! with a printed reason outside CI when PostgreSQL is missing; fails in CI).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::harness::{Fixture, cli};
+use crate::pg_server::PgServer;
+
+/// Every file under `dir` with its bytes.
+fn tree(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut files = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                files.insert(path.clone(), std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    files
+}
+
+#[test]
+fn a_migrated_outbox_is_operated_through_its_url() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let Fixture { dir, outbox } = Fixture::demo();
+    let d = dir.path().to_str().unwrap();
+
+    // The bot still has it open: refused, naming the owner file.
+    cli(["migrate", d, &url])
+        .exits(1)
+        .complains("the outbox is in use")
+        .complains(".owner");
+    drop(outbox);
+    let before = tree(dir.path());
+    cli(["migrate", d, &url])
+        .exits(0)
+        .says("migrated 6 live items (0 claimed")
+        .says("verified");
+    assert_eq!(tree(dir.path()), before, "the directory is only read");
+    // Again: the schema holds an outbox now.
+    cli(["migrate", d, &url]).exits(1).complains("is not empty");
+
+    cli(["status", &url])
+        .exits(1)
+        .says("NEEDS ATTENTION")
+        .says("6 total: 2 queued")
+        .says("1 failed item(s) may have been delivered");
+    // The server trusts loopback logins, so a password is accepted and ignored:
+    // the report names the outbox without it.
+    let with_password = url.replacen("postgres@", "postgres:sekrit@", 1);
+    let run = cli(["status", &with_password]);
+    run.exits(1).says("postgres://postgres@127.0.0.1");
+    assert!(!run.stdout.contains("sekrit"), "{run:#?}");
+    cli(["list", &url])
+        .exits(0)
+        .says("queued-1")
+        .says("timeout-1");
+    cli(["show", &url, "welcome"]).exits(0).says("tg-1");
+    cli(["find", &url, "tg-2"]).exits(0).says("order-17");
+    cli(["verify", &url]).exits(0).says("verified");
+    cli([
+        "requeue",
+        &url,
+        "timeout-1",
+        "--reason",
+        "checked: not delivered",
+    ])
+    .exits(0);
+    cli([
+        "cancel",
+        &url,
+        "--destination",
+        "chat-2",
+        "--reason",
+        "obsolete",
+    ])
+    .exits(0);
+    let export = cli(["export", &url, "--audit"]).exits(0).stdout.clone();
+    let head = cli(["status", &url, "--json"]).exits(0).json()["audit"]["head_seq"].clone();
+    assert_eq!(
+        export.lines().count() as u64,
+        head.as_u64().unwrap(),
+        "every record exported, the operator actions included"
+    );
+    assert!(export.contains("checked: not delivered"));
+    cli(["verify", &url]).exits(0).says("verified");
+}
+
+#[test]
+fn a_schema_names_where_a_url_outbox_lives_and_is_refused_for_a_directory() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let Fixture { dir, outbox } = Fixture::demo();
+    drop(outbox);
+    let d = dir.path().to_str().unwrap();
+    cli(["migrate", d, &url, "--schema", "bot_a"]).exits(0);
+    cli(["list", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says("welcome");
+    // The default schema is another, empty outbox.
+    assert!(!cli(["list", &url]).exits(0).stdout.contains("welcome"));
+    cli(["list", d, "--schema", "bot_a"])
+        .exits(2)
+        .complains("--schema applies to a postgres:// URL");
+    cli(["migrate", d, "/not/a/url"])
+        .exits(2)
+        .complains("postgres://");
+}
+
+#[test]
+fn an_unreachable_server_is_an_error_that_hides_the_password() {
+    // Nothing listens on port 1.
+    let run = cli([
+        "status",
+        "postgres://bot:sekrit@127.0.0.1:1/db?connect_timeout=2",
+    ]);
+    run.exits(1).complains("postgres: connect failed");
+    assert!(!run.stderr.contains("sekrit"), "{run:#?}");
+}
