@@ -471,6 +471,10 @@ fn verify_files_from(
     })
 }
 
+/// One record's line as stored (without its newline), with the head it makes.
+#[cfg(feature = "postgres")]
+pub(crate) type ChainLine = (Head, Vec<u8>);
+
 /// Every record line of an outbox directory's audit chain, verified with
 /// `hasher` from genesis, exactly as the files hold them (without the
 /// newline), then `journal` (sealed records a crash left only in the
@@ -487,7 +491,7 @@ pub(crate) fn chain_lines(
     dir: &Path,
     hasher: &Hasher,
     journal: &[AuditRecord],
-) -> Result<(Vec<(Head, Vec<u8>)>, Head)> {
+) -> Result<(Vec<ChainLine>, Head)> {
     let anchor = anchor::read_anchor(dir, hasher)?.head;
     if anchor.seq != 0 {
         return Err(Error::NotSupported {

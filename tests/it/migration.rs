@@ -49,7 +49,7 @@ fn assert_untouched(db: &PgDatabase<'_>) {
     );
 }
 
-/// A child process SIGKILLed and reaped when dropped, also when the test fails.
+/// A child process killed (`SIGKILL`) and reaped when dropped, also when the test fails.
 #[cfg(feature = "test-failpoints")]
 struct Killed(std::process::Child);
 
@@ -212,8 +212,13 @@ fn a_migrated_outbox_holds_every_item_and_the_same_audit_chain_and_works_on_post
         pg_head.head_hash
     );
 
-    // Delivery goes on: the queued items in order, the cooling destination
-    // only once its cooldown ends, new items behind the migrated ones.
+    deliver_after_migration(&pg, &clock, file_head.head_seq);
+}
+
+/// Delivery goes on after a migration: the queued items in order, the
+/// cooling destination only once its cooldown ends, new items behind the
+/// migrated ones, the chain growing from the migrated head.
+fn deliver_after_migration(pg: &Outbox, clock: &ManualClock, migrated_head: u64) {
     pg.enqueue(msg("q-3", "chat-3")).unwrap();
     let mut sent = Vec::new();
     pg.process_due(|item| {
@@ -237,7 +242,7 @@ fn a_migrated_outbox_holds_every_item_and_the_same_audit_chain_and_works_on_post
     })
     .unwrap();
     assert_eq!(sent.last().map(String::as_str), Some("slow"));
-    assert!(pg.verify_audit().unwrap().head_seq > file_head.head_seq);
+    assert!(pg.verify_audit().unwrap().head_seq > migrated_head);
     assert_eq!(
         pg.find_by_transport_ref("tr-q-2")
             .unwrap()

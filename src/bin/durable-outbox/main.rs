@@ -266,7 +266,7 @@ pub fn target_label(target: &Target) -> String {
                 None => url.to_owned(),
             };
             match &target.schema {
-                Some(schema) => format!("{shown} (schema {schema})"),
+                Some(name) => format!("{shown} (schema {name})"),
                 None => shown,
             }
         }

@@ -32,7 +32,7 @@ pub(crate) struct Import<'a> {
     pub(crate) cooldowns: &'a HashMap<String, DateTime<Utc>>,
     /// Every audit line in chain order, without its newline, with the head it
     /// makes (its own seq and hash).
-    pub(crate) audit: &'a [(Head, Vec<u8>)],
+    pub(crate) audit: &'a [crate::audit::ChainLine],
     /// The chain's last record.
     pub(crate) head: &'a Head,
     /// How the chain's hashes are made (the key of a keyed chain).
