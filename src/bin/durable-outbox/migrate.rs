@@ -2,7 +2,6 @@
 //! `durable_outbox::Migration`). Needs the `postgres` feature.
 
 use std::io::Write;
-use std::process::ExitCode;
 
 use crate::CliResult;
 use crate::args::{MigrateArgs, Target};
@@ -64,7 +63,7 @@ fn migrate(args: &MigrateArgs, key: Option<Vec<u8>>, out: &mut dyn Write) -> Cli
             args.dir.display()
         )?;
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 #[cfg(not(feature = "postgres"))]
