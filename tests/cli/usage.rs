@@ -63,7 +63,7 @@ fn a_missing_required_argument_is_named() {
     let f = Fixture::demo();
     f.run("requeue", &["gone-1"]).exits(2).complains("--reason");
     f.run("find", &[]).exits(2).complains("--transport-ref");
-    cli(["show"]).exits(2).complains("<DIR>");
+    cli(["show"]).exits(2).complains("<DIR|URL>");
 }
 
 #[test]
