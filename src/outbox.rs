@@ -227,18 +227,30 @@ impl Outbox {
         })
     }
 
-    /// The outbox directory.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotSupported`] for an outbox in PostgreSQL, which has none.
-    pub fn dir(&self) -> Result<&Path> {
+    /// The outbox directory, or `None` for an outbox in PostgreSQL, which
+    /// lives in a database schema instead.
+    #[must_use]
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.inner.backend {
+            Backend::File(engine) => Some(engine.dir()),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => None,
+        }
+    }
+
+    /// The directory, for the file engine's directory-only reads; a typed
+    /// error naming the engine elsewhere.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        allow(clippy::unnecessary_wraps, unused_variables)
+    )]
+    fn file_dir(&self, operation: &'static str) -> Result<&Path> {
         match &self.inner.backend {
             Backend::File(engine) => Ok(engine.dir()),
             #[cfg(feature = "postgres")]
             Backend::Postgres(_) => Err(Error::NotSupported {
                 engine: crate::engine::postgres::ENGINE,
-                operation: "dir",
+                operation,
                 why: "the outbox lives in a database schema, not a directory",
             }),
         }
@@ -971,7 +983,7 @@ impl Outbox {
             return engine.history(key);
         }
         let mut records = Vec::new();
-        for record in crate::audit::AuditLog::records_dir(self.dir()?)? {
+        for record in crate::audit::AuditLog::records_dir(self.file_dir("history")?)? {
             let record = record?;
             if record.idempotency_key == key {
                 records.push(record);
@@ -1012,7 +1024,7 @@ impl Outbox {
             let records = crate::engine::postgres::blocking(|| engine.engine().audit_records(0))?;
             return Ok(crate::audit::AuditChainRecords::of(records));
         }
-        crate::audit::AuditLog::records_dir(self.dir()?)
+        crate::audit::AuditLog::records_dir(self.file_dir("audit_records")?)
     }
 
     /// Runs `f` (a rule, given this handle as its [`Actor`]) inside one

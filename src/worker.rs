@@ -673,8 +673,8 @@ impl Watcher {
     /// files, or a PostgreSQL outbox's `NOTIFY`s.
     fn spawn_for(outbox: &Outbox, wake: Arc<Notify>, max_interval: Duration) -> Self {
         match outbox.dir() {
-            Ok(dir) => Self::spawn(dir, wake, max_interval),
-            Err(_) => Self::listen(outbox.clone(), wake, max_interval),
+            Some(dir) => Self::spawn(dir, wake, max_interval),
+            None => Self::listen(outbox.clone(), wake, max_interval),
         }
     }
 
