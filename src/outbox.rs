@@ -25,7 +25,7 @@ use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::rules::Actor;
 use crate::rules::bulk::{Bulk, operator_note};
 use crate::rules::lifecycle::{self, Decision};
-use crate::rules::txn::Txn;
+use crate::rules::txn::{Scope, Txn};
 use crate::rules::{drain, enqueue};
 use crate::send::SendError;
 use crate::settings::Settings;
@@ -302,7 +302,7 @@ impl Outbox {
         let _entered = span.enter();
         message.validate()?;
         let hash = content_hash(&message.content);
-        let item = self.transact(move |_, txn| enqueue::insert_message(txn, message, hash))?;
+        let item = self.transact_one(move |_, txn| enqueue::insert_message(txn, message, hash))?;
         span.record("outcome", item.state.as_str());
         self.inner.wakers.wake();
         Ok(item)
@@ -692,7 +692,7 @@ impl Outbox {
     /// As [`enqueue`](Self::enqueue).
     pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
-        let requeued = self.transact(|_, txn| Bulk::Requeue.one(txn, key, &note))?;
+        let requeued = self.transact_one(|_, txn| Bulk::Requeue.one(txn, key, &note))?;
         self.inner.wakers.wake();
         Ok(requeued)
     }
@@ -735,7 +735,7 @@ impl Outbox {
     /// As [`enqueue`](Self::enqueue).
     pub fn cancel(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
-        self.transact(|_, txn| Bulk::Cancel.one(txn, key, &note))
+        self.transact_one(|_, txn| Bulk::Cancel.one(txn, key, &note))
     }
 
     /// The live items `filter` matches, sorted by key (what a bulk action
@@ -1031,6 +1031,20 @@ impl Outbox {
     /// transaction of the engine: everything it changes and every record it
     /// seals commit together, durably, or not at all.
     fn transact<T>(&self, f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>) -> Result<T> {
+        self.transact_in(Scope::Any, f)
+    }
+
+    /// Runs `f`, which reads and changes the one item `key` names (see
+    /// [`Scope::OneItem`]), in one transaction of the engine.
+    fn transact_one<T>(&self, f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>) -> Result<T> {
+        self.transact_in(Scope::OneItem, f)
+    }
+
+    fn transact_in<T>(
+        &self,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] scope: Scope,
+        f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>,
+    ) -> Result<T> {
         let inner = &*self.inner;
         match &inner.backend {
             Backend::File(engine) => {
@@ -1050,7 +1064,7 @@ impl Outbox {
                     pacing: &inner.pacing,
                     idempotent: &inner.config.idempotent,
                 };
-                engine.transact(|txn| f(&actor, txn))
+                engine.transact(scope, |txn| f(&actor, txn))
             }
         }
     }
@@ -1096,7 +1110,7 @@ impl Outbox {
     /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
         let mut claimed_here = false;
-        let decided = self.transact(|actor, txn| {
+        let decided = self.transact_one(|actor, txn| {
             let decision = lifecycle::decide(actor, txn, key)?;
             claimed_here = matches!(decision, Decision::Send(..));
             Ok(decision)
@@ -1123,9 +1137,9 @@ impl Outbox {
         key: &str,
         result: SendResult,
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
-        let recorded = self
-            .check_after_send()
-            .and_then(|()| self.transact(|actor, txn| lifecycle::finish(actor, txn, key, &result)));
+        let recorded = self.check_after_send().and_then(|()| {
+            self.transact_one(|actor, txn| lifecycle::finish(actor, txn, key, &result))
+        });
         self.in_flight().remove(key);
         match result {
             Err(panic) => {
@@ -1143,7 +1157,7 @@ impl Outbox {
     /// for an idempotent transport, goes back to the queue for a resend.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn abandon(&self, key: &str, code: &str) -> Result<()> {
-        let result = self.transact(|actor, txn| lifecycle::abandon(actor, txn, key, code));
+        let result = self.transact_one(|actor, txn| lifecycle::abandon(actor, txn, key, code));
         self.in_flight().remove(key);
         result
     }
@@ -1153,7 +1167,7 @@ impl Outbox {
     /// as it was before the claim. Does nothing if the claim is no longer ours.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn release(&self, key: &str, before: &OutboxItem) -> Result<()> {
-        let result = self.transact(|actor, txn| lifecycle::release(actor, txn, key, before));
+        let result = self.transact_one(|actor, txn| lifecycle::release(actor, txn, key, before));
         self.in_flight().remove(key);
         result
     }

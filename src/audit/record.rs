@@ -54,8 +54,9 @@ impl AuditOutcome {
     }
 }
 
-/// The facts of one outcome, before it is given a place in the chain.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The facts of one outcome, before it is given a place in the chain (as
+/// JSON, a pending event of the PostgreSQL engine waiting to be sealed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct AuditEvent {
     pub(crate) attempts: u32,
     pub(crate) audit_id: String,

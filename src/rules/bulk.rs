@@ -94,7 +94,7 @@ impl Bulk {
         };
         if self == Self::Requeue {
             // A requeue is a new turn: the back of the destination's line.
-            changed.seq = Some(txn.next_seq()?);
+            changed.seq = Some(txn.next_seq(&changed.destination)?);
         }
         txn.insert(changed)?;
         record(txn, key, outcome, Some(note), false)?;

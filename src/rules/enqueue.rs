@@ -28,7 +28,7 @@ pub(crate) fn insert_message<T: Txn + ?Sized>(
     }
     let now = txn.now();
     let key = message.idempotency_key;
-    let seq = txn.next_seq()?;
+    let seq = txn.next_seq(&message.destination)?;
     txn.insert(OutboxItem {
         idempotency_key: key.clone(),
         connector: message.connector,

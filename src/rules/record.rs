@@ -1,9 +1,10 @@
 //! Audit records: how a rule puts an item's new state on record, and the
 //! records about the outbox itself (a prune, stored settings).
 //!
-//! An item's record is sealed inside the rule's transaction, at the chain's
-//! head as the transaction sees it, so its id and hash are the same whichever
-//! engine commits it.
+//! An item's record is sealed inside the rule's transaction; its audit id is
+//! minted by the engine ([`Txn::audit_id`]): from the chain's head on the file
+//! engine, from the handle's owner id and a counter on PostgreSQL, which
+//! gives records their place in the chain only after the commit.
 
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
@@ -17,8 +18,8 @@ use crate::rules::txn::Txn;
 /// stamps its id on the item (and moves its `updated_at` up to now). Returns
 /// the id. `note` is free text for the record; `reconciled` marks a late repair.
 ///
-/// The id is unique within the chain (the seq) and across chains (the previous
-/// hash, the key, the moment).
+/// The id is unique within the chain and across chains (see
+/// [`Txn::audit_id`]).
 ///
 /// # Errors
 /// [`Error::NotFound`](crate::Error::NotFound) if the item is not live; the
@@ -31,8 +32,7 @@ pub(crate) fn record<T: Txn + ?Sized>(
     reconciled: bool,
 ) -> Result<String> {
     let now = txn.now();
-    let head = txn.audit_head()?;
-    let audit_id = item_audit_id(&head, key, now);
+    let audit_id = txn.audit_id(key, now)?;
     let item = txn.item_mut(key)?;
     item.last_audit_id = Some(audit_id.clone());
     item.updated_at = item.updated_at.max(now);
@@ -48,8 +48,9 @@ pub(crate) fn record<T: Txn + ?Sized>(
     Ok(audit_id)
 }
 
-/// The audit id of the record sealed after `head` for the item `key` at `now`.
-fn item_audit_id(head: &Head, key: &str, now: DateTime<Utc>) -> String {
+/// The audit id of the record sealed after `head` for the item `key` at `now`
+/// (the file engine's [`Txn::audit_id`]).
+pub(crate) fn item_audit_id(head: &Head, key: &str, now: DateTime<Utc>) -> String {
     hex::encode(
         &Sha256::new()
             .chain_update(head.hash.as_bytes())

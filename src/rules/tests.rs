@@ -60,7 +60,7 @@ impl Txn for MemTxn {
         self.items.insert(item.idempotency_key.clone(), item);
         Ok(())
     }
-    fn next_seq(&mut self) -> Result<u64> {
+    fn next_seq(&mut self, _destination: &str) -> Result<u64> {
         self.last_seq += 1;
         Ok(self.last_seq)
     }
@@ -132,8 +132,8 @@ impl Txn for MemTxn {
             .filter(|at| *at >= since)
             .collect())
     }
-    fn audit_head(&mut self) -> Result<Head> {
-        Ok(self.head.clone())
+    fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String> {
+        Ok(crate::rules::record::item_audit_id(&self.head, key, now))
     }
     fn seal(&mut self, event: &AuditEvent) -> Result<()> {
         let record = AuditRecord::seal(

@@ -12,8 +12,8 @@
 //! * the file engine, whose transaction is an overlay over the in-memory state
 //!   under the directory lock (reads cannot fail, except a history lookup);
 //! * the PostgreSQL engine, whose transaction reads rows lazily with
-//!   `SELECT … FOR UPDATE`, locks the audit head row when it first seals a
-//!   record, and may fail on any read.
+//!   `SELECT … FOR UPDATE`, commits its audit events as pending (sealed onto
+//!   the chain right after the commit), and may fail on any read.
 //!
 //! So every method that may read takes `&mut self` and returns a [`Result`];
 //! a rule that gets an error returns it, and the engine writes nothing.
@@ -30,18 +30,33 @@
 //! before that step, and the caller is told of success only after it.
 //!
 //! **Invariant (audit order):** records are sealed in the order the rule
-//! calls [`Txn::seal`], each chained to the one before; the first chains to
-//! the outbox's last committed record. Two transactions never seal onto the
-//! same head.
+//! calls [`Txn::seal`], each chained to the one before; two transactions never
+//! seal onto the same head. The records of one item are in the chain in the
+//! order of that item's changes. (The file engine seals inside the
+//! transaction, onto the outbox's last committed record; PostgreSQL seals
+//! right after the commit, see `engine::postgres`.)
 
 use chrono::{DateTime, Utc};
 
-use crate::audit::{AuditEvent, Head};
+use crate::audit::AuditEvent;
 use crate::error::{Error, Result};
 use crate::filter::ItemFilter;
 use crate::item::OutboxItem;
 use crate::order::{self, OrderKey};
 use crate::settings::Settings;
+
+/// What a transaction may touch, declared when it begins: an engine that runs
+/// transactions side by side (PostgreSQL) runs one-item transactions at once
+/// and every other alone among writers; the file engine runs every
+/// transaction alone anyway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// It reads and changes one item (by key) and reads no other item for
+    /// change; it may read that item's destination line, times and cooldown.
+    OneItem,
+    /// Anything: a drain step, `enqueue_many`, a bulk action.
+    Any,
+}
 
 /// One read-modify-write of the outbox, as the delivery rules see it.
 ///
@@ -91,12 +106,17 @@ pub(crate) trait Txn {
     /// The engine's errors (PostgreSQL may lock the row).
     fn insert(&mut self, item: OutboxItem) -> Result<()>;
 
-    /// The next enqueue sequence: larger than every live item's and than every
-    /// sequence handed out before, across every handle and host of the outbox.
+    /// The next enqueue sequence for an item of `destination`: larger than
+    /// every live item's and than every sequence handed out before, across
+    /// every handle and host of the outbox.
+    ///
+    /// Invariant: no other transaction reads `destination`'s line
+    /// ([`head_of`](Self::head_of)) between this call and this transaction's
+    /// end (a sequence taken but not yet committed must not be passed over).
     ///
     /// # Errors
     /// The engine's errors.
-    fn next_seq(&mut self) -> Result<u64>;
+    fn next_seq(&mut self, destination: &str) -> Result<u64>;
 
     /// The place of `destination`'s head: its queued item (claimed or not)
     /// with the smallest [`OrderKey`], as this transaction sees it (its own
@@ -162,20 +182,23 @@ pub(crate) trait Txn {
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>>;
 
-    /// The head the next sealed record chains to: the last record this
-    /// transaction sealed, or else the outbox's last committed record
-    /// (journalled, even if not yet in the audit log).
-    ///
-    /// Invariant: from the first call on, no other transaction can seal a
-    /// record until this one ends (PostgreSQL locks the audit head row).
+    /// A fresh audit id for the record about to be sealed for the item `key`
+    /// at `now` (stamped on the item as its `last_audit_id`): unique within
+    /// the chain and across chains. The file engine derives it from the head
+    /// the record will chain to (byte-compatible with every earlier release);
+    /// PostgreSQL, whose records get their place in the chain only after the
+    /// commit (see `engine::postgres`), from this handle's unique owner id and
+    /// a counter.
     ///
     /// # Errors
     /// The engine's errors.
-    fn audit_head(&mut self) -> Result<Head>;
+    fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String>;
 
-    /// Seals `event` as the next record of the chain (at
-    /// [`audit_head`](Self::audit_head)'s `seq + 1`, chained to its hash, with
-    /// the outbox's hasher) and adds it to this transaction's records.
+    /// Seals `event` as the next record of the chain (the file engine: after
+    /// the head this transaction holds, with the outbox's hasher) and adds it
+    /// to this transaction's records. PostgreSQL defers the sealing: the event
+    /// is committed as pending, in the order of these calls, and sealed onto
+    /// the chain right after the commit (see `engine::postgres`).
     ///
     /// # Errors
     /// The engine's errors.

@@ -125,7 +125,7 @@ impl Txn for FileTxn<'_> {
         Ok(())
     }
 
-    fn next_seq(&mut self) -> Result<u64> {
+    fn next_seq(&mut self, _destination: &str) -> Result<u64> {
         self.last_seq += 1;
         Ok(self.last_seq)
     }
@@ -236,8 +236,8 @@ impl Txn for FileTxn<'_> {
         Ok(times)
     }
 
-    fn audit_head(&mut self) -> Result<Head> {
-        Ok(self.head.clone())
+    fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String> {
+        Ok(crate::rules::record::item_audit_id(&self.head, key, now))
     }
 
     fn seal(&mut self, event: &AuditEvent) -> Result<()> {

@@ -27,6 +27,7 @@ use crate::filter::ItemFilter;
 use crate::item::{ItemState, OutboxItem};
 use crate::rate::{DestinationWindow, RateLimit};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+use crate::rules::txn::Scope;
 use crate::settings::Settings;
 
 /// The engine's name in errors about operations it does not offer.
@@ -53,6 +54,10 @@ impl PgBackend {
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
         let engine = blocking(|| PgEngine::open(&target.url, &target.schema, hasher))?;
+        #[cfg(feature = "test-failpoints")]
+        for (name, action) in &builder.failpoints {
+            engine.faults.arm(name, *action);
+        }
         let defaults = Settings {
             rates: builder.rates.clone(),
             history_after: builder.history_after,
@@ -112,8 +117,15 @@ impl PgBackend {
     }
 
     /// Runs one transaction of the rules.
-    pub(crate) fn transact<T>(&self, f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>) -> Result<T> {
-        blocking(|| self.engine().transact(self.clock.now(), &self.defaults, f))
+    pub(crate) fn transact<T>(
+        &self,
+        scope: Scope,
+        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        blocking(|| {
+            self.engine()
+                .transact(self.clock.now(), &self.defaults, scope, f)
+        })
     }
 
     /// The item with this key, live or history.

@@ -4,17 +4,55 @@
 //! blocking (async forms wrap it), so a blocking client keeps one code path;
 //! it runs its own small runtime internally and does not need the caller's.
 //!
-//! Connections per handle: one for reads and commits, one dedicated to the
-//! owner's advisory lock ([`liveness`]), and one for `LISTEN` once a worker
-//! waits ([`notify`]). A closed reads/commits connection is reopened on the
-//! next call; a lost owner lock is taken again before the next claim.
+//! Connections per handle: a small pool for reads and commits (one per thread
+//! calling at once, so the threads of one handle commit side by side; up to
+//! [`IDLE_CONNECTIONS`] kept open between calls), one dedicated to the owner's
+//! advisory lock ([`liveness`]), and one for `LISTEN` once a worker waits
+//! ([`notify`]). A closed reads/commits connection is dropped and a fresh one
+//! opened on the next call; a lost owner lock is taken again before the next
+//! claim.
 //!
 //! Tables (in the schema named on open, see [`schema`]): `items` (the item as
 //! the same JSON object `outbox.json` stores, plus the columns claims and
 //! lookups filter on, and a `revision` for conditional writes), `owners`,
 //! `audit` (one row per record: `seq`, `hash` and the canonical line, the same
-//! bytes as a line of `audit.jsonl`) and `audit_head`, whose single row every
-//! commit that seals records locks: that is the chain's one total order.
+//! bytes as a line of `audit.jsonl`: sealed records only) and `audit_head`,
+//! whose single row every sealer locks: that is the chain's one total order.
+//! `audit_pending` holds events committed with their item change and not yet
+//! sealed (see "Deferred sealing" below).
+//!
+//! # Deferred sealing
+//!
+//! A transaction of the rules ([`PgTxn`]) writes its audit events to
+//! `audit_pending` in its own `COMMIT`, each with an id from the table's
+//! sequence taken at that write, and never touches the head. Right after,
+//! [`PgEngine::seal_pending`] runs a short transaction: lock the head row,
+//! take every pending event it can see, seal them in id order onto the chain
+//! (seq, previous hash, hash: the same canonical records as `audit.jsonl`),
+//! insert them into `audit`, move the head, `COMMIT`. The committing handle
+//! does this best effort and skips it when another sealer holds the head
+//! (`SKIP LOCKED`); every reader of the chain (`verify_audit`, `history`,
+//! the export, `audit_records`, `audit_head`), a handle opening, and a
+//! waiting worker seal first and wait for the head. A crash between a commit
+//! and its sealing leaves pending events, sealed by the next of those: nothing
+//! committed is lost.
+//!
+//! **Invariant (per-item order):** an item's records are in the chain in the
+//! order of its changes. Two transactions that change one item are serialised
+//! by its row lock (or, for a new key, the key's lock): the later one takes
+//! its pending id after it got the lock, so after the earlier one committed,
+//! and its id is larger. A sealer reads pending events in one statement,
+//! whose snapshot holds every transaction committed when it began; so if it
+//! sees the later event it sees the earlier one too (or that one was sealed
+//! already, by a sealer that held the head before), and it seals in id order.
+//! Changes of different items may reach the chain in another order than their
+//! commits: the chain orders records, not commits of unrelated items.
+//!
+//! The audit id stamped on an item can no longer hash the head the record
+//! will chain to: PostgreSQL mints it from the handle's owner id (unique among
+//! every handle that ever opened the schema: `owners` is keyed by it), a
+//! counter of the handle, the key and the moment
+//! ([`PgEngine::mint_audit_id`]).
 
 mod backend;
 mod import;
@@ -50,6 +88,12 @@ use schema::SCHEMA_VERSION;
 
 /// The schema used when the caller names none.
 pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
+
+/// How many idle reads/commits connections a handle keeps open between calls.
+pub(crate) const IDLE_CONNECTIONS: usize = 8;
+
+/// How many pending events one sealing transaction moves at most.
+const SEAL_BATCH: i64 = 1_000;
 
 /// How long opening a connection may take when the URL sets no `connect_timeout`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -203,7 +247,13 @@ pub(crate) struct PgEngine {
     s: String,
     owner: String,
     hasher: Hasher,
-    client: Mutex<Client>,
+    /// Idle reads/commits connections.
+    clients: Mutex<Vec<Client>>,
+    /// Audit ids minted by this handle so far.
+    minted: AtomicU64,
+    /// Test failpoints (`postgres.seal_after_commit`); nothing without the
+    /// `test-failpoints` feature.
+    pub(crate) faults: crate::failpoint::Failpoints,
     liveness: Mutex<liveness::Liveness>,
     listener: Mutex<Option<notify::Listener>>,
 }
@@ -254,16 +304,22 @@ impl PgEngine {
             }
         };
         liveness.verify(&mut client)?;
-        Ok(Self {
+        let engine = Self {
             connector,
             schema: schema.to_owned(),
             s,
             owner,
             hasher,
-            client: Mutex::new(client),
+            clients: Mutex::new(Vec::new()),
+            minted: AtomicU64::new(0),
+            faults: crate::failpoint::Failpoints::from_env(),
             liveness: Mutex::new(liveness),
             listener: Mutex::new(None),
-        })
+        };
+        // Events a crashed handle committed and never sealed go on the chain now.
+        engine.seal_pending(&mut client, Seal::Wait)?;
+        engine.give_back(client);
+        Ok(engine)
     }
 
     /// The schema this outbox lives in.
@@ -271,13 +327,219 @@ impl PgEngine {
         &self.schema
     }
 
-    /// The reads/commits connection, reopened if the server closed it.
-    fn client(&self) -> Result<MutexGuard<'_, Client>> {
-        let mut client = lock(&self.client);
+    /// A reads/commits connection of its own for the caller: an idle one of
+    /// the pool, or a new one (a closed one is dropped). Given back to the
+    /// pool when the guard drops.
+    fn client(&self) -> Result<Pooled<'_>> {
+        let idle = {
+            let mut idle = lock(&self.clients);
+            idle.retain(|client| !client.is_closed());
+            idle.pop()
+        };
+        let client = match idle {
+            Some(client) => client,
+            None => self.connector.connect()?,
+        };
+        Ok(Pooled {
+            engine: self,
+            client: Some(client),
+        })
+    }
+
+    /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).
+    fn give_back(&self, client: Client) {
         if client.is_closed() {
-            *client = self.connector.connect()?;
+            return;
         }
-        Ok(client)
+        let mut idle = lock(&self.clients);
+        if idle.len() < IDLE_CONNECTIONS {
+            idle.push(client);
+        }
+    }
+
+    /// Passes the writers' gate in `tx` (see [`txn`]): shared for a one-item
+    /// transaction, exclusive for every other writer.
+    fn pass_gate(&self, tx: &mut postgres::Transaction<'_>, scope: txn::Scope) -> Result<()> {
+        let sql = match scope {
+            txn::Scope::OneItem => "SELECT pg_advisory_xact_lock_shared($1)",
+            txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
+        };
+        tx.execute(sql, &[&lock_key(&self.schema, "writers")])
+            .map_err(db("pass the writers' gate"))?;
+        Ok(())
+    }
+
+    /// A fresh audit id for a record about `key` at `now`: 128 bits of
+    /// SHA-256 over this handle's owner id (unique in the schema's `owners`),
+    /// a counter of this handle, the key and the moment.
+    pub(crate) fn mint_audit_id(&self, key: &str, now: DateTime<Utc>) -> String {
+        let n = self.minted.fetch_add(1, Ordering::Relaxed);
+        hex::encode(
+            &Sha256::new()
+                .chain_update(b"durable-outbox postgres audit id\0")
+                .chain_update(self.schema.as_bytes())
+                .chain_update(b"\0")
+                .chain_update(self.owner.as_bytes())
+                .chain_update(b"\0")
+                .chain_update(n.to_le_bytes())
+                .chain_update(key.as_bytes())
+                .chain_update(b"\0")
+                .chain_update(crate::clock::format_timestamp(now).as_bytes())
+                .finalize()[..16],
+        )
+    }
+
+    /// Writes `events` to `audit_pending` in `tx`, in order (one statement);
+    /// returns their pending ids. Their ids come from the table's sequence,
+    /// taken now: after every row lock `tx` holds.
+    fn write_pending(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        events: &[AuditEvent],
+    ) -> Result<Vec<i64>> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let docs: Vec<String> = events
+            .iter()
+            .map(|event| {
+                serde_json::to_string(event).map_err(|e| Error::Database {
+                    op: "write a pending audit event",
+                    source: Box::new(e),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let rows = tx
+            .query(
+                &format!(
+                    "INSERT INTO {}.audit_pending (event)
+                     SELECT doc FROM unnest($1::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n
+                     RETURNING id",
+                    self.s
+                ),
+                &[&docs],
+            )
+            .map_err(db("write pending audit events"))?;
+        let mut ids: Vec<i64> = rows.iter().map(|row| row.get(0)).collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// Seals the pending events onto the chain (see "Deferred sealing"), in
+    /// transactions of at most [`SEAL_BATCH`] events, until none is left that
+    /// this sealer can see. With [`Seal::IfFree`] it gives up at once when
+    /// another sealer holds the head (that one, or the next reader, seals
+    /// what is left). Returns the records sealed, with their pending ids.
+    ///
+    /// # Errors
+    /// [`Error::Database`]; [`Error::InvalidRecord`] for a pending row that
+    /// is not an event (nothing is sealed then).
+    pub(crate) fn seal_pending(
+        &self,
+        client: &mut Client,
+        how: Seal,
+    ) -> Result<Vec<(i64, AuditRecord)>> {
+        let mut sealed = Vec::new();
+        loop {
+            let mut tx = client.transaction().map_err(db("begin sealing"))?;
+            let sql = match how {
+                Seal::Wait => "FOR UPDATE",
+                Seal::IfFree => "FOR UPDATE SKIP LOCKED",
+            };
+            let Some(row) = tx
+                .query_opt(
+                    &format!(
+                        "SELECT seq, hash FROM {}.audit_head WHERE id = 1 {sql}",
+                        self.s
+                    ),
+                    &[],
+                )
+                .map_err(db("lock the audit head"))?
+            else {
+                return Ok(sealed);
+            };
+            let head = head_of_row(&row);
+            let (batch, _) = self.seal_pending_in(&mut tx, head)?;
+            if batch.is_empty() {
+                // Nothing written: rolled back, no WAL flush.
+                return Ok(sealed);
+            }
+            tx.commit().map_err(db("commit sealed audit records"))?;
+            let full = batch.len() as i64 >= SEAL_BATCH;
+            sealed.extend(batch);
+            if !full {
+                return Ok(sealed);
+            }
+        }
+    }
+
+    /// Inside `tx`, which holds the head row at `head`: moves up to
+    /// [`SEAL_BATCH`] pending events, in pending-id order, onto the chain
+    /// and moves the head. Returns them sealed, and the new head.
+    fn seal_pending_in(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        head: Head,
+    ) -> Result<(Vec<(i64, AuditRecord)>, Head)> {
+        let s = &self.s;
+        let mut rows: Vec<(i64, String)> = tx
+            .query(
+                &format!(
+                    "DELETE FROM {s}.audit_pending WHERE id IN (
+                       SELECT id FROM {s}.audit_pending ORDER BY id LIMIT $1)
+                     RETURNING id, event"
+                ),
+                &[&SEAL_BATCH],
+            )
+            .map_err(db("take pending audit events"))?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        if rows.is_empty() {
+            return Ok((Vec::new(), head));
+        }
+        rows.sort_by_key(|(id, _)| *id);
+        let mut seq = head.seq;
+        let mut prev = head.hash;
+        let mut sealed = Vec::with_capacity(rows.len());
+        let (mut seqs, mut hashes, mut lines) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, doc) in rows {
+            let event: AuditEvent =
+                serde_json::from_str(&doc).map_err(|e| Error::InvalidRecord {
+                    path: PathBuf::from(format!("postgres:{}.audit_pending", self.schema)),
+                    location: format!("id {id}"),
+                    reason: format!("not a pending audit event: {e}"),
+                })?;
+            seq += 1;
+            let record = AuditRecord::seal(&event, seq, &prev, false, &self.hasher);
+            let mut line = record.to_line();
+            line.pop();
+            seqs.push(i64::try_from(seq).unwrap_or(i64::MAX));
+            hashes.push(record.hash.clone());
+            lines.push(String::from_utf8_lossy(&line).into_owned());
+            prev.clone_from(&record.hash);
+            sealed.push((id, record));
+        }
+        tx.execute(
+            &format!(
+                "INSERT INTO {s}.audit (seq, hash, line)
+                 SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[])"
+            ),
+            &[&seqs, &hashes, &lines],
+        )
+        .map_err(db("append sealed audit records"))?;
+        let head = Head { seq, hash: prev };
+        tx.execute(
+            &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
+            &[&i64::try_from(head.seq).unwrap_or(i64::MAX), &head.hash],
+        )
+        .map_err(db("move the audit head"))?;
+        Ok((sealed, head))
+    }
+
+    /// Seals what is pending before a read of the chain (waits for the head).
+    fn seal_before_reading(&self, client: &mut Client) -> Result<()> {
+        self.seal_pending(client, Seal::Wait).map(|_| ())
     }
 
     /// Makes sure this handle's owner lock is held before a claim names it:
@@ -468,41 +730,6 @@ impl PgEngine {
         })
     }
 
-    /// Seals `change.audit` onto the chain inside `tx` after `head`, which
-    /// `tx` holds locked (every sealing commit waits for it: the chain's one
-    /// order), appends, moves the head.
-    fn seal(
-        &self,
-        tx: &mut postgres::Transaction<'_>,
-        change: &ChangeSet,
-        head: Head,
-    ) -> Result<Vec<AuditRecord>> {
-        let s = &self.s;
-        let mut seq = head.seq;
-        let mut prev = head.hash;
-        let mut sealed = Vec::with_capacity(change.audit.len());
-        for event in &change.audit {
-            seq += 1;
-            let record = AuditRecord::seal(event, seq, &prev, false, &self.hasher);
-            let mut line = record.to_line();
-            line.pop();
-            let line = String::from_utf8_lossy(&line).into_owned();
-            tx.execute(
-                &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
-                &[&(seq as i64), &record.hash, &line],
-            )
-            .map_err(db("append an audit record"))?;
-            prev.clone_from(&record.hash);
-            sealed.push(record);
-        }
-        tx.execute(
-            &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
-            &[&(seq as i64), &prev],
-        )
-        .map_err(db("move the audit head"))?;
-        Ok(sealed)
-    }
-
     /// Whether this handle's own owner lock is still held.
     #[expect(
         clippy::unnecessary_wraps,
@@ -542,10 +769,15 @@ impl PgEngine {
     /// Runs one read-modify-write of the rules (see [`PgTxn`]) and commits it.
     /// Returns `f`'s value once the commit is durable; on any error nothing
     /// of it is visible.
+    ///
+    /// Then, best effort (a failure is logged: the next reader seals), it
+    /// seals the events it committed, unless another sealer holds the head,
+    /// and wakes waiting workers when an item became claimable.
     pub(crate) fn transact<T>(
         &self,
         now: DateTime<Utc>,
         defaults: &Settings,
+        scope: txn::Scope,
         f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;
@@ -553,10 +785,35 @@ impl PgEngine {
         // restart it is taken again here).
         self.ensure_owner(&mut client)?;
         let tx = client.transaction().map_err(db("begin a transaction"))?;
-        let mut txn = PgTxn::begin(self, tx, now, defaults)?;
+        let mut txn = PgTxn::begin(self, tx, scope, now, defaults)?;
         let value = f(&mut txn)?;
-        txn.commit()?;
+        let committed = txn.commit()?;
+        self.after_commit(&mut client, committed.pending, committed.wake);
         Ok(value)
+    }
+
+    /// After a durable commit: seal what it left pending (best effort, unless
+    /// another sealer is at it) and wake waiting workers (a hint; their wait
+    /// has a timeout). Neither may fail the call: the change is durable.
+    fn after_commit(&self, client: &mut Client, pending: bool, wake: bool) {
+        // A failpoint here stands for a crash (or a lost connection) between
+        // the commit and its sealing.
+        if pending
+            && let Err(e) = self
+                .faults
+                .check("postgres.seal_after_commit")
+                .map_err(|e| Error::io(self.place(), "seal after commit", e))
+                .and_then(|()| self.seal_pending(client, Seal::IfFree))
+        {
+            tracing::warn!(
+                schema = %self.schema,
+                error = %e,
+                "could not seal committed audit events now; the next reader or handle seals them"
+            );
+        }
+        if wake && let Err(e) = notify::wake_now(client, &self.schema) {
+            tracing::warn!(schema = %self.schema, error = %e, "could not wake waiting workers");
+        }
     }
 
     /// Applies the settings rules of `settings::plan` on open: a new outbox
@@ -574,16 +831,10 @@ impl PgEngine {
         let mut client = self.client()?;
         let mut tx = client.transaction().map_err(db("begin storing settings"))?;
         let s = &self.s;
-        let head = tx
-            .query_one(
-                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
-                &[],
-            )
-            .map_err(db("lock the audit head"))?;
-        let head = Head {
-            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
-            hash: head.get(1),
-        };
+        self.pass_gate(&mut tx, txn::Scope::Any)?;
+        // Pending events go on the chain first: this record comes after them.
+        let head = self.lock_head(&mut tx)?;
+        let (_, head) = self.seal_pending_in(&mut tx, head)?;
         let stored = self.read_settings(&mut tx)?;
         let items: i64 = tx
             .query_one(&format!("SELECT count(*) FROM {s}.items"), &[])
@@ -684,16 +935,11 @@ impl PgEngine {
             .transaction()
             .map_err(db("begin a retention prune"))?;
         let s = &self.s;
-        let head = tx
-            .query_one(
-                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
-                &[],
-            )
-            .map_err(db("lock the audit head"))?;
-        let head = Head {
-            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
-            hash: head.get(1),
-        };
+        self.pass_gate(&mut tx, txn::Scope::Any)?;
+        // Pending events (the pruned items' last ones among them) go on the
+        // chain first: the prune's record comes after them.
+        let head = self.lock_head(&mut tx)?;
+        let (_, head) = self.seal_pending_in(&mut tx, head)?;
         let gone: Vec<String> = tx
             .query(
                 &format!(
@@ -920,8 +1166,9 @@ impl PgEngine {
 
     /// Every audit record about `key`, oldest first.
     pub(crate) fn records_of(&self, key: &str) -> Result<Vec<AuditRecord>> {
-        let rows = self
-            .client()?
+        let mut client = self.client()?;
+        self.seal_before_reading(&mut client)?;
+        let rows = client
             .query(
                 &format!(
                     "SELECT seq, line FROM {}.audit
@@ -946,8 +1193,9 @@ impl PgEngine {
 
     /// The audit head as committed.
     pub(crate) fn audit_head(&self) -> Result<Head> {
-        let row = self
-            .client()?
+        let mut client = self.client()?;
+        self.seal_before_reading(&mut client)?;
+        let row = client
             .query_one(
                 &format!("SELECT seq, hash FROM {}.audit_head WHERE id = 1", self.s),
                 &[],
@@ -964,6 +1212,7 @@ impl PgEngine {
     /// found). One consistent snapshot: a repeatable-read transaction.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
         let mut client = self.client()?;
+        self.seal_before_reading(&mut client)?;
         let mut tx = client
             .build_transaction()
             .isolation_level(postgres::IsolationLevel::RepeatableRead)
@@ -996,8 +1245,7 @@ impl PgEngine {
         )
     }
 
-    /// Locks the audit head row in `tx` (the first lock of every writer) and
-    /// returns it.
+    /// Locks the audit head row in `tx` (a sealer's lock) and returns it.
     fn lock_head(&self, tx: &mut postgres::Transaction<'_>) -> Result<Head> {
         let row = tx
             .query_one(
@@ -1008,17 +1256,15 @@ impl PgEngine {
                 &[],
             )
             .map_err(db("lock the audit head"))?;
-        Ok(Head {
-            seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
-            hash: row.get(1),
-        })
+        Ok(head_of_row(&row))
     }
 
     /// Every audit line in `seq` order, newline-terminated: the same bytes a
     /// file outbox's `audit.jsonl` would hold, for the offline verifier.
     pub(crate) fn export_audit(&self) -> Result<Vec<u8>> {
-        let rows = self
-            .client()?
+        let mut client = self.client()?;
+        self.seal_before_reading(&mut client)?;
+        let rows = client
             .query(
                 &format!("SELECT line FROM {}.audit ORDER BY seq", self.s),
                 &[],
@@ -1084,12 +1330,8 @@ impl Engine for PgEngine {
     fn commit(&self, change: ChangeSet) -> Result<Vec<AuditRecord>, CommitError> {
         let mut client = self.client()?;
         let mut tx = client.transaction().map_err(db("begin a commit"))?;
-        // The lock order of every writer (see `txn`): the head before any row.
-        let head = if change.audit.is_empty() {
-            None
-        } else {
-            Some(self.lock_head(&mut tx)?)
-        };
+        // The lock order of every writer (see `txn`): the gate before any row.
+        self.pass_gate(&mut tx, txn::Scope::Any)?;
         for put in &change.puts {
             if !self.put(&mut tx, &put.item, put.expect)? {
                 // Dropping `tx` rolls everything back.
@@ -1098,14 +1340,28 @@ impl Engine for PgEngine {
                 });
             }
         }
-        let sealed = match head {
-            Some(head) => self.seal(&mut tx, &change, head)?,
-            None => Vec::new(),
-        };
-        if change.wake {
-            notify::wake(&mut tx, &self.schema)?;
-        }
+        let ids = self.write_pending(&mut tx, &change.audit)?;
         tx.commit().map_err(db("commit"))?;
+        // Sealed now, waiting for the head, so the records can be returned;
+        // if sealing fails the change is durable all the same (the next
+        // reader seals): nothing is returned then.
+        let sealed = if ids.is_empty() {
+            Vec::new()
+        } else {
+            match self.seal_pending(&mut client, Seal::Wait) {
+                Ok(sealed) => sealed
+                    .into_iter()
+                    .filter(|(id, _)| ids.binary_search(id).is_ok())
+                    .map(|(_, record)| record)
+                    .collect(),
+                Err(e) => {
+                    tracing::warn!(schema = %self.schema, error = %e,
+                        "could not seal committed audit events now; the next reader seals them");
+                    Vec::new()
+                }
+            }
+        };
+        self.after_commit(&mut client, false, change.wake);
         Ok(sealed)
     }
 
@@ -1120,10 +1376,10 @@ impl Engine for PgEngine {
         self.ensure_owner(&mut client)?;
         let s = &self.s;
         let mut tx = client.transaction().map_err(db("begin a claim"))?;
-        // The lock order of every writer (see `txn`): the head, then rows,
-        // then the caps lock, so a batch claim never waits in a cycle with a
-        // transaction of the rules.
-        self.lock_head(&mut tx)?;
+        // The lock order of every writer (see `txn`): the gate (exclusive:
+        // this claim may lock many rows), then rows, then the caps lock, so
+        // a batch claim never waits in a cycle with a transaction of the rules.
+        self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Rows another claimer is deciding about are skipped, not waited for;
         // an earlier queued item of the same destination (claimed or not,
         // locked or not) keeps a later one out: per-destination order.
@@ -1241,6 +1497,12 @@ impl Engine for PgEngine {
     }
 
     fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
+        // A worker's tick: events a crashed handle or a skipped best-effort
+        // sealing left pending go on the chain.
+        {
+            let mut client = self.client()?;
+            self.seal_pending(&mut client, Seal::IfFree)?;
+        }
         let mut listener = lock(&self.listener);
         if listener.as_ref().is_none_or(notify::Listener::is_closed) {
             *listener = Some(notify::Listener::start(&self.connector, &self.schema)?);
@@ -1252,8 +1514,9 @@ impl Engine for PgEngine {
     }
 
     fn audit_records(&self, after: u64) -> Result<Vec<AuditRecord>> {
-        let rows = self
-            .client()?
+        let mut client = self.client()?;
+        self.seal_before_reading(&mut client)?;
+        let rows = client
             .query(
                 &format!(
                     "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq",
@@ -1273,6 +1536,58 @@ impl Engine for PgEngine {
                 })
             })
             .collect()
+    }
+}
+
+/// Whether a sealer waits for the head row when another sealer holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seal {
+    /// Wait (a reader of the chain, a handle opening).
+    Wait,
+    /// Give up (the committing handle's best effort: the holder, or the next
+    /// reader, seals what is left).
+    IfFree,
+}
+
+/// The head from a row of `seq, hash`.
+fn head_of_row(row: &Row) -> Head {
+    Head {
+        seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+        hash: row.get(1),
+    }
+}
+
+/// A reads/commits connection lent by [`PgEngine::client`].
+struct Pooled<'e> {
+    engine: &'e PgEngine,
+    client: Option<Client>,
+}
+
+impl std::ops::Deref for Pooled<'_> {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        match &self.client {
+            Some(client) => client,
+            None => unreachable!("taken only in drop"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Pooled<'_> {
+    fn deref_mut(&mut self) -> &mut Client {
+        match &mut self.client {
+            Some(client) => client,
+            None => unreachable!("taken only in drop"),
+        }
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            self.engine.give_back(client);
+        }
     }
 }
 

@@ -1,16 +1,18 @@
 //! Wake-ups across hosts with `LISTEN`/`NOTIFY`.
 //!
-//! A commit that makes work due sends `NOTIFY` on the schema's channel inside
-//! its transaction, so the notification is delivered exactly when the change is
-//! visible (and never for a rolled-back one). A waiting worker holds a
+//! A commit that makes work due sends `NOTIFY` on the schema's channel right
+//! after its transaction committed, so the notification comes after the change
+//! is visible (and never for a rolled-back one); not inside the transaction,
+//! where PostgreSQL would hold its notify queue lock through the commit's WAL
+//! flush and so serialise every such commit. A waiting worker holds a
 //! dedicated connection that `LISTEN`s. A wake-up is a hint: the waiter reads
 //! the items again, and waits with a timeout so a missed notification (the
 //! listener was reconnecting) only delays work, never loses it.
 
 use std::time::Duration;
 
+use postgres::Client;
 use postgres::fallible_iterator::FallibleIterator;
-use postgres::{Client, Transaction};
 
 use super::{Connector, db};
 use crate::error::Result;
@@ -20,9 +22,12 @@ fn channel(schema: &str) -> String {
     format!("durable_outbox_{schema}")
 }
 
-/// Queues a wake-up, delivered when `tx` commits.
-pub(crate) fn wake(tx: &mut Transaction<'_>, schema: &str) -> Result<()> {
-    tx.execute("SELECT pg_notify($1, '')", &[&channel(schema)])
+/// Sends a wake-up now, outside any transaction (after the change it
+/// announces committed): one short statement that writes no WAL, so it does
+/// not hold the notify queue's lock through a WAL flush.
+pub(crate) fn wake_now(client: &mut Client, schema: &str) -> Result<()> {
+    client
+        .execute("SELECT pg_notify($1, '')", &[&channel(schema)])
         .map_err(db("notify waiting workers"))?;
     Ok(())
 }

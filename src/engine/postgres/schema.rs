@@ -85,6 +85,15 @@ const MIGRATIONS: &[&str] = &[
         id integer PRIMARY KEY CHECK (id = 1),
         doc text NOT NULL
      );",
+    // 3: deferred sealing (see `engine::postgres`, "Deferred sealing"). An
+    // item transaction writes its audit events here, in its own commit, with
+    // an id from the table's sequence; a short sealing transaction under the
+    // head row moves them into `audit` in id order. `audit` keeps its meaning:
+    // sealed records only.
+    "CREATE TABLE {s}.audit_pending (
+        id bigserial PRIMARY KEY,
+        event text NOT NULL
+     );",
 ];
 
 /// The schema version this release writes.

@@ -1313,10 +1313,15 @@ fn a_version_1_schema_migrates_forward_keeping_items_and_their_order() {
         stored: Vec::new(),
     };
     let head = engine
-        .transact(Utc::now(), &defaults, |txn| {
-            assert_eq!(txn.next_seq().unwrap(), 3);
-            Ok(txn.head_of("chat-1").unwrap().map(|place| place.key))
-        })
+        .transact(
+            Utc::now(),
+            &defaults,
+            crate::rules::txn::Scope::Any,
+            |txn| {
+                assert_eq!(txn.next_seq("chat-1").unwrap(), 3);
+                Ok(txn.head_of("chat-1").unwrap().map(|place| place.key))
+            },
+        )
         .unwrap();
     assert_eq!(head.as_deref(), Some("b-first"));
 }

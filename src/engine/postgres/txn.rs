@@ -4,42 +4,62 @@
 //! Locks, always in this order, so two transactions never wait for each other
 //! in a cycle:
 //!
-//! 1. **The audit head row**, first, `FOR UPDATE`. Every transaction that may
-//!    write takes it, so writers on every host run one after another in the
-//!    order the chain records them, and the records a transaction seals chain
-//!    onto the head it holds (the same hashes as the file engine, which does
-//!    the same under `outbox.lock`). Taking it only when the first record is
-//!    sealed would deadlock: a transaction that locked an item and then seals
-//!    waits for the head, while the holder of the head, going on to the next
-//!    candidate, waits for that item.
-//! 2. **Items**, read lazily, each `FOR UPDATE` on first touch (a write through
-//!    [`Engine::commit`](crate::engine::Engine::commit) without audit records,
-//!    which does not take the head, still cannot change a row under a decision
-//!    made on it). `Engine::commit` with records and `Engine::claim_batch` take
-//!    the head first too: every writer follows this one order.
-//! 3. **The caps lock** (`pg_advisory_xact_lock` on the schema's `caps` key,
-//!    shared with [`Engine::claim_batch`](crate::engine::Engine::claim_batch)),
-//!    before send and claim times or cooldowns are read: caps hold across hosts.
-//! 4. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
-//!    a dead owner's key locked until the transaction ends.
+//! 1. **The writers' gate** (`pg_advisory_xact_lock` on the schema's `writers`
+//!    key), first. A transaction about one item ([`Scope::OneItem`]: enqueue,
+//!    decide, finish, release, abandon, requeue or cancel of one key) takes it
+//!    *shared*, so any number of them run at once; every other writer (a drain
+//!    step, `enqueue_many`, a bulk action, [`Engine::commit`] and
+//!    [`Engine::claim_batch`], retention and stored settings) takes it
+//!    *exclusive* and runs alone, so it may lock many rows in any order.
+//! 2. **The item**: its row `FOR UPDATE` on first touch; for a key with no row
+//!    yet (an enqueue), first a transaction advisory lock on the key, so two
+//!    enqueues of one key run one after the other and the second sees the first.
+//! 3. **The destination** (`pg_advisory_xact_lock` on `dest:<destination>`,
+//!    one-item transactions only) before its line is read ([`PgTxn::head_of`]),
+//!    an enqueue sequence is taken for it ([`PgTxn::next_seq`]) or its send
+//!    times and cooldown are read: a sequence taken but not yet committed is
+//!    never passed over by a decision that reads the line, and the
+//!    destination's cap holds across hosts.
+//! 4. **The caps lock** (`caps`, exclusive, shared with
+//!    [`Engine::claim_batch`](crate::engine::Engine::claim_batch)), before the
+//!    send times of every destination are read (a global cap).
+//! 5. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
+//!    a dead owner's key locked until the transaction ends (never waits).
 //!
-//! Changes go to an overlay; [`PgTxn::commit`] writes the overlay, the sealed
-//! audit rows and the head, and a `NOTIFY` when an item became due, in the one
-//! `COMMIT`. A failed statement or a dropped connection ends the transaction
-//! with [`Error::Database`] and nothing of it is visible; a connection lost
-//! during `COMMIT` itself may or may not have committed, as the error says.
+//! A one-item transaction locks its one item, then at most its destination,
+//! then the caps: a one-item transaction holding a later lock never waits for
+//! an earlier one.
+//!
+//! **No audit head here.** A transaction does not touch the chain's head: the
+//! events it seals are written to `audit_pending` in its `COMMIT` (durable
+//! with the item change, atomically), ordered by the table's sequence, taken
+//! at that write, after every row lock. Right after the commit the handle
+//! seals them onto the chain in a short transaction of its own
+//! ([`PgEngine::seal_pending`](super::PgEngine::seal_pending)); so the head row
+//! is held only for sealing, never through an item transaction's `COMMIT`, and
+//! PostgreSQL can group the commits of concurrent writers into one WAL flush.
+//!
+//! Changes go to an overlay; [`PgTxn::commit`] writes the overlay and the
+//! pending events in the one `COMMIT`; the wake-up (`NOTIFY`) for an item
+//! that became claimable is sent right after it (a `NOTIFY` inside the
+//! transaction would serialise every such commit on PostgreSQL's notify queue
+//! lock, held through the commit's WAL flush). A failed statement or a dropped
+//! connection ends the transaction with [`Error::Database`] and nothing of it
+//! is visible; a connection lost during `COMMIT` itself may or may not have
+//! committed, as the error says.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use postgres::Transaction;
 
-use super::{PgEngine, db, lock_key, notify};
-use crate::audit::{AuditEvent, AuditRecord, Head};
+use super::{PgEngine, db, lock_key};
+use crate::audit::AuditEvent;
 use crate::engine::Expect;
 use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
 use crate::order::{self, OrderKey};
+pub(crate) use crate::rules::txn::Scope;
 use crate::settings::Settings;
 use crate::store::rate_times;
 
@@ -57,45 +77,43 @@ pub(crate) struct PgTxn<'e, 'c> {
     base: HashMap<String, Base>,
     /// Items changed by this transaction (whole new versions).
     overlay: BTreeMap<String, OutboxItem>,
-    /// Records sealed in order after the head this transaction holds.
-    records: Vec<AuditRecord>,
-    head: Head,
+    /// Events sealed by the rule, in order: written as pending at commit.
+    events: Vec<AuditEvent>,
+    scope: Scope,
     now: DateTime<Utc>,
     settings: Settings,
     caps_locked: bool,
+    /// Destinations this transaction holds the lock of.
+    destinations: HashSet<String>,
+    /// Keys this transaction holds the enqueue lock of.
+    key_locked: HashSet<String>,
 }
 
 impl<'e, 'c> PgTxn<'e, 'c> {
-    /// Begins: locks the audit head and reads the stored settings (laid over
+    /// Begins: passes the writers' gate (shared for [`Scope::OneItem`],
+    /// exclusive otherwise) and reads the stored settings (laid over
     /// `defaults`, this handle's own values).
     pub(crate) fn begin(
         engine: &'e PgEngine,
         mut tx: Transaction<'c>,
+        scope: Scope,
         now: DateTime<Utc>,
         defaults: &Settings,
     ) -> Result<Self> {
-        let s = &engine.s;
-        let head = tx
-            .query_one(
-                &format!("SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
-                &[],
-            )
-            .map_err(db("lock the audit head"))?;
-        let head = Head {
-            seq: u64::try_from(head.get::<_, i64>(0)).unwrap_or(0),
-            hash: head.get(1),
-        };
+        engine.pass_gate(&mut tx, scope)?;
         let stored = engine.read_settings(&mut tx)?;
         Ok(Self {
             engine,
             tx,
             base: HashMap::new(),
             overlay: BTreeMap::new(),
-            records: Vec::new(),
-            head,
+            events: Vec::new(),
+            scope,
             now,
             settings: defaults.with_stored(&stored),
             caps_locked: false,
+            destinations: HashSet::new(),
+            key_locked: HashSet::new(),
         })
     }
 
@@ -109,32 +127,29 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         &self.settings
     }
 
-    /// The head the next sealed record chains to.
-    pub(crate) fn head(&self) -> &Head {
-        &self.head
-    }
-
     /// The owner id this handle's claims carry.
     pub(crate) fn owner(&self) -> &str {
         &self.engine.owner
     }
 
     /// Reads (and locks) the committed row of `key`, once per transaction.
+    /// A key with no row yet is locked with a transaction advisory lock on
+    /// the key and read again (one-item transactions: two enqueues of one
+    /// key run one after the other, and the second sees the first's row).
     fn load(&mut self, key: &str) -> Result<()> {
         if self.overlay.contains_key(key) || self.base.contains_key(key) {
             return Ok(());
         }
-        let row = self
-            .tx
-            .query_opt(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
-                     WHERE idempotency_key = $1 FOR UPDATE",
-                    self.engine.s
-                ),
-                &[&key],
-            )
-            .map_err(db("read an item"))?;
+        let mut row = self.select_for_update(key)?;
+        if row.is_none() && self.scope == Scope::OneItem && self.key_locked.insert(key.to_owned()) {
+            self.tx
+                .execute(
+                    "SELECT pg_advisory_xact_lock($1)",
+                    &[&lock_key(&self.engine.schema, &format!("key:{key}"))],
+                )
+                .map_err(db("lock a new key"))?;
+            row = self.select_for_update(key)?;
+        }
         let base = row
             .map(|row| self.engine.versioned(&row))
             .transpose()?
@@ -143,9 +158,43 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         Ok(())
     }
 
-    /// Remembers rows read by a query of this transaction (not locked: the
-    /// head this transaction holds keeps every other writer of the rules out;
-    /// a decision locks its item through [`item_mut`](Self::item_mut)).
+    /// The committed row of `key`, locked `FOR UPDATE`.
+    fn select_for_update(&mut self, key: &str) -> Result<Option<postgres::Row>> {
+        self.tx
+            .query_opt(
+                &format!(
+                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
+                     WHERE idempotency_key = $1 FOR UPDATE",
+                    self.engine.s
+                ),
+                &[&key],
+            )
+            .map_err(db("read an item"))
+    }
+
+    /// Takes `destination`'s lock once (one-item transactions; a transaction
+    /// of [`Scope::Any`] runs alone among writers and needs none).
+    fn lock_destination(&mut self, destination: &str) -> Result<()> {
+        if self.scope == Scope::OneItem && !self.destinations.contains(destination) {
+            self.tx
+                .execute(
+                    "SELECT pg_advisory_xact_lock($1)",
+                    &[&lock_key(
+                        &self.engine.schema,
+                        &format!("dest:{destination}"),
+                    )],
+                )
+                .map_err(db("lock a destination"))?;
+            self.destinations.insert(destination.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Remembers rows read by a query of this transaction (not locked: a
+    /// transaction that reads many rows runs alone among writers, and a
+    /// one-item transaction reads its destination's line under the
+    /// destination's lock; a decision locks its item through
+    /// [`item_mut`](Self::item_mut)).
     fn remember(&mut self, rows: &[postgres::Row]) -> Result<Vec<String>> {
         let mut keys = Vec::with_capacity(rows.len());
         for row in rows {
@@ -201,11 +250,14 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// The next enqueue sequence, from the schema's sequence: one order for
-    /// every host.
+    /// every host. Taken under `destination`'s lock, held until this
+    /// transaction ends: no decision reads the line while a smaller sequence
+    /// may still appear in it.
     ///
     /// # Errors
     /// [`Error::Database`].
-    pub(crate) fn next_seq(&mut self) -> Result<u64> {
+    pub(crate) fn next_seq(&mut self, destination: &str) -> Result<u64> {
+        self.lock_destination(destination)?;
         let seq: i64 = self
             .tx
             .query_one(
@@ -228,6 +280,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        self.lock_destination(destination)?;
         let changed = self.changed_keys();
         let rows = self
             .tx
@@ -385,12 +438,18 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 
     /// Whether this transaction changed anything.
     pub(crate) fn changed(&self) -> bool {
-        !self.overlay.is_empty() || !self.records.is_empty()
+        !self.overlay.is_empty() || !self.events.is_empty()
     }
 
-    /// Takes the caps lock once: send times and cooldowns read after it
-    /// include every decision committed on any host before it was granted.
-    fn lock_caps(&mut self) -> Result<()> {
+    /// Takes the locks that keep caps whole before send times or cooldowns
+    /// are read: `destination`'s lock for its own times and cooldown (a
+    /// one-item transaction), the `caps` lock for every destination's (or in
+    /// a transaction of [`Scope::Any`]). Times read after them include every
+    /// decision committed on any host before they were granted.
+    fn lock_caps(&mut self, destination: Option<&str>) -> Result<()> {
+        if let (Scope::OneItem, Some(destination)) = (self.scope, destination) {
+            return self.lock_destination(destination);
+        }
         if !self.caps_locked {
             self.tx
                 .execute(
@@ -412,7 +471,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         destination: &str,
     ) -> Result<Option<DateTime<Utc>>> {
         let now = self.now;
-        self.lock_caps()?;
+        self.lock_caps(Some(destination))?;
         let committed: Option<DateTime<Utc>> = self
             .tx
             .query_opt(
@@ -440,7 +499,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         destination: Option<&str>,
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>> {
-        self.lock_caps()?;
+        self.lock_caps(destination)?;
         let changed = self.changed_keys();
         let s = &self.engine.s;
         let rows = match destination {
@@ -512,32 +571,22 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         Ok(!free)
     }
 
-    /// Seals `event` onto the chain after the head this transaction holds.
+    /// Adds `event` to this transaction's events (sealed after the commit).
     pub(crate) fn seal(&mut self, event: &AuditEvent) {
-        let record = AuditRecord::seal(
-            event,
-            self.head.seq + 1,
-            &self.head.hash,
-            false,
-            &self.engine.hasher,
-        );
-        self.head = Head {
-            seq: record.seq,
-            hash: record.hash.clone(),
-        };
-        self.records.push(record);
+        self.events.push(event.clone());
     }
 
-    /// Writes the overlay, the sealed records and the head, and a wake-up
-    /// when an item became claimable, in one `COMMIT`. Returns the records.
+    /// Writes the overlay and the events (as pending, in order) in one
+    /// `COMMIT`, then sends a wake-up when an item became claimable. Returns
+    /// whether events were written (to be sealed now).
     ///
     /// # Errors
     /// [`Error::Database`] (nothing of the transaction is visible, unless the
     /// connection was lost during `COMMIT` itself: then re-read).
-    pub(crate) fn commit(mut self) -> Result<Vec<AuditRecord>> {
+    pub(crate) fn commit(mut self) -> Result<Committed> {
         if !self.changed() {
             self.tx.commit().map_err(db("end a transaction"))?;
-            return Ok(Vec::new());
+            return Ok(Committed::default());
         }
         let wake = self
             .overlay
@@ -558,34 +607,22 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 });
             }
         }
-        let s = &self.engine.s;
-        for record in &self.records {
-            let mut line = record.to_line();
-            line.pop();
-            let line = String::from_utf8_lossy(&line).into_owned();
-            let seq = i64::try_from(record.seq).unwrap_or(i64::MAX);
-            self.tx
-                .execute(
-                    &format!("INSERT INTO {s}.audit (seq, hash, line) VALUES ($1, $2, $3)"),
-                    &[&seq, &record.hash, &line],
-                )
-                .map_err(db("append an audit record"))?;
-        }
-        if !self.records.is_empty() {
-            let seq = i64::try_from(self.head.seq).unwrap_or(i64::MAX);
-            self.tx
-                .execute(
-                    &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
-                    &[&seq, &self.head.hash],
-                )
-                .map_err(db("move the audit head"))?;
-        }
-        if wake {
-            notify::wake(&mut self.tx, &self.engine.schema)?;
-        }
+        let pending = self.engine.write_pending(&mut self.tx, &self.events)?;
         self.tx.commit().map_err(db("commit"))?;
-        Ok(self.records)
+        Ok(Committed {
+            pending: !pending.is_empty(),
+            wake,
+        })
     }
+}
+
+/// What a committed transaction left to do.
+#[derive(Debug, Default)]
+pub(crate) struct Committed {
+    /// It wrote pending audit events: seal them.
+    pub(crate) pending: bool,
+    /// An item became claimable: wake waiting workers.
+    pub(crate) wake: bool,
 }
 
 impl crate::rules::txn::Txn for PgTxn<'_, '_> {
@@ -618,8 +655,8 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         Ok(())
     }
 
-    fn next_seq(&mut self) -> Result<u64> {
-        Self::next_seq(self)
+    fn next_seq(&mut self, destination: &str) -> Result<u64> {
+        Self::next_seq(self, destination)
     }
 
     fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
@@ -654,8 +691,8 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         Self::destination_times(self, destination, since)
     }
 
-    fn audit_head(&mut self) -> Result<Head> {
-        Ok(self.head.clone())
+    fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String> {
+        Ok(self.engine.mint_audit_id(key, now))
     }
 
     fn seal(&mut self, event: &AuditEvent) -> Result<()> {
