@@ -18,6 +18,8 @@ mod at_most_once;
 mod audit_log;
 mod bad_input;
 mod bulk_actions;
+#[cfg(feature = "postgres")]
+mod deferred_sealing;
 mod delivery;
 mod durable_writes;
 mod failure_class;

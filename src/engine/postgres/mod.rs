@@ -37,6 +37,17 @@
 //! and its sealing leaves pending events, sealed by the next of those: nothing
 //! committed is lost.
 //!
+//! The committing handle's sealing commits with `synchronous_commit = off`:
+//! it does not wait for its own WAL flush, so sealing adds no flush to a
+//! writer's call. That is safe because a sealing is one transaction: lost in
+//! a server crash, it is lost whole (the `audit` rows, the head move *and*
+//! the deletion from `audit_pending`), and the events are sealed again. What
+//! must not happen is a reader seeing records that a crash then takes back:
+//! so a reader's sealing commits synchronously, and when it had nothing to
+//! seal but WAL is not flushed to its end, it commits anyway (it locked the
+//! head row, so it has a transaction id), which waits for the flush of every
+//! earlier sealing. What a reader returns is durable.
+//!
 //! **Invariant (per-item order):** an item's records are in the chain in the
 //! order of its changes. Two transactions that change one item are serialised
 //! by its row lock (or, for a new key, the key's lock): the later one takes
@@ -251,6 +262,10 @@ pub(crate) struct PgEngine {
     clients: Mutex<Vec<Client>>,
     /// Audit ids minted by this handle so far.
     minted: AtomicU64,
+    /// Commits of this handle that left events pending (see `after_commit`).
+    committed_pending: AtomicU64,
+    /// Whether a thread of this handle is sealing after its commit.
+    sealing: std::sync::atomic::AtomicBool,
     /// Test failpoints (`postgres.seal_after_commit`); nothing without the
     /// `test-failpoints` feature.
     pub(crate) faults: crate::failpoint::Failpoints,
@@ -312,6 +327,8 @@ impl PgEngine {
             hasher,
             clients: Mutex::new(Vec::new()),
             minted: AtomicU64::new(0),
+            committed_pending: AtomicU64::new(0),
+            sealing: std::sync::atomic::AtomicBool::new(false),
             faults: crate::failpoint::Failpoints::from_env(),
             liveness: Mutex::new(liveness),
             listener: Mutex::new(None),
@@ -459,9 +476,23 @@ impl PgEngine {
                 return Ok(sealed);
             };
             let head = head_of_row(&row);
+            if how == Seal::IfFree {
+                // See "Deferred sealing": a sealing lost in a crash is
+                // undone whole (its events are pending again) and no reader
+                // has seen it (a reader's sealing flushes first).
+                tx.batch_execute("SET LOCAL synchronous_commit = off")
+                    .map_err(db("begin sealing"))?;
+            }
             let (batch, _) = self.seal_pending_in(&mut tx, head)?;
             if batch.is_empty() {
-                // Nothing written: rolled back, no WAL flush.
+                if how == Seal::Wait && !self.wal_flushed(&mut tx)? {
+                    // A reader: a sealing committed without waiting for its
+                    // WAL flush may be what it is about to read. This commit
+                    // (it locked the head row: it has a transaction id)
+                    // waits for the flush of every WAL record before it.
+                    tx.commit().map_err(db("flush sealed audit records"))?;
+                }
+                // Otherwise nothing written: rolled back, no WAL flush.
                 return Ok(sealed);
             }
             tx.commit().map_err(db("commit sealed audit records"))?;
@@ -471,6 +502,18 @@ impl PgEngine {
                 return Ok(sealed);
             }
         }
+    }
+
+    /// Whether every WAL record written so far is flushed (so every sealing
+    /// this transaction can see is durable).
+    fn wal_flushed(&self, tx: &mut postgres::Transaction<'_>) -> Result<bool> {
+        Ok(tx
+            .query_one(
+                "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()",
+                &[],
+            )
+            .map_err(db("read the WAL position"))?
+            .get(0))
     }
 
     /// Inside `tx`, which holds the head row at `head`: moves up to
@@ -795,21 +838,36 @@ impl PgEngine {
     /// After a durable commit: seal what it left pending (best effort, unless
     /// another sealer is at it) and wake waiting workers (a hint; their wait
     /// has a timeout). Neither may fail the call: the change is durable.
+    ///
+    /// One thread of a handle seals at a time: a thread that commits while
+    /// another is sealing leaves its events to that one, which goes round
+    /// again when commits arrived during its sealing (so the threads of a
+    /// handle share sealing transactions instead of queueing for the head).
     fn after_commit(&self, client: &mut Client, pending: bool, wake: bool) {
-        // A failpoint here stands for a crash (or a lost connection) between
-        // the commit and its sealing.
-        if pending
-            && let Err(e) = self
-                .faults
-                .check("postgres.seal_after_commit")
-                .map_err(|e| Error::io(self.place(), "seal after commit", e))
-                .and_then(|()| self.seal_pending(client, Seal::IfFree))
-        {
-            tracing::warn!(
-                schema = %self.schema,
-                error = %e,
-                "could not seal committed audit events now; the next reader or handle seals them"
-            );
+        if pending {
+            self.committed_pending.fetch_add(1, Ordering::SeqCst);
+            while !self.sealing.swap(true, Ordering::SeqCst) {
+                let seen = self.committed_pending.load(Ordering::SeqCst);
+                // A failpoint here stands for a crash (or a lost connection)
+                // between the commit and its sealing.
+                let sealed = self
+                    .faults
+                    .check("postgres.seal_after_commit")
+                    .map_err(|e| Error::io(self.place(), "seal after commit", e))
+                    .and_then(|()| self.seal_pending(client, Seal::IfFree));
+                self.sealing.store(false, Ordering::SeqCst);
+                if let Err(e) = sealed {
+                    tracing::warn!(
+                        schema = %self.schema,
+                        error = %e,
+                        "could not seal committed audit events now; the next reader or handle seals them"
+                    );
+                    break;
+                }
+                if self.committed_pending.load(Ordering::SeqCst) == seen {
+                    break;
+                }
+            }
         }
         if wake && let Err(e) = notify::wake_now(client, &self.schema) {
             tracing::warn!(schema = %self.schema, error = %e, "could not wake waiting workers");

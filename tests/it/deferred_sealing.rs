@@ -1,0 +1,288 @@
+//! PostgreSQL seals audit records after the commit that made them (see
+//! `engine::postgres`, "Deferred sealing"): what that must keep. Concurrent
+//! writers on two handles give one chain that the file verifier accepts,
+//! with every record once and each item's records in the order of its
+//! changes; a handle that dies between a commit and its sealing loses
+//! nothing (the next handle, or the next reader, seals).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use durable_outbox::{AuditLog, AuditOutcome, Error, ItemState, Outbox, Outcome, SendError};
+
+use crate::engines::EngineUnderTest;
+use crate::harness::{DEADLOCK_LIMIT, msg, within};
+
+/// Every sealed line of the outbox's `audit` table, in seq order, as a file
+/// the offline verifier reads (the bytes `audit.jsonl` would hold).
+fn export(engine: &EngineUnderTest) -> tempfile::NamedTempFile {
+    let out = psql(engine, "SELECT line FROM durable_outbox.audit ORDER BY seq");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let mut bytes = out.into_bytes();
+    if !bytes.is_empty() && !bytes.ends_with(b"\n") {
+        bytes.push(b'\n');
+    }
+    std::fs::write(file.path(), bytes).unwrap();
+    file
+}
+
+/// Runs `sql` on the outbox's database, behind the library's back.
+fn psql(engine: &EngineUnderTest, sql: &str) -> String {
+    let url = engine.url();
+    let name = url.rsplit('/').next().unwrap().to_owned();
+    crate::pg_server::PgServer::shared()
+        .unwrap()
+        .psql(&name, sql)
+}
+
+fn count(engine: &EngineUnderTest, table: &str) -> usize {
+    psql(
+        engine,
+        &format!("SELECT count(*) FROM durable_outbox.{table}"),
+    )
+    .trim()
+    .parse()
+    .unwrap()
+}
+
+fn open(engine: &EngineUnderTest) -> Outbox {
+    engine.open_with(|b| {
+        b.rate_limit(u32::MAX, Duration::from_secs(60))
+            .max_inline_wait(Duration::ZERO)
+    })
+}
+
+/// How many times each key is requeued after failing.
+const ROUNDS: u32 = 4;
+
+/// 4 threads on each of two handles race on 12 keys: each enqueues every key,
+/// processes it (the send fails for good) and requeues it when it is failed,
+/// until every key was requeued `ROUNDS` times. Each item's changes are
+/// serialised by its row, its records sealed after the commits by whichever
+/// handle gets the head: the chain must still hold each item's records in a
+/// lifecycle's order (queued, then failed and requeued by turns, ending
+/// failed), every record once, and end with the id the item carries.
+#[test]
+fn writers_on_two_handles_give_one_chain_in_each_items_order() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let handles = [open(&engine), open(&engine)];
+    let keys: Vec<String> = (0..12).map(|i| format!("k{i:02}")).collect();
+    let requeues: HashMap<&str, AtomicU32> = keys
+        .iter()
+        .map(|k| (k.as_str(), AtomicU32::new(0)))
+        .collect();
+    // Every audit id a call returned, as the callers saw them.
+    let returned: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    within("racing writers finish", DEADLOCK_LIMIT * 2, || {
+        std::thread::scope(|scope| {
+            for t in 0..8 {
+                let outbox = &handles[t % 2];
+                let (keys, requeues, returned) = (&keys, &requeues, &returned);
+                scope.spawn(move || {
+                    let mut open: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    open.rotate_left(t);
+                    while !open.is_empty() {
+                        open.retain(|key| {
+                            // Its own chat: per-chat order never holds it back.
+                            let item = outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+                            let turn = &requeues[key];
+                            match item.state() {
+                                ItemState::Queued => {
+                                    let receipt = outbox
+                                        .process(key, |_| Err(SendError::permanent("refused")))
+                                        .unwrap();
+                                    assert!(
+                                        matches!(
+                                            receipt.outcome,
+                                            Outcome::Failed | Outcome::InFlight
+                                        ),
+                                        "{key}: {:?}",
+                                        receipt.outcome
+                                    );
+                                    returned.lock().unwrap().extend(receipt.audit_id);
+                                    true
+                                }
+                                ItemState::Failed if turn.load(Ordering::SeqCst) >= ROUNDS => false,
+                                ItemState::Failed => {
+                                    match outbox.requeue(key, "ops", "again") {
+                                        Ok(item) => {
+                                            turn.fetch_add(1, Ordering::SeqCst);
+                                            returned
+                                                .lock()
+                                                .unwrap()
+                                                .extend(item.last_audit_id().map(str::to_owned));
+                                        }
+                                        // Another thread requeued it first.
+                                        Err(Error::InvalidTransition { .. }) => {}
+                                        Err(e) => panic!("{key}: requeue: {e}"),
+                                    }
+                                    true
+                                }
+                                other => panic!("{key}: {other:?}"),
+                            }
+                        });
+                    }
+                });
+            }
+        });
+    });
+    let report = handles[0].verify_audit().unwrap();
+    assert_eq!(count(&engine, "audit_pending"), 0, "a reader seals first");
+    let expected = keys.len() as u64 * (2 * u64::from(ROUNDS) + 2);
+    assert_eq!(report.records, expected);
+    // The offline verifier accepts the table's lines as a file.
+    let file = export(&engine);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, expected);
+
+    let mut ids = HashSet::new();
+    for key in &keys {
+        let records = handles[1].history(key).unwrap();
+        let outcomes: Vec<AuditOutcome> = records.iter().map(|r| r.outcome).collect();
+        let mut lifecycle = vec![AuditOutcome::Queued, AuditOutcome::Failed];
+        for _ in 0..ROUNDS {
+            lifecycle.extend([AuditOutcome::Requeued, AuditOutcome::Failed]);
+        }
+        assert_eq!(
+            outcomes, lifecycle,
+            "{key}: its records in its changes' order"
+        );
+        assert!(
+            records.windows(2).all(|w| w[0].seq < w[1].seq),
+            "{key}: history in chain order"
+        );
+        let item = handles[1].get(key).unwrap().unwrap();
+        assert_eq!(
+            item.last_audit_id(),
+            Some(records.last().unwrap().audit_id.as_str()),
+            "{key}: the item carries its last record's id"
+        );
+        for record in records {
+            assert!(ids.insert(record.audit_id), "{key}: an audit id twice");
+        }
+    }
+    for id in returned.into_inner().unwrap() {
+        assert!(
+            ids.contains(&id),
+            "a returned audit id {id} is on the chain"
+        );
+    }
+}
+
+/// A handle whose sealing after the commit fails (as if it died right
+/// there) leaves the committed events pending, not lost; the next handle
+/// opening seals them, and a reader of the chain seals what it finds first.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn events_committed_and_never_sealed_are_sealed_by_the_next_handle_or_reader() {
+    use durable_outbox::FailAction;
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let dying = engine.open_with(|b| {
+        b.rate_limit(u32::MAX, Duration::from_secs(60))
+            .failpoint("postgres.seal_after_commit", FailAction::Error)
+    });
+    for key in ["a", "b", "c"] {
+        dying.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+    }
+    // Three changes of one item, all pending: sealed in their order.
+    let failed = dying
+        .process("a", |_| Err(SendError::permanent("refused")))
+        .unwrap();
+    assert_eq!(failed.outcome, Outcome::Failed);
+    dying.requeue("a", "ops", "again").unwrap();
+    assert_eq!(count(&engine, "audit_pending"), 5, "committed, not sealed");
+    assert_eq!(count(&engine, "audit"), 0);
+
+    let next = open(&engine);
+    assert_eq!(count(&engine, "audit_pending"), 0, "sealed on open");
+    assert_eq!(next.verify_audit().unwrap().records, 5);
+    assert_eq!(
+        next.history("a")
+            .unwrap()
+            .iter()
+            .map(|r| r.outcome)
+            .collect::<Vec<_>>(),
+        [
+            AuditOutcome::Queued,
+            AuditOutcome::Failed,
+            AuditOutcome::Requeued
+        ],
+        "one item's records in its changes' order"
+    );
+    for key in ["a", "b", "c"] {
+        let records = next.history(key).unwrap();
+        assert_eq!(
+            next.get(key).unwrap().unwrap().last_audit_id(),
+            Some(records.last().unwrap().audit_id.as_str()),
+            "{key}"
+        );
+    }
+
+    // A pending event counts for verification: the verifier seals first.
+    dying.cancel("c", "ops", "not needed").unwrap();
+    assert_eq!(count(&engine, "audit_pending"), 1);
+    assert_eq!(dying.verify_audit().unwrap().records, 6);
+    assert_eq!(count(&engine, "audit_pending"), 0);
+
+    // A reader of one item's history seals before it reads.
+    let receipt = dying.process("b", |_| Ok(Some("tr-b".into()))).unwrap();
+    assert_eq!(receipt.outcome, Outcome::Sent);
+    assert_eq!(count(&engine, "audit_pending"), 1);
+    let records = next.history("b").unwrap();
+    assert_eq!(
+        records.iter().map(|r| r.outcome).collect::<Vec<_>>(),
+        [AuditOutcome::Queued, AuditOutcome::Sent]
+    );
+    assert_eq!(records[1].audit_id, receipt.audit_id.unwrap());
+    assert_eq!(count(&engine, "audit_pending"), 0);
+    let file = export(&engine);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 7);
+}
+
+/// A host process `SIGKILL`ed right after a commit, before its sealing: the
+/// item and its event are durable, and the next handle seals the event.
+#[cfg(all(unix, feature = "test-failpoints"))]
+#[test]
+fn a_host_killed_between_a_commit_and_its_sealing_loses_nothing() {
+    use std::process::{Command, Stdio};
+
+    const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let url = engine.url();
+    let status = within("the killed host exits", DEADLOCK_LIMIT, || {
+        Command::new(WORKER)
+            .args(["enqueue", &url, "k", "5"])
+            // Killed on the third commit's sealing: k-0 and k-1 are sealed,
+            // k-2 committed with its event pending.
+            .env(
+                "DURABLE_OUTBOX_FAILPOINTS",
+                "postgres.seal_after_commit=kill@3",
+            )
+            .stdout(Stdio::null())
+            .status()
+            .expect("run a host")
+    });
+    assert!(!status.success(), "the host was killed");
+    assert_eq!(count(&engine, "items"), 3, "k-2 committed");
+    assert_eq!(count(&engine, "audit_pending"), 1, "its event pending");
+
+    let next = open(&engine);
+    assert_eq!(count(&engine, "audit_pending"), 0);
+    let report = next.verify_audit().unwrap();
+    assert_eq!(report.records, 3);
+    let records = next.history("k-2").unwrap();
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        next.get("k-2").unwrap().unwrap().last_audit_id(),
+        Some(records[0].audit_id.as_str())
+    );
+    let file = export(&engine);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 3);
+}
