@@ -637,11 +637,14 @@ impl PgEngine {
     }
 
     /// Writes one item conditionally; `false` when the expectation failed.
+    /// `before`: the version the writer read (its send times and cooldown
+    /// are indexed already), when it has one.
     fn put(
         &self,
         tx: &mut postgres::Transaction<'_>,
         item: &OutboxItem,
         expect: Expect,
+        before: Option<&OutboxItem>,
     ) -> Result<bool> {
         let s = &self.s;
         let doc = String::from_utf8_lossy(&item_to_json(item)).into_owned();
@@ -704,29 +707,45 @@ impl PgEngine {
         if written != 1 {
             return Ok(false);
         }
-        self.index_rates(tx, item)?;
+        self.index_rates(tx, item, before, matches!(expect, Expect::Absent))?;
         Ok(true)
     }
 
-    /// Keeps `rate_times` and `cooldowns` in step with one written item.
-    fn index_rates(&self, tx: &mut postgres::Transaction<'_>, item: &OutboxItem) -> Result<()> {
+    /// Keeps `rate_times` and `cooldowns` in step with one written item
+    /// (nothing to write when they are as `before`, the version read, or for
+    /// a `fresh` row without send times).
+    fn index_rates(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        item: &OutboxItem,
+        before: Option<&OutboxItem>,
+        fresh: bool,
+    ) -> Result<()> {
         let s = &self.s;
-        tx.execute(
-            &format!("DELETE FROM {s}.rate_times WHERE idempotency_key = $1"),
-            &[&item.idempotency_key],
-        )
-        .map_err(db("index an item's send times"))?;
-        for at in rate_times(item) {
+        let times: Vec<DateTime<Utc>> = rate_times(item).collect();
+        let unchanged = before.is_some_and(|before| {
+            before.destination == item.destination
+                && rate_times(before).collect::<Vec<_>>() == times
+        });
+        if !unchanged && !(fresh && times.is_empty()) {
+            // One statement: drop the times the item no longer has, add the
+            // new ones (the two never touch the same row).
             tx.execute(
                 &format!(
-                    "INSERT INTO {s}.rate_times (idempotency_key, destination, at)
-                     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
+                    "WITH gone AS (
+                       DELETE FROM {s}.rate_times
+                       WHERE idempotency_key = $1 AND NOT (at = ANY($3) AND destination = $2))
+                     INSERT INTO {s}.rate_times (idempotency_key, destination, at)
+                     SELECT $1, $2, t FROM unnest($3::timestamptz[]) AS t
+                     ON CONFLICT DO NOTHING"
                 ),
-                &[&item.idempotency_key, &item.destination, &at],
+                &[&item.idempotency_key, &item.destination, &times],
             )
             .map_err(db("index an item's send times"))?;
         }
-        if let Some(until) = item.cooldown_until {
+        let cooldown_unchanged =
+            before.is_some_and(|before| before.cooldown_until == item.cooldown_until);
+        if let Some(until) = item.cooldown_until.filter(|_| !cooldown_unchanged) {
             // The cooldown belongs to the destination: only ever raised.
             tx.execute(
                 &format!(
@@ -794,10 +813,40 @@ impl PgEngine {
                 &[],
             )
             .map_err(db("read the stored settings"))?;
-        match row {
+        self.stored_of(row.map(|row| row.get(0)))
+    }
+
+    /// The stored settings from the `settings` row's document, if any.
+    fn stored_of(&self, doc: Option<String>) -> Result<Stored> {
+        match doc {
             None => Ok(Stored::default()),
-            Some(row) => settings_from_json(&self.settings_place(), "row 1", row.get(0)),
+            Some(doc) => settings_from_json(&self.settings_place(), "row 1", &doc),
         }
+    }
+
+    /// Passes the writers' gate in `tx` (see [`pass_gate`](Self::pass_gate))
+    /// and reads the stored settings, in one round trip. The settings are
+    /// read as of the statement's start: a change committed while this
+    /// transaction waited at the gate is seen from its next transaction on.
+    pub(crate) fn pass_gate_reading_settings(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        scope: txn::Scope,
+    ) -> Result<Stored> {
+        let lock = match scope {
+            txn::Scope::OneItem => "pg_advisory_xact_lock_shared",
+            txn::Scope::Any => "pg_advisory_xact_lock",
+        };
+        let row = tx
+            .query_one(
+                &format!(
+                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1) FROM (SELECT {lock}($1)) gate",
+                    self.s
+                ),
+                &[&lock_key(&self.schema, "writers")],
+            )
+            .map_err(db("pass the writers' gate"))?;
+        self.stored_of(row.get(0))
     }
 
     /// The stored settings, as last committed.
@@ -1391,7 +1440,7 @@ impl Engine for PgEngine {
         // The lock order of every writer (see `txn`): the gate before any row.
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         for put in &change.puts {
-            if !self.put(&mut tx, &put.item, put.expect)? {
+            if !self.put(&mut tx, &put.item, put.expect, None)? {
                 // Dropping `tx` rolls everything back.
                 return Err(CommitError::Conflict {
                     key: put.item.idempotency_key.clone(),
@@ -1495,7 +1544,12 @@ impl Engine for PgEngine {
                 ));
             }
             // The row is locked by this transaction: the write cannot conflict.
-            if !self.put(&mut tx, &item, Expect::Revision(candidate.revision))? {
+            if !self.put(
+                &mut tx,
+                &item,
+                Expect::Revision(candidate.revision),
+                Some(&candidate.item),
+            )? {
                 return Err(Error::Database {
                     op: "claim a locked item",
                     source: "a row locked FOR UPDATE changed under its lock".into(),

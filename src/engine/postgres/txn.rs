@@ -100,8 +100,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         now: DateTime<Utc>,
         defaults: &Settings,
     ) -> Result<Self> {
-        engine.pass_gate(&mut tx, scope)?;
-        let stored = engine.read_settings(&mut tx)?;
+        let stored = engine.pass_gate_reading_settings(&mut tx, scope)?;
         Ok(Self {
             engine,
             tx,
@@ -598,7 +597,11 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 Some(Some((_, revision))) => Expect::Revision(*revision),
                 _ => Expect::Absent,
             };
-            if !self.engine.put(&mut self.tx, item, expect)? {
+            let before = self
+                .base
+                .get(key)
+                .and_then(|b| b.as_ref().map(|(item, _)| item));
+            if !self.engine.put(&mut self.tx, item, expect, before)? {
                 // Only a writer outside the rules (an `Engine::commit`) can get
                 // here: the rows read were locked.
                 return Err(Error::Database {
