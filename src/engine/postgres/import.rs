@@ -3,8 +3,9 @@
 //! checked before it commits.
 //!
 //! The tables are created (or migrated) first, as opening would: an empty
-//! schema is what a failed import leaves. Then one transaction locks the audit
-//! head, refuses a schema that holds items or audit records, writes the items
+//! schema is what a failed import leaves. Then one transaction passes the
+//! writers' gate (exclusive) and locks the audit head, refuses a schema that
+//! holds items or audit records (sealed or pending), writes the items
 //! with their send times and the destinations' cooldowns, the stored settings
 //! and every audit line as given, reads everything back and compares it, and
 //! only then commits. Any error before `COMMIT` rolls all of it back.
@@ -15,7 +16,7 @@ use std::path::PathBuf;
 use chrono::{DateTime, Utc};
 use postgres::Transaction;
 
-use super::{Connector, check_schema, db, quoted, schema};
+use super::{Connector, check_schema, db, lock_key, quoted, schema};
 use crate::audit::{Hasher, Head};
 use crate::error::{Error, Result};
 use crate::item::OutboxItem;
@@ -54,8 +55,14 @@ pub(crate) fn import(url: &str, schema_name: &str, import: &Import<'_>) -> Resul
     schema::migrate(&mut client, schema_name)?;
     let s = quoted(schema_name);
     let mut tx = client.transaction().map_err(db("begin the migration"))?;
-    // The head first, as every writer of the rules takes it: nobody writes
-    // to this schema while the import runs.
+    // The writers' gate, exclusive, as every writer that may touch many rows
+    // takes it, then the head, as every sealer takes it: nobody writes to
+    // this schema or seals onto its chain while the import runs.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[&lock_key(schema_name, "writers")],
+    )
+    .map_err(db("pass the writers' gate"))?;
     let head = tx
         .query_one(
             &format!("SELECT seq FROM {s}.audit_head WHERE id = 1 FOR UPDATE"),
@@ -67,8 +74,14 @@ pub(crate) fn import(url: &str, schema_name: &str, import: &Import<'_>) -> Resul
         .query_one(&format!("SELECT count(*) FROM {s}.items"), &[])
         .map_err(db("count the target's items"))?
         .get(0);
+    // Sealed records and events committed but not sealed yet alike.
     let records: i64 = tx
-        .query_one(&format!("SELECT count(*) FROM {s}.audit"), &[])
+        .query_one(
+            &format!(
+                "SELECT (SELECT count(*) FROM {s}.audit) + (SELECT count(*) FROM {s}.audit_pending)"
+            ),
+            &[],
+        )
         .map_err(db("count the target's audit records"))?
         .get(0);
     if items != 0 || records != 0 || head_seq != 0 {

@@ -26,6 +26,8 @@ pub(crate) struct Liveness {
     /// The server process of `client`'s session when the lock was taken.
     pid: i32,
     key: i64,
+    /// When the last check that found the lock held began.
+    confirmed_from: Option<std::time::Instant>,
 }
 
 impl Liveness {
@@ -45,7 +47,12 @@ impl Liveness {
             .query_one("SELECT pg_backend_pid()", &[])
             .map_err(db("read the owner session's pid"))?
             .get(0);
-        Ok(Some(Self { client, pid, key }))
+        Ok(Some(Self {
+            client,
+            pid,
+            key,
+            confirmed_from: None,
+        }))
     }
 
     /// Checks, from another session `other`, that the lock is held by this
@@ -87,11 +94,25 @@ impl Liveness {
     /// trip on the dedicated connection). `false` after a cut or a restart:
     /// the lock is gone, and other handles may already treat our claims as orphans.
     pub(crate) fn is_held(&mut self) -> bool {
-        !self.client.is_closed()
+        let began = std::time::Instant::now();
+        let held = !self.client.is_closed()
             && self
                 .client
                 .query_one("SELECT pg_backend_pid()", &[])
-                .is_ok_and(|row| row.get::<_, i32>(0) == self.pid)
+                .is_ok_and(|row| row.get::<_, i32>(0) == self.pid);
+        self.confirmed_from = held.then_some(began);
+        held
+    }
+
+    /// Whether the lock was held at some moment after `asked`: a check that
+    /// began after `asked` and found it held answers for every caller that
+    /// waited for it meanwhile (the threads of a handle share one check
+    /// instead of queueing one round trip each); otherwise a check now.
+    pub(crate) fn held_since(&mut self, asked: std::time::Instant) -> bool {
+        if self.confirmed_from.is_some_and(|from| from >= asked) {
+            return true;
+        }
+        self.is_held()
     }
 }
 

@@ -66,6 +66,7 @@
 //! ([`PgEngine::mint_audit_id`]).
 
 mod backend;
+mod conn;
 mod import;
 mod liveness;
 mod notify;
@@ -73,6 +74,7 @@ mod schema;
 mod txn;
 
 pub(crate) use backend::{ENGINE, PgBackend};
+use conn::{Conn, Tx};
 pub(crate) use import::{Import, import};
 pub(crate) use txn::PgTxn;
 
@@ -259,7 +261,7 @@ pub(crate) struct PgEngine {
     owner: String,
     hasher: Hasher,
     /// Idle reads/commits connections.
-    clients: Mutex<Vec<Client>>,
+    clients: Mutex<Vec<Conn>>,
     /// Audit ids minted by this handle so far.
     minted: AtomicU64,
     /// Commits of this handle that left events pending (see `after_commit`).
@@ -334,8 +336,9 @@ impl PgEngine {
             listener: Mutex::new(None),
         };
         // Events a crashed handle committed and never sealed go on the chain now.
-        engine.seal_pending(&mut client, Seal::Wait)?;
-        engine.give_back(client);
+        let mut conn = Conn::new(client);
+        engine.seal_pending(&mut conn, Seal::Wait)?;
+        engine.give_back(conn);
         Ok(engine)
     }
 
@@ -355,7 +358,7 @@ impl PgEngine {
         };
         let client = match idle {
             Some(client) => client,
-            None => self.connector.connect()?,
+            None => Conn::new(self.connector.connect()?),
         };
         Ok(Pooled {
             engine: self,
@@ -364,7 +367,7 @@ impl PgEngine {
     }
 
     /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).
-    fn give_back(&self, client: Client) {
+    fn give_back(&self, client: Conn) {
         if client.is_closed() {
             return;
         }
@@ -376,7 +379,7 @@ impl PgEngine {
 
     /// Passes the writers' gate in `tx` (see [`txn`]): shared for a one-item
     /// transaction, exclusive for every other writer.
-    fn pass_gate(&self, tx: &mut postgres::Transaction<'_>, scope: txn::Scope) -> Result<()> {
+    fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope) -> Result<()> {
         let sql = match scope {
             txn::Scope::OneItem => "SELECT pg_advisory_xact_lock_shared($1)",
             txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
@@ -409,11 +412,7 @@ impl PgEngine {
     /// Writes `events` to `audit_pending` in `tx`, in order (one statement);
     /// returns their pending ids. Their ids come from the table's sequence,
     /// taken now: after every row lock `tx` holds.
-    fn write_pending(
-        &self,
-        tx: &mut postgres::Transaction<'_>,
-        events: &[AuditEvent],
-    ) -> Result<Vec<i64>> {
+    fn write_pending(&self, tx: &mut Tx<'_>, events: &[AuditEvent]) -> Result<Vec<i64>> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
@@ -453,12 +452,12 @@ impl PgEngine {
     /// is not an event (nothing is sealed then).
     pub(crate) fn seal_pending(
         &self,
-        client: &mut Client,
+        client: &mut Conn,
         how: Seal,
     ) -> Result<Vec<(i64, AuditRecord)>> {
         let mut sealed = Vec::new();
         loop {
-            let mut tx = client.transaction().map_err(db("begin sealing"))?;
+            let mut tx = client.begin().map_err(db("begin sealing"))?;
             let sql = match how {
                 Seal::Wait => "FOR UPDATE",
                 Seal::IfFree => "FOR UPDATE SKIP LOCKED",
@@ -506,7 +505,7 @@ impl PgEngine {
 
     /// Whether every WAL record written so far is flushed (so every sealing
     /// this transaction can see is durable).
-    fn wal_flushed(&self, tx: &mut postgres::Transaction<'_>) -> Result<bool> {
+    fn wal_flushed(&self, tx: &mut Tx<'_>) -> Result<bool> {
         Ok(tx
             .query_one(
                 "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()",
@@ -521,7 +520,7 @@ impl PgEngine {
     /// and moves the head. Returns them sealed, and the new head.
     fn seal_pending_in(
         &self,
-        tx: &mut postgres::Transaction<'_>,
+        tx: &mut Tx<'_>,
         head: Head,
     ) -> Result<(Vec<(i64, AuditRecord)>, Head)> {
         let s = &self.s;
@@ -581,7 +580,7 @@ impl PgEngine {
     }
 
     /// Seals what is pending before a read of the chain (waits for the head).
-    fn seal_before_reading(&self, client: &mut Client) -> Result<()> {
+    fn seal_before_reading(&self, client: &mut Conn) -> Result<()> {
         self.seal_pending(client, Seal::Wait).map(|_| ())
     }
 
@@ -590,8 +589,9 @@ impl PgEngine {
     /// handle's sends in progress are alive, whatever other handles concluded
     /// meanwhile) and verified.
     fn ensure_owner(&self, client: &mut Client) -> Result<()> {
+        let asked = std::time::Instant::now();
         let mut liveness = lock(&self.liveness);
-        if liveness.is_held() {
+        if liveness.held_since(asked) {
             return Ok(());
         }
         tracing::warn!(
@@ -641,7 +641,7 @@ impl PgEngine {
     /// are indexed already), when it has one.
     fn put(
         &self,
-        tx: &mut postgres::Transaction<'_>,
+        tx: &mut Tx<'_>,
         item: &OutboxItem,
         expect: Expect,
         before: Option<&OutboxItem>,
@@ -716,7 +716,7 @@ impl PgEngine {
     /// a `fresh` row without send times).
     fn index_rates(
         &self,
-        tx: &mut postgres::Transaction<'_>,
+        tx: &mut Tx<'_>,
         item: &OutboxItem,
         before: Option<&OutboxItem>,
         fresh: bool,
@@ -763,7 +763,7 @@ impl PgEngine {
     /// The cap view of `destination` inside `tx`, since `since`.
     fn rate_view(
         &self,
-        tx: &mut postgres::Transaction<'_>,
+        tx: &mut Tx<'_>,
         destination: &str,
         since: DateTime<Utc>,
         all_times: &[DateTime<Utc>],
@@ -798,7 +798,8 @@ impl PgEngine {
         reason = "the same shape as probing another owner, which can fail"
     )]
     pub(crate) fn own_lock_held(&self) -> Result<bool> {
-        Ok(lock(&self.liveness).is_held())
+        let asked = std::time::Instant::now();
+        Ok(lock(&self.liveness).held_since(asked))
     }
 
     fn settings_place(&self) -> PathBuf {
@@ -806,7 +807,7 @@ impl PgEngine {
     }
 
     /// The stored settings, read inside `tx`.
-    pub(crate) fn read_settings(&self, tx: &mut postgres::Transaction<'_>) -> Result<Stored> {
+    pub(crate) fn read_settings(&self, tx: &mut Tx<'_>) -> Result<Stored> {
         let row = tx
             .query_opt(
                 &format!("SELECT doc FROM {}.settings WHERE id = 1", self.s),
@@ -830,7 +831,7 @@ impl PgEngine {
     /// transaction waited at the gate is seen from its next transaction on.
     pub(crate) fn pass_gate_reading_settings(
         &self,
-        tx: &mut postgres::Transaction<'_>,
+        tx: &mut Tx<'_>,
         scope: txn::Scope,
     ) -> Result<Stored> {
         let lock = match scope {
@@ -852,7 +853,7 @@ impl PgEngine {
     /// The stored settings, as last committed.
     pub(crate) fn stored_settings(&self) -> Result<Stored> {
         let mut client = self.client()?;
-        let mut tx = client.transaction().map_err(db("begin a read"))?;
+        let mut tx = client.begin().map_err(db("begin a read"))?;
         let stored = self.read_settings(&mut tx)?;
         tx.commit().map_err(db("end a read"))?;
         Ok(stored)
@@ -876,7 +877,7 @@ impl PgEngine {
         // A claim must name an owner whose lock is held (after a cut or a
         // restart it is taken again here).
         self.ensure_owner(&mut client)?;
-        let tx = client.transaction().map_err(db("begin a transaction"))?;
+        let tx = client.begin().map_err(db("begin a transaction"))?;
         let mut txn = PgTxn::begin(self, tx, scope, now, defaults)?;
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
@@ -892,7 +893,7 @@ impl PgEngine {
     /// another is sealing leaves its events to that one, which goes round
     /// again when commits arrived during its sealing (so the threads of a
     /// handle share sealing transactions instead of queueing for the head).
-    fn after_commit(&self, client: &mut Client, pending: bool, wake: bool) {
+    fn after_commit(&self, client: &mut Conn, pending: bool, wake: bool) {
         if pending {
             self.committed_pending.fetch_add(1, Ordering::SeqCst);
             while !self.sealing.swap(true, Ordering::SeqCst) {
@@ -936,7 +937,7 @@ impl PgEngine {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let mut client = self.client()?;
-        let mut tx = client.transaction().map_err(db("begin storing settings"))?;
+        let mut tx = client.begin().map_err(db("begin storing settings"))?;
         let s = &self.s;
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events go on the chain first: this record comes after them.
@@ -985,12 +986,7 @@ impl PgEngine {
     }
 
     /// Seals `event` after `head` (locked by `tx`) and moves the head.
-    fn append_system_record(
-        &self,
-        tx: &mut postgres::Transaction<'_>,
-        head: &Head,
-        event: &AuditEvent,
-    ) -> Result<()> {
+    fn append_system_record(&self, tx: &mut Tx<'_>, head: &Head, event: &AuditEvent) -> Result<()> {
         let s = &self.s;
         let record = AuditRecord::seal(event, head.seq + 1, &head.hash, false, &self.hasher);
         let mut line = record.to_line();
@@ -1038,9 +1034,7 @@ impl PgEngine {
             .max(settings.rates.longest_window());
         let cutoff = crate::clock::earlier(now, keep_for);
         let mut client = self.client()?;
-        let mut tx = client
-            .transaction()
-            .map_err(db("begin a retention prune"))?;
+        let mut tx = client.begin().map_err(db("begin a retention prune"))?;
         let s = &self.s;
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events (the pruned items' last ones among them) go on the
@@ -1353,7 +1347,7 @@ impl PgEngine {
     }
 
     /// Locks the audit head row in `tx` (a sealer's lock) and returns it.
-    fn lock_head(&self, tx: &mut postgres::Transaction<'_>) -> Result<Head> {
+    fn lock_head(&self, tx: &mut Tx<'_>) -> Result<Head> {
         let row = tx
             .query_one(
                 &format!(
@@ -1436,7 +1430,7 @@ impl Engine for PgEngine {
 
     fn commit(&self, change: ChangeSet) -> Result<Vec<AuditRecord>, CommitError> {
         let mut client = self.client()?;
-        let mut tx = client.transaction().map_err(db("begin a commit"))?;
+        let mut tx = client.begin().map_err(db("begin a commit"))?;
         // The lock order of every writer (see `txn`): the gate before any row.
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         for put in &change.puts {
@@ -1482,7 +1476,7 @@ impl Engine for PgEngine {
         let mut client = self.client()?;
         self.ensure_owner(&mut client)?;
         let s = &self.s;
-        let mut tx = client.transaction().map_err(db("begin a claim"))?;
+        let mut tx = client.begin().map_err(db("begin a claim"))?;
         // The lock order of every writer (see `txn`): the gate (exclusive:
         // this claim may lock many rows), then rows, then the caps lock, so
         // a batch claim never waits in a cycle with a transaction of the rules.
@@ -1672,13 +1666,13 @@ fn head_of_row(row: &Row) -> Head {
 /// A reads/commits connection lent by [`PgEngine::client`].
 struct Pooled<'e> {
     engine: &'e PgEngine,
-    client: Option<Client>,
+    client: Option<Conn>,
 }
 
 impl std::ops::Deref for Pooled<'_> {
-    type Target = Client;
+    type Target = Conn;
 
-    fn deref(&self) -> &Client {
+    fn deref(&self) -> &Conn {
         match &self.client {
             Some(client) => client,
             None => unreachable!("taken only in drop"),
@@ -1687,7 +1681,7 @@ impl std::ops::Deref for Pooled<'_> {
 }
 
 impl std::ops::DerefMut for Pooled<'_> {
-    fn deref_mut(&mut self) -> &mut Client {
+    fn deref_mut(&mut self) -> &mut Conn {
         match &mut self.client {
             Some(client) => client,
             None => unreachable!("taken only in drop"),

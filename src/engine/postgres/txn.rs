@@ -51,7 +51,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use postgres::Transaction;
 
 use super::{PgEngine, db, lock_key};
 use crate::audit::AuditEvent;
@@ -72,7 +71,7 @@ type Base = Option<(OutboxItem, u64)>;
 /// One transaction of the rules on PostgreSQL.
 pub(crate) struct PgTxn<'e, 'c> {
     engine: &'e PgEngine,
-    tx: Transaction<'c>,
+    tx: super::conn::Tx<'c>,
     /// Rows as committed, locked by this transaction when read.
     base: HashMap<String, Base>,
     /// Items changed by this transaction (whole new versions).
@@ -95,7 +94,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// `defaults`, this handle's own values).
     pub(crate) fn begin(
         engine: &'e PgEngine,
-        mut tx: Transaction<'c>,
+        mut tx: super::conn::Tx<'c>,
         scope: Scope,
         now: DateTime<Utc>,
         defaults: &Settings,
