@@ -302,7 +302,10 @@ impl Outbox {
         let _entered = span.enter();
         message.validate()?;
         let hash = content_hash(&message.content);
-        let item = self.transact_one(move |_, txn| enqueue::insert_message(txn, message, hash))?;
+        let key = message.idempotency_key.clone();
+        let item = self.transact_one(&key, move |_, txn| {
+            enqueue::insert_message(txn, message, hash)
+        })?;
         span.record("outcome", item.state.as_str());
         self.inner.wakers.wake();
         Ok(item)
@@ -692,7 +695,7 @@ impl Outbox {
     /// As [`enqueue`](Self::enqueue).
     pub fn requeue(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
-        let requeued = self.transact_one(|_, txn| Bulk::Requeue.one(txn, key, &note))?;
+        let requeued = self.transact_one(key, |_, txn| Bulk::Requeue.one(txn, key, &note))?;
         self.inner.wakers.wake();
         Ok(requeued)
     }
@@ -735,7 +738,7 @@ impl Outbox {
     /// As [`enqueue`](Self::enqueue).
     pub fn cancel(&self, key: &str, operator: &str, reason: &str) -> Result<OutboxItem> {
         let note = operator_note(operator, reason)?;
-        self.transact_one(|_, txn| Bulk::Cancel.one(txn, key, &note))
+        self.transact_one(key, |_, txn| Bulk::Cancel.one(txn, key, &note))
     }
 
     /// The live items `filter` matches, sorted by key (what a bulk action
@@ -1036,13 +1039,17 @@ impl Outbox {
 
     /// Runs `f`, which reads and changes the one item `key` names (see
     /// [`Scope::OneItem`]), in one transaction of the engine.
-    fn transact_one<T>(&self, f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>) -> Result<T> {
-        self.transact_in(Scope::OneItem, f)
+    fn transact_one<T>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>,
+    ) -> Result<T> {
+        self.transact_in(Scope::OneItem(key), f)
     }
 
     fn transact_in<T>(
         &self,
-        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] scope: Scope,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] scope: Scope<'_>,
         f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>,
     ) -> Result<T> {
         let inner = &*self.inner;
@@ -1110,7 +1117,7 @@ impl Outbox {
     /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
         let mut claimed_here = false;
-        let decided = self.transact_one(|actor, txn| {
+        let decided = self.transact_one(key, |actor, txn| {
             let decision = lifecycle::decide(actor, txn, key)?;
             claimed_here = matches!(decision, Decision::Send(..));
             Ok(decision)
@@ -1138,7 +1145,9 @@ impl Outbox {
         result: SendResult,
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
         let recorded = self.check_after_send().and_then(|()| {
-            self.transact_one(|actor, txn| lifecycle::finish(actor, txn, key, &result))
+            self.transact_one(key, |actor, txn| {
+                lifecycle::finish(actor, txn, key, &result)
+            })
         });
         self.in_flight().remove(key);
         match result {
@@ -1157,7 +1166,7 @@ impl Outbox {
     /// for an idempotent transport, goes back to the queue for a resend.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn abandon(&self, key: &str, code: &str) -> Result<()> {
-        let result = self.transact_one(|actor, txn| lifecycle::abandon(actor, txn, key, code));
+        let result = self.transact_one(key, |actor, txn| lifecycle::abandon(actor, txn, key, code));
         self.in_flight().remove(key);
         result
     }
@@ -1167,7 +1176,9 @@ impl Outbox {
     /// as it was before the claim. Does nothing if the claim is no longer ours.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn release(&self, key: &str, before: &OutboxItem) -> Result<()> {
-        let result = self.transact_one(|actor, txn| lifecycle::release(actor, txn, key, before));
+        let result = self.transact_one(key, |actor, txn| {
+            lifecycle::release(actor, txn, key, before)
+        });
         self.in_flight().remove(key);
         result
     }

@@ -50,10 +50,11 @@ use crate::settings::Settings;
 /// and every other alone among writers; the file engine runs every
 /// transaction alone anyway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Scope {
-    /// It reads and changes one item (by key) and reads no other item for
-    /// change; it may read that item's destination line, times and cooldown.
-    OneItem,
+pub(crate) enum Scope<'k> {
+    /// It reads and changes the item with this key and reads no other item
+    /// for change; it may read that item's destination line, times and
+    /// cooldown.
+    OneItem(&'k str),
     /// Anything: a drain step, `enqueue_many`, a bulk action.
     Any,
 }

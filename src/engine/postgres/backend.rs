@@ -119,7 +119,7 @@ impl PgBackend {
     /// Runs one transaction of the rules.
     pub(crate) fn transact<T>(
         &self,
-        scope: Scope,
+        scope: Scope<'_>,
         f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         blocking(|| {

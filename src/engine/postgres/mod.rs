@@ -379,9 +379,9 @@ impl PgEngine {
 
     /// Passes the writers' gate in `tx` (see [`txn`]): shared for a one-item
     /// transaction, exclusive for every other writer.
-    fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope) -> Result<()> {
+    fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<()> {
         let sql = match scope {
-            txn::Scope::OneItem => "SELECT pg_advisory_xact_lock_shared($1)",
+            txn::Scope::OneItem(_) => "SELECT pg_advisory_xact_lock_shared($1)",
             txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
         };
         tx.execute(sql, &[&lock_key(&self.schema, "writers")])
@@ -458,30 +458,24 @@ impl PgEngine {
         let mut sealed = Vec::new();
         loop {
             let mut tx = client.begin().map_err(db("begin sealing"))?;
+            // The committing handle's sealing does not wait for its WAL
+            // flush (see "Deferred sealing": a sealing lost in a crash is
+            // undone whole, its events pending again, and no reader has seen
+            // it, since a reader's sealing flushes first).
             let sql = match how {
-                Seal::Wait => "FOR UPDATE",
-                Seal::IfFree => "FOR UPDATE SKIP LOCKED",
+                Seal::Wait => "SELECT seq, hash FROM {s}.audit_head WHERE id = 1 FOR UPDATE",
+                Seal::IfFree => {
+                    "SELECT seq, hash, set_config('synchronous_commit', 'off', true)
+                     FROM {s}.audit_head WHERE id = 1 FOR UPDATE SKIP LOCKED"
+                }
             };
             let Some(row) = tx
-                .query_opt(
-                    &format!(
-                        "SELECT seq, hash FROM {}.audit_head WHERE id = 1 {sql}",
-                        self.s
-                    ),
-                    &[],
-                )
+                .query_opt(&sql.replace("{s}", &self.s), &[])
                 .map_err(db("lock the audit head"))?
             else {
                 return Ok(sealed);
             };
             let head = head_of_row(&row);
-            if how == Seal::IfFree {
-                // See "Deferred sealing": a sealing lost in a crash is
-                // undone whole (its events are pending again) and no reader
-                // has seen it (a reader's sealing flushes first).
-                tx.batch_execute("SET LOCAL synchronous_commit = off")
-                    .map_err(db("begin sealing"))?;
-            }
             let (batch, _) = self.seal_pending_in(&mut tx, head)?;
             if batch.is_empty() {
                 if how == Seal::Wait && !self.wal_flushed(&mut tx)? {
@@ -562,20 +556,23 @@ impl PgEngine {
             prev.clone_from(&record.hash);
             sealed.push((id, record));
         }
-        tx.execute(
-            &format!(
-                "INSERT INTO {s}.audit (seq, hash, line)
-                 SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[])"
-            ),
-            &[&seqs, &hashes, &lines],
-        )
-        .map_err(db("append sealed audit records"))?;
         let head = Head { seq, hash: prev };
         tx.execute(
-            &format!("UPDATE {s}.audit_head SET seq = $1, hash = $2 WHERE id = 1"),
-            &[&i64::try_from(head.seq).unwrap_or(i64::MAX), &head.hash],
+            &format!(
+                "WITH sealed AS (
+                   INSERT INTO {s}.audit (seq, hash, line)
+                   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[]))
+                 UPDATE {s}.audit_head SET seq = $4, hash = $5 WHERE id = 1"
+            ),
+            &[
+                &seqs,
+                &hashes,
+                &lines,
+                &i64::try_from(head.seq).unwrap_or(i64::MAX),
+                &head.hash,
+            ],
         )
-        .map_err(db("move the audit head"))?;
+        .map_err(db("append sealed audit records"))?;
         Ok((sealed, head))
     }
 
@@ -832,21 +829,30 @@ impl PgEngine {
     pub(crate) fn pass_gate_reading_settings(
         &self,
         tx: &mut Tx<'_>,
-        scope: txn::Scope,
+        scope: txn::Scope<'_>,
     ) -> Result<Stored> {
-        let lock = match scope {
-            txn::Scope::OneItem => "pg_advisory_xact_lock_shared",
-            txn::Scope::Any => "pg_advisory_xact_lock",
-        };
-        let row = tx
-            .query_one(
+        let gate = lock_key(&self.schema, "writers");
+        let row = match scope {
+            // The item's key is locked with the gate: no enqueue of it can
+            // be under way unseen (see `txn`).
+            txn::Scope::OneItem(key) => tx.query_one(
                 &format!(
-                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1) FROM (SELECT {lock}($1)) gate",
+                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1)
+                     FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate",
                     self.s
                 ),
-                &[&lock_key(&self.schema, "writers")],
-            )
-            .map_err(db("pass the writers' gate"))?;
+                &[&gate, &lock_key(&self.schema, &format!("key:{key}"))],
+            ),
+            txn::Scope::Any => tx.query_one(
+                &format!(
+                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1)
+                     FROM (SELECT pg_advisory_xact_lock($1)) gate",
+                    self.s
+                ),
+                &[&gate],
+            ),
+        }
+        .map_err(db("pass the writers' gate"))?;
         self.stored_of(row.get(0))
     }
 
@@ -870,7 +876,7 @@ impl PgEngine {
         &self,
         now: DateTime<Utc>,
         defaults: &Settings,
-        scope: txn::Scope,
+        scope: txn::Scope<'_>,
         f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;

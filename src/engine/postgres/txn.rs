@@ -78,7 +78,8 @@ pub(crate) struct PgTxn<'e, 'c> {
     overlay: BTreeMap<String, OutboxItem>,
     /// Events sealed by the rule, in order: written as pending at commit.
     events: Vec<AuditEvent>,
-    scope: Scope,
+    /// A one-item transaction (see [`Scope::OneItem`]).
+    one_item: bool,
     now: DateTime<Utc>,
     settings: Settings,
     caps_locked: bool,
@@ -95,7 +96,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     pub(crate) fn begin(
         engine: &'e PgEngine,
         mut tx: super::conn::Tx<'c>,
-        scope: Scope,
+        scope: Scope<'_>,
         now: DateTime<Utc>,
         defaults: &Settings,
     ) -> Result<Self> {
@@ -106,12 +107,16 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             base: HashMap::new(),
             overlay: BTreeMap::new(),
             events: Vec::new(),
-            scope,
+            one_item: matches!(scope, Scope::OneItem(_)),
             now,
             settings: defaults.with_stored(&stored),
             caps_locked: false,
             destinations: HashSet::new(),
-            key_locked: HashSet::new(),
+            // The gate's statement locked the item's key.
+            key_locked: match scope {
+                Scope::OneItem(key) => HashSet::from([key.to_owned()]),
+                Scope::Any => HashSet::new(),
+            },
         })
     }
 
@@ -139,7 +144,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             return Ok(());
         }
         let mut row = self.select_for_update(key)?;
-        if row.is_none() && self.scope == Scope::OneItem && self.key_locked.insert(key.to_owned()) {
+        if row.is_none() && self.one_item && self.key_locked.insert(key.to_owned()) {
             self.tx
                 .execute(
                     "SELECT pg_advisory_xact_lock($1)",
@@ -173,7 +178,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// Takes `destination`'s lock once (one-item transactions; a transaction
     /// of [`Scope::Any`] runs alone among writers and needs none).
     fn lock_destination(&mut self, destination: &str) -> Result<()> {
-        if self.scope == Scope::OneItem && !self.destinations.contains(destination) {
+        if self.one_item && !self.destinations.contains(destination) {
             self.tx
                 .execute(
                     "SELECT pg_advisory_xact_lock($1)",
@@ -445,7 +450,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// a transaction of [`Scope::Any`]). Times read after them include every
     /// decision committed on any host before they were granted.
     fn lock_caps(&mut self, destination: Option<&str>) -> Result<()> {
-        if let (Scope::OneItem, Some(destination)) = (self.scope, destination) {
+        if let (true, Some(destination)) = (self.one_item, destination) {
             return self.lock_destination(destination);
         }
         if !self.caps_locked {
