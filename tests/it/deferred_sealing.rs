@@ -122,7 +122,9 @@ fn writers_on_two_handles_give_one_chain_in_each_items_order() {
                                     }
                                     true
                                 }
-                                other => panic!("{key}: {other:?}"),
+                                ItemState::Sent => {
+                                    panic!("{key}: sent, though every send was refused")
+                                }
                             }
                         });
                     }
@@ -138,9 +140,16 @@ fn writers_on_two_handles_give_one_chain_in_each_items_order() {
     let file = export(&engine);
     assert_eq!(AuditLog::verify(file.path()).unwrap().records, expected);
 
+    each_items_records_in_order(&handles[1], &keys, returned.into_inner().unwrap());
+}
+
+/// Each key's records, read from the chain: a lifecycle's order ending with
+/// the id the item carries, every audit id once, every id a call returned
+/// among them.
+fn each_items_records_in_order(outbox: &Outbox, keys: &[String], returned: Vec<String>) {
     let mut ids = HashSet::new();
-    for key in &keys {
-        let records = handles[1].history(key).unwrap();
+    for key in keys {
+        let records = outbox.history(key).unwrap();
         let outcomes: Vec<AuditOutcome> = records.iter().map(|r| r.outcome).collect();
         let mut lifecycle = vec![AuditOutcome::Queued, AuditOutcome::Failed];
         for _ in 0..ROUNDS {
@@ -154,7 +163,7 @@ fn writers_on_two_handles_give_one_chain_in_each_items_order() {
             records.windows(2).all(|w| w[0].seq < w[1].seq),
             "{key}: history in chain order"
         );
-        let item = handles[1].get(key).unwrap().unwrap();
+        let item = outbox.get(key).unwrap().unwrap();
         assert_eq!(
             item.last_audit_id(),
             Some(records.last().unwrap().audit_id.as_str()),
@@ -164,7 +173,7 @@ fn writers_on_two_handles_give_one_chain_in_each_items_order() {
             assert!(ids.insert(record.audit_id), "{key}: an audit id twice");
         }
     }
-    for id in returned.into_inner().unwrap() {
+    for id in returned {
         assert!(
             ids.contains(&id),
             "a returned audit id {id} is on the chain"

@@ -478,7 +478,7 @@ impl PgEngine {
             let head = head_of_row(&row);
             let (batch, _) = self.seal_pending_in(&mut tx, head)?;
             if batch.is_empty() {
-                if how == Seal::Wait && !self.wal_flushed(&mut tx)? {
+                if how == Seal::Wait && !Self::wal_flushed(&mut tx)? {
                     // A reader: a sealing committed without waiting for its
                     // WAL flush may be what it is about to read. This commit
                     // (it locked the head row: it has a transaction id)
@@ -499,7 +499,7 @@ impl PgEngine {
 
     /// Whether every WAL record written so far is flushed (so every sealing
     /// this transaction can see is durable).
-    fn wal_flushed(&self, tx: &mut Tx<'_>) -> Result<bool> {
+    fn wal_flushed(tx: &mut Tx<'_>) -> Result<bool> {
         Ok(tx
             .query_one(
                 "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()",
@@ -724,7 +724,8 @@ impl PgEngine {
             before.destination == item.destination
                 && rate_times(before).collect::<Vec<_>>() == times
         });
-        if !unchanged && !(fresh && times.is_empty()) {
+        let nothing_to_write = unchanged || (fresh && times.is_empty());
+        if !nothing_to_write {
             // One statement: drop the times the item no longer has, add the
             // new ones (the two never touch the same row).
             tx.execute(
