@@ -355,11 +355,10 @@ impl Picker {
             let live: HashSet<&str> = candidates.iter().map(|(d, _)| d.as_str()).collect();
             self.served.retain(|d, _| live.contains(d.as_str()));
         }
-        candidates.sort_by(|(da, a), (db, b)| {
-            let ta = self.served.get(da).copied().unwrap_or(0);
-            let tb = self.served.get(db).copied().unwrap_or(0);
-            ta.cmp(&tb).then_with(|| a.cmp(b))
-        });
+        // Enqueue order, then (stably) least recently served first: one
+        // look-up per candidate, not two per comparison.
+        candidates.sort_by(|(_, a), (_, b)| a.cmp(b));
+        candidates.sort_by_cached_key(|(d, _)| self.served.get(d).copied().unwrap_or(0));
     }
 
     /// The keys of the pass that were never looked at.
@@ -477,6 +476,24 @@ mod tests {
         picker.served("quiet");
         picker.rank(&mut candidates);
         assert_eq!(candidates[0].0, "flood");
+    }
+
+    #[test]
+    fn ranking_puts_never_served_first_then_least_recent_each_in_enqueue_order() {
+        let mut picker = Picker::worker();
+        picker.served("b");
+        picker.served("a");
+        // Given in an order that is neither: the rank alone must sort them.
+        let mut candidates = vec![
+            ("a".to_owned(), key(2, 0, "a2")),
+            ("y".to_owned(), key(7, 0, "y7")),
+            ("b".to_owned(), key(5, 0, "b5")),
+            ("x".to_owned(), key(3, 0, "x3")),
+            ("z".to_owned(), key(1, 0, "z1")),
+        ];
+        picker.rank(&mut candidates);
+        let keys: Vec<&str> = candidates.iter().map(|(_, k)| k.key.as_str()).collect();
+        assert_eq!(keys, ["z1", "x3", "y7", "b5", "a2"]);
     }
 
     #[test]

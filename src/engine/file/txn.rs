@@ -83,6 +83,30 @@ impl FileTxn<'_> {
             .min();
         committed.into_iter().chain(pending).min()
     }
+
+    /// Whether `key` is `destination`'s head (as [`head`](Self::head) would
+    /// say), without copying a place: the committed line's first item this
+    /// transaction left alone, unless a queued item it changed sorts first.
+    fn is_head(&self, destination: &str, key: &str) -> bool {
+        let committed = self
+            .base
+            .index
+            .lines
+            .line(destination)
+            .find(|place| !self.overlay.contains_key(&place.key));
+        let pending = self
+            .overlay
+            .values()
+            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
+            .map(OrderKey::of)
+            .min();
+        match (committed, pending) {
+            (Some(c), Some(p)) if p < *c => p.key == key,
+            (Some(c), _) => c.key == key,
+            (None, Some(p)) => p.key == key,
+            (None, None) => false,
+        }
+    }
 }
 
 impl Txn for FileTxn<'_> {
@@ -139,39 +163,46 @@ impl Txn for FileTxn<'_> {
         ordering: order::Ordering,
         admits: &mut dyn FnMut(&OutboxItem) -> bool,
     ) -> Result<Vec<(String, OrderKey)>> {
+        let this: &Self = self;
         let mut out: Vec<(String, OrderKey)> = Vec::new();
-        let mut destinations: HashSet<String> = HashSet::new();
+        let mut destinations: HashSet<&str> = HashSet::new();
+        // Cheapest test first: a worker's own sends in flight are claimed
+        // items `admits` turns away, and with many slots they are most of
+        // the claimed ones; the head test (a walk of the line and of the
+        // overlay) runs only for what `admits` lets through.
         let mut consider = |place: &OrderKey| {
-            let Some(item) = self.get(&place.key) else {
+            let Some(item) = this.get(&place.key) else {
                 return;
             };
             let ready = item.state == ItemState::Queued
-                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= self.now));
-            let in_line = ordering == order::Ordering::Unordered
-                || self
-                    .head(&item.destination)
-                    .is_some_and(|head| head.key == place.key);
-            if ready && in_line && admits(item) && destinations.insert(item.destination.clone()) {
+                && (item.claim.is_some() || item.next_attempt_at.is_none_or(|at| at <= this.now));
+            if ready
+                && !destinations.contains(item.destination.as_str())
+                && admits(item)
+                && (ordering == order::Ordering::Unordered
+                    || this.is_head(&item.destination, &place.key))
+            {
+                destinations.insert(item.destination.as_str());
                 out.push((item.destination.clone(), place.clone()));
             }
         };
-        let lines = &self.base.index.lines;
+        let lines = &this.base.index.lines;
         for place in lines.claimed() {
-            if !self.overlay.contains_key(&place.key) {
+            if !this.overlay.contains_key(&place.key) {
                 consider(place);
             }
         }
-        for item in self.overlay.values() {
+        for item in this.overlay.values() {
             if item.state == ItemState::Queued {
                 consider(&OrderKey::of(item));
             }
-            if let Some(head) = self.head(&item.destination) {
+            if let Some(head) = this.head(&item.destination) {
                 consider(&head);
             }
         }
         for place in lines
-            .due_fronts(ordering, self.now)
-            .filter(|place| !self.overlay.contains_key(&place.key))
+            .due_fronts(ordering, this.now)
+            .filter(|place| !this.overlay.contains_key(&place.key))
             .take(CANDIDATE_WINDOW)
         {
             consider(place);
