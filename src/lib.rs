@@ -1,4 +1,5 @@
-//! A durable, at-most-once outbox for bots on one host.
+//! A durable, at-most-once outbox for bots: in a directory on one host, or in
+//! PostgreSQL (feature `postgres`) for bots on several hosts.
 //!
 //! A bot records each outbound message under a caller-owned idempotency key, then
 //! hands it to its own transport through [`Outbox::process`]. The outbox promises,
