@@ -177,7 +177,7 @@ pub(crate) fn check_schema(schema: &str) -> Result<()> {
 }
 
 /// An audit event about the outbox, not an item (`settings`, a retention
-/// prune): `subject` stands where an item's key would, item fields are `-`.
+/// prune): the rules' one constructor, so both engines hash the same record.
 fn system_event(
     outcome: AuditOutcome,
     head: &Head,
@@ -185,25 +185,7 @@ fn system_event(
     note: String,
     now: DateTime<Utc>,
 ) -> AuditEvent {
-    AuditEvent {
-        attempts: 0,
-        audit_id: hex::encode(&Sha256::digest(format!("{}{subject}", head.hash).as_bytes())[..16]),
-        connector: "-".into(),
-        content_hash: "-".into(),
-        destination: "-".into(),
-        direction: "-".into(),
-        error_code: None,
-        failure_class: None,
-        grant_id: "-".into(),
-        idempotency_key: subject.to_owned(),
-        lane: "-".into(),
-        outcome,
-        note: Some(note),
-        reconciled: false,
-        recorded_at_utc: crate::clock::format_timestamp(now),
-        risk_class: None,
-        transport_ref: None,
-    }
+    crate::rules::record::system_event_of(outcome, head, subject, note, now)
 }
 
 /// Opens connections to one server.
