@@ -119,6 +119,22 @@ impl OutboxBuilder {
         }
     }
 
+    /// This handle's builder values of the stored settings: what a setting
+    /// the outbox does not store falls back to (see `settings`). One place,
+    /// so every engine reads the same knobs.
+    pub(crate) fn handle_settings(&self) -> crate::settings::Settings {
+        crate::settings::Settings {
+            rates: self.rates.clone(),
+            history_after: self.history_after,
+            retention: self.retention,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff.clone(),
+            give_up_after: self.give_up_after,
+            ordering: self.ordering,
+            stored: Vec::new(),
+        }
+    }
+
     pub(crate) fn new(dir: PathBuf) -> Self {
         Self {
             dir,

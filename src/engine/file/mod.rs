@@ -114,16 +114,7 @@ impl FileEngine {
         }
         let _ = &mut faults;
         let store = Store::new(&dir);
-        let defaults = Settings {
-            rates: builder.rates.clone(),
-            history_after: builder.history_after,
-            retention: builder.retention,
-            max_attempts: builder.max_attempts,
-            backoff: builder.backoff.clone(),
-            give_up_after: builder.give_up_after,
-            ordering: builder.ordering,
-            stored: Vec::new(),
-        };
+        let defaults = builder.handle_settings();
         let (owner, initial_settings) = {
             let mut guard = lock.lock()?;
             guard.mark_writing()?;

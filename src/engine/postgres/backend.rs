@@ -58,16 +58,7 @@ impl PgBackend {
         for (name, action) in &builder.failpoints {
             engine.faults.arm(name, *action);
         }
-        let defaults = Settings {
-            rates: builder.rates.clone(),
-            history_after: builder.history_after,
-            retention: builder.retention,
-            max_attempts: builder.max_attempts,
-            backoff: builder.backoff.clone(),
-            give_up_after: builder.give_up_after,
-            ordering: builder.ordering,
-            stored: Vec::new(),
-        };
+        let defaults = builder.handle_settings();
         let now = builder.clock.now();
         blocking(|| {
             engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
