@@ -106,6 +106,16 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The moment before which a terminal item counts as history, on every
+    /// engine: at least `history_after` ago, and never inside the longest
+    /// rate window (an item that still counts against a cap stays live).
+    pub(crate) fn history_cutoff(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> chrono::DateTime<chrono::Utc> {
+        crate::clock::earlier(now, self.history_after.max(self.rates.longest_window()))
+    }
+
     /// The cap for destinations no pattern matches.
     pub fn rate_limit(&self) -> RateLimit {
         self.rates.per_destination

@@ -3,17 +3,15 @@
 //! policy no longer keeps (each prune on record first).
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
 use crate::audit::{AuditRecord, AuditTail};
-use crate::clock::{earlier, format_timestamp};
+use crate::clock::format_timestamp;
 use crate::error::Error;
 use crate::failpoint::Failpoints;
 use crate::history::{History, Retention};
 use crate::item::OutboxItem;
-use crate::rate::RatePolicy;
 use crate::rules::record::system_event;
 use crate::settings::Settings;
 use crate::store::{CommitFailure, Loaded, Store, rate_times};
@@ -87,7 +85,7 @@ pub(super) struct Housekeeping {
 impl Housekeeping {
     pub(super) fn new(now: DateTime<Utc>, settings: &Settings, audit_rotate_bytes: u64) -> Self {
         Self {
-            cutoff: eviction_cutoff(now, settings.history_after, &settings.rates),
+            cutoff: settings.history_cutoff(now),
             retention: settings.retention,
             now,
             audit_rotate_bytes,
@@ -131,14 +129,4 @@ fn prune_history(
             .map_err(|e| (CommitFailure::Uncertain, e))?;
     }
     Ok(())
-}
-
-/// The moment before which terminal items may leave the live state: at least
-/// `history_after` ago, and never inside the longest rate window.
-fn eviction_cutoff(
-    now: DateTime<Utc>,
-    history_after: Duration,
-    rates: &RatePolicy,
-) -> DateTime<Utc> {
-    earlier(now, history_after.max(rates.longest_window()))
 }

@@ -6,7 +6,8 @@
 //! state in memory and replays it. Here nothing is held in memory and every
 //! lookup is an index scan, so moving rows would cost writes and buy nothing:
 //! terminal items stay in `items`, and "history" is the view of those last
-//! changed more than `history_after` ago (`list_items` leaves them out,
+//! changed more than `history_after` ago and outside every rate window
+//! (`Settings::history_cutoff`, the file engine's rule; `list_items` leaves them out,
 //! `history_items` lists them, `get` and the transport-ref lookups find both).
 //! Retention applies on open (as the file engine's compaction on open):
 //! under `history_retention` `MaxAge(age)` the terminal items last changed
@@ -124,9 +125,9 @@ impl PgBackend {
         blocking(|| self.engine().item(key))
     }
 
-    /// When terminal items count as history: `history_after` before now.
+    /// When terminal items count as history (`Settings::history_cutoff`).
     fn history_cutoff(&self) -> Result<DateTime<Utc>> {
-        Ok(earlier(self.clock.now(), self.settings()?.history_after))
+        Ok(self.settings()?.history_cutoff(self.clock.now()))
     }
 
     /// Live items (matching `filter`), sorted by key.

@@ -413,12 +413,13 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 
     /// Every item `filter` matches, sorted by key, as committed. On
     /// PostgreSQL terminal items stay in `items` (see the module docs of
-    /// `engine::postgres`): the ones past `history_after` are history and left out.
+    /// `engine::postgres`): the ones past `history_after` (and every rate
+    /// window) are history and left out.
     ///
     /// # Errors
     /// [`Error::Database`]; [`Error::InvalidRecord`] for a damaged row.
     pub(crate) fn select(&mut self, filter: &crate::filter::ItemFilter) -> Result<Vec<OutboxItem>> {
-        let cutoff = crate::clock::earlier(self.now, self.settings.history_after);
+        let cutoff = self.settings.history_cutoff(self.now);
         let rows = self
             .tx
             .query(
