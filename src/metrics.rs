@@ -14,13 +14,8 @@
 //! | `durable_outbox_oldest_queued_age_seconds` | gauge | — | age of the oldest queued item, 0 when none |
 
 #[cfg(feature = "metrics")]
-use std::collections::HashMap;
-
-#[cfg(feature = "metrics")]
 use chrono::{DateTime, Utc};
 
-#[cfg(feature = "metrics")]
-use crate::audit::AuditRecord;
 #[cfg(feature = "metrics")]
 use crate::item::{ItemState, OutboxItem};
 
@@ -40,25 +35,37 @@ const IN_FLIGHT: &str = "durable_outbox_in_flight";
 #[cfg(feature = "metrics")]
 const OLDEST_QUEUED_AGE_SECONDS: &str = "durable_outbox_oldest_queued_age_seconds";
 
-/// Counts the committed `records`; `items` is the state they were committed
-/// to, for the latency of deliveries.
+/// What one committed audit outcome is counted by: its outcome, error code,
+/// failure class and item key (from a sealed record or an event still to be
+/// sealed).
+pub(crate) type Counted<'r> = (
+    crate::AuditOutcome,
+    Option<&'r str>,
+    Option<crate::FailureClass>,
+    &'r str,
+);
+
+/// Counts committed outcomes; `item` looks up the state they were committed
+/// to, for the latency of deliveries. Both engines call it after a durable
+/// commit: the file engine with its records, PostgreSQL with the events it
+/// committed (sealed onto the chain later, perhaps by another handle).
 #[cfg(feature = "metrics")]
-pub(crate) fn committed(records: &[AuditRecord], items: &HashMap<String, OutboxItem>) {
-    for record in records {
+pub(crate) fn committed<'r, 'a>(
+    outcomes: impl IntoIterator<Item = Counted<'r>>,
+    item: impl Fn(&str) -> Option<&'a OutboxItem>,
+) {
+    for (outcome, error_code, class, key) in outcomes {
         let labels = [
-            ("outcome", record.outcome.as_str().to_owned()),
-            ("error_code", record.error_code.clone().unwrap_or_default()),
+            ("outcome", outcome.as_str().to_owned()),
+            ("error_code", error_code.unwrap_or_default().to_owned()),
             (
                 "class",
-                record
-                    .failure_class
-                    .map(|c| c.as_str().to_owned())
-                    .unwrap_or_default(),
+                class.map(|c| c.as_str().to_owned()).unwrap_or_default(),
             ),
         ];
         metrics::counter!(OUTCOMES_TOTAL, &labels).increment(1);
-        if record.outcome == crate::AuditOutcome::Sent
-            && let Some(item) = items.get(&record.idempotency_key)
+        if outcome == crate::AuditOutcome::Sent
+            && let Some(item) = item(key)
             && let Some(sent_at) = item.sent_at
         {
             let latency = (sent_at - item.created_at).to_std().unwrap_or_default();
@@ -68,9 +75,9 @@ pub(crate) fn committed(records: &[AuditRecord], items: &HashMap<String, OutboxI
 }
 
 #[cfg(not(feature = "metrics"))]
-pub(crate) fn committed(
-    _records: &[crate::audit::AuditRecord],
-    _items: &std::collections::HashMap<String, crate::item::OutboxItem>,
+pub(crate) fn committed<'r, 'a>(
+    _outcomes: impl IntoIterator<Item = Counted<'r>>,
+    _item: impl Fn(&str) -> Option<&'a crate::item::OutboxItem>,
 ) {
 }
 

@@ -587,7 +587,17 @@ impl FileEngine {
                 .take_while(|r| last_record.is_some_and(|last| r.seq <= last))
                 .count();
             audit.append_records(&durable[..upto], &inner.faults)?;
-            crate::metrics::committed(&durable[..upto], &loaded.state.items);
+            crate::metrics::committed(
+                durable[..upto].iter().map(|r| {
+                    (
+                        r.outcome,
+                        r.error_code.as_deref(),
+                        r.failure_class,
+                        r.idempotency_key.as_str(),
+                    )
+                }),
+                |key| loaded.state.items.get(key),
+            );
             Ok(())
         });
         if let Err(e) = result {

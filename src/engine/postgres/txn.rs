@@ -617,6 +617,17 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         }
         let pending = self.engine.write_pending(&mut self.tx, &self.events)?;
         self.tx.commit().map_err(db("commit"))?;
+        crate::metrics::committed(
+            self.events.iter().map(|e| {
+                (
+                    e.outcome,
+                    e.error_code.as_deref(),
+                    e.failure_class,
+                    e.idempotency_key.as_str(),
+                )
+            }),
+            |key| overlay.get(key),
+        );
         Ok(Committed {
             pending: !pending.is_empty(),
             wake,
