@@ -2,6 +2,9 @@
 //! the server's `retry_after` said, instead of a herd leaving when the cooldown
 //! ends. Driven against a model of Synapse's limiter on a manual clock, so every
 //! moment is exact.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`); every body here runs on both.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -9,6 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use durable_outbox::{Clock, DESTINATION_PACED, ItemState, ManualClock, OutboxItem, SendError};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, secs};
 
 /// Synapse's `rc_message` limiter: a bucket of `burst` that drains at `rate`
@@ -81,18 +85,74 @@ fn drain(h: &Harness, limiter: &Arc<Mutex<Limiter>>) -> Duration {
     panic!("watchdog: paced delivery finishes within 1000 passes");
 }
 
-#[test]
-fn after_the_first_429_sends_follow_the_servers_rate_without_a_herd() {
-    // Unlimited on our side: the pacing alone.
-    twenty_under_synapses_limit(&Harness::with(|b| b.rate_limit(10_000, secs(1))));
-}
+on_both_engines! {
+    fn after_the_first_429_sends_follow_the_servers_rate_without_a_herd(engine) {
+        // Unlimited on our side: the pacing alone.
+        twenty_under_synapses_limit(&engine.harness_with(|b| b.rate_limit(10_000, secs(1))));
+    }
 
-/// The targets with the crate's defaults (one send per chat per second
-/// and the learned pace): against the same server, within 1.5 times its own
-/// limit, in order, with at most 2 more 429s after the first.
-#[test]
-fn with_the_defaults_twenty_messages_meet_the_servers_limit() {
-    twenty_under_synapses_limit(&Harness::new());
+    /// The targets with the crate's defaults (one send per chat per second
+    /// and the learned pace): against the same server, within 1.5 times its own
+    /// limit, in order, with at most 2 more 429s after the first.
+    fn with_the_defaults_twenty_messages_meet_the_servers_limit(engine) {
+        twenty_under_synapses_limit(&engine.harness());
+    }
+
+    fn a_paced_destination_defers_with_its_own_code_and_others_are_not_slowed(engine) {
+        let h = engine.harness_with(|b| {
+            b.rate_limit(10_000, secs(1))
+                .max_inline_wait(Duration::ZERO)
+        });
+        for key in ["a", "b", "c"] {
+            h.enqueue(key, "!busy");
+        }
+        h.enqueue("other", "!quiet");
+        // "a" is accepted; "b", a moment later, is told to wait 2 s.
+        h.outbox.process("a", |_| Ok(Some("$a".into()))).unwrap();
+        h.clock.advance(Duration::from_millis(100));
+        let refused = h
+            .outbox
+            .process("b", |_| {
+                Err(SendError::retryable("M_LIMIT_EXCEEDED").retry_after(secs(2)))
+            })
+            .unwrap();
+        assert_eq!(refused.outcome, durable_outbox::Outcome::Deferred);
+
+        // When the cooldown ends, "b" is still held by the learned pace, 2.625 s
+        // after "a" ((0.1 s since "a" + the 2 s asked for) and a quarter more)…
+        h.clock.advance(secs(2));
+        let sent_a = h.outbox.get("a").unwrap().unwrap().sent_at().unwrap();
+        let b = h
+            .outbox
+            .process("b", |_| panic!("inside the pace"))
+            .unwrap();
+        assert_eq!(b.outcome, durable_outbox::Outcome::Deferred);
+        assert_eq!(
+            b.next_attempt_at,
+            Some(sent_a + chrono::Duration::milliseconds(2625))
+        );
+        // …then goes, and "c" is spaced by the same pace after it.
+        h.clock.set(b.next_attempt_at.unwrap());
+        let b = h.outbox.process("b", |_| Ok(Some("$b".into()))).unwrap();
+        assert_eq!(b.outcome, durable_outbox::Outcome::Sent);
+        let c = h
+            .outbox
+            .process("c", |_| panic!("inside the pace"))
+            .unwrap();
+        assert_eq!(c.outcome, durable_outbox::Outcome::Deferred);
+        assert_eq!(c.error_code.as_deref(), Some(DESTINATION_PACED));
+        let sent_b = h.outbox.get("b").unwrap().unwrap().sent_at().unwrap();
+        assert_eq!(
+            c.next_attempt_at,
+            Some(sent_b + chrono::Duration::milliseconds(2625))
+        );
+        // Another destination is not paced.
+        let other = h
+            .outbox
+            .process("other", |_| Ok(Some("$o".into())))
+            .unwrap();
+        assert_eq!(other.outcome, durable_outbox::Outcome::Sent);
+    }
 }
 
 /// Twenty messages to one room of a server that allows 0.5/s after a burst of
@@ -131,61 +191,4 @@ fn twenty_under_synapses_limit(h: &Harness) {
         "paced: 20 messages in {took:?} (server limit 34 s), {} 429s",
         limiter.refused.len()
     );
-}
-
-#[test]
-fn a_paced_destination_defers_with_its_own_code_and_others_are_not_slowed() {
-    let h = Harness::with(|b| {
-        b.rate_limit(10_000, secs(1))
-            .max_inline_wait(Duration::ZERO)
-    });
-    for key in ["a", "b", "c"] {
-        h.enqueue(key, "!busy");
-    }
-    h.enqueue("other", "!quiet");
-    // "a" is accepted; "b", a moment later, is told to wait 2 s.
-    h.outbox.process("a", |_| Ok(Some("$a".into()))).unwrap();
-    h.clock.advance(Duration::from_millis(100));
-    let refused = h
-        .outbox
-        .process("b", |_| {
-            Err(SendError::retryable("M_LIMIT_EXCEEDED").retry_after(secs(2)))
-        })
-        .unwrap();
-    assert_eq!(refused.outcome, durable_outbox::Outcome::Deferred);
-
-    // When the cooldown ends, "b" is still held by the learned pace, 2.625 s
-    // after "a" ((0.1 s since "a" + the 2 s asked for) and a quarter more)…
-    h.clock.advance(secs(2));
-    let sent_a = h.outbox.get("a").unwrap().unwrap().sent_at().unwrap();
-    let b = h
-        .outbox
-        .process("b", |_| panic!("inside the pace"))
-        .unwrap();
-    assert_eq!(b.outcome, durable_outbox::Outcome::Deferred);
-    assert_eq!(
-        b.next_attempt_at,
-        Some(sent_a + chrono::Duration::milliseconds(2625))
-    );
-    // …then goes, and "c" is spaced by the same pace after it.
-    h.clock.set(b.next_attempt_at.unwrap());
-    let b = h.outbox.process("b", |_| Ok(Some("$b".into()))).unwrap();
-    assert_eq!(b.outcome, durable_outbox::Outcome::Sent);
-    let c = h
-        .outbox
-        .process("c", |_| panic!("inside the pace"))
-        .unwrap();
-    assert_eq!(c.outcome, durable_outbox::Outcome::Deferred);
-    assert_eq!(c.error_code.as_deref(), Some(DESTINATION_PACED));
-    let sent_b = h.outbox.get("b").unwrap().unwrap().sent_at().unwrap();
-    assert_eq!(
-        c.next_attempt_at,
-        Some(sent_b + chrono::Duration::milliseconds(2625))
-    );
-    // Another destination is not paced.
-    let other = h
-        .outbox
-        .process("other", |_| Ok(Some("$o".into())))
-        .unwrap();
-    assert_eq!(other.outcome, durable_outbox::Outcome::Sent);
 }

@@ -1,5 +1,9 @@
 //! The async API: the same at-most-once guarantees for tokio bots, with file work
 //! off the async threads, cancellation treated as ambiguous, bounded concurrency.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s use file-
+//! engine failpoints or a directory of their own.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -7,7 +11,9 @@ use std::time::Duration;
 
 use durable_outbox::{ItemState, Outbox, Outcome, SEND_CANCELLED, SEND_PANICKED, SendError};
 
+use crate::engines::on_both_engines;
 use crate::harness::{DEADLOCK_LIMIT, Harness, msg, secs, within};
+use durable_outbox::FailureClass;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -17,161 +23,216 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-#[test]
-fn process_async_delivers_with_the_claim_durable_before_the_future_runs() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let observer = h.reopen();
-    let receipt = runtime().block_on(h.outbox.process_async("k", |item| {
-        // Another handle (another process, in effect) already sees the claim.
-        let seen = observer.get(item.idempotency_key()).unwrap().unwrap();
-        async move {
-            assert!(
-                seen.dispatch_claimed(),
-                "claimed before the send future ran"
-            );
-            tokio::task::yield_now().await;
-            Ok(Some("tg-1".to_owned()))
-        }
-    }));
-    let receipt = receipt.unwrap();
-    assert_eq!(
-        (receipt.outcome, receipt.transport_ref.as_deref()),
-        (Outcome::Sent, Some("tg-1"))
-    );
-    assert_eq!(
-        h.outbox.process("k", |_| panic!("resent")).unwrap().outcome,
-        Outcome::Sent
-    );
-}
-
-#[test]
-fn a_send_future_dropped_mid_flight_fails_as_ambiguous_and_is_never_resent() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let rt = runtime();
-    let timed_out = rt.block_on(async {
-        tokio::time::timeout(
-            Duration::from_millis(50),
-            h.outbox.process_async("k", |_| async {
-                // The request was written; the response never comes.
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                Ok(None)
-            }),
-        )
-        .await
-    });
-    assert!(timed_out.is_err(), "the caller gave up");
-    // The cancellation is recorded on the blocking pool; wait for it.
-    let mut item = h.outbox.get("k").unwrap().unwrap();
-    for _ in 0..200 {
-        if item.state() != ItemState::Queued {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-        item = h.outbox.get("k").unwrap().unwrap();
+on_both_engines! {
+    fn process_async_delivers_with_the_claim_durable_before_the_future_runs(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let observer = h.reopen();
+        let receipt = runtime().block_on(h.outbox.process_async("k", |item| {
+            // Another handle (another process, in effect) already sees the claim.
+            let seen = observer.get(item.idempotency_key()).unwrap().unwrap();
+            async move {
+                assert!(
+                    seen.dispatch_claimed(),
+                    "claimed before the send future ran"
+                );
+                tokio::task::yield_now().await;
+                Ok(Some("tg-1".to_owned()))
+            }
+        }));
+        let receipt = receipt.unwrap();
+        assert_eq!(
+            (receipt.outcome, receipt.transport_ref.as_deref()),
+            (Outcome::Sent, Some("tg-1"))
+        );
+        assert_eq!(
+            h.outbox.process("k", |_| panic!("resent")).unwrap().outcome,
+            Outcome::Sent
+        );
     }
-    assert_eq!(
-        (item.state(), item.error_code()),
-        (ItemState::Failed, Some(SEND_CANCELLED))
-    );
-    let again = rt.block_on(
-        h.outbox
-            .process_async("k", |_| async { panic!("resent after cancel") }),
-    );
-    assert_eq!(again.unwrap().outcome, Outcome::Failed);
+
+    fn a_send_future_dropped_mid_flight_fails_as_ambiguous_and_is_never_resent(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let rt = runtime();
+        let timed_out = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_millis(50),
+                h.outbox.process_async("k", |_| async {
+                    // The request was written; the response never comes.
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    Ok(None)
+                }),
+            )
+            .await
+        });
+        assert!(timed_out.is_err(), "the caller gave up");
+        // The cancellation is recorded on the blocking pool; wait for it.
+        let mut item = h.outbox.get("k").unwrap().unwrap();
+        for _ in 0..200 {
+            if item.state() != ItemState::Queued {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            item = h.outbox.get("k").unwrap().unwrap();
+        }
+        assert_eq!(
+            (item.state(), item.error_code()),
+            (ItemState::Failed, Some(SEND_CANCELLED))
+        );
+        let again = rt.block_on(
+            h.outbox
+                .process_async("k", |_| async { panic!("resent after cancel") }),
+        );
+        assert_eq!(again.unwrap().outcome, Outcome::Failed);
+    }
+
+    fn a_panicking_send_future_is_recorded_then_resumed(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let rt = runtime();
+        let joined = rt.block_on(async {
+            let outbox = h.outbox.clone();
+            tokio::spawn(async move {
+                outbox
+                    .process_async("k", |_| async { transport_bug() })
+                    .await
+            })
+            .await
+        });
+        assert!(
+            joined.unwrap_err().is_panic(),
+            "the panic reaches the caller's task"
+        );
+        let item = h.outbox.get("k").unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.error_code()),
+            (ItemState::Failed, Some(SEND_PANICKED))
+        );
+        h.outbox.verify_audit().unwrap();
+    }
+
+    fn retries_wait_through_the_configured_sleeper(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&calls);
+        let receipt = runtime()
+            .block_on(h.outbox.process_async("k", move |_| {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n == 0 {
+                        Err(SendError::retryable("http_503"))
+                    } else {
+                        Ok(None)
+                    }
+                }
+            }))
+            .unwrap();
+        assert_eq!((receipt.outcome, receipt.attempts), (Outcome::Sent, 2));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    fn process_due_async_bounds_concurrency_and_still_honours_rate_caps(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(2, secs(60)));
+        for i in 0..24 {
+            h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 4));
+        }
+        let live = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let (l, p) = (Arc::clone(&live), Arc::clone(&peak));
+        let report = runtime()
+            .block_on(h.outbox.process_due_async(3, move |item| {
+                let (live, peak) = (Arc::clone(&l), Arc::clone(&p));
+                async move {
+                    let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                    // Hold the first send until a second one runs beside it:
+                    // waiting for the event, not racing a 5 ms sleep against
+                    // claims on a loaded machine. A drain that sends one at a
+                    // time gives up after the watchdog and fails below.
+                    let watchdog = std::time::Instant::now() + Duration::from_secs(10);
+                    while peak.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < watchdog {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    live.fetch_sub(1, Ordering::SeqCst);
+                    Ok(Some(format!("tr-{}", item.idempotency_key())))
+                }
+            }))
+            .unwrap();
+        assert!(peak.load(Ordering::SeqCst) <= 3, "at most 3 in flight");
+        assert!(peak.load(Ordering::SeqCst) >= 2, "and really concurrent");
+        assert_eq!(
+            report.sent, 8,
+            "2 per destination per window, 4 destinations"
+        );
+        assert_eq!(report.deferred, 4, "each destination's third message");
+        assert_eq!(report.waiting, 12, "the rest wait behind it, in order");
+        let sent = h
+            .outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .filter(|i| i.state() == ItemState::Sent)
+            .count();
+        assert_eq!(sent, 8);
+        h.outbox.verify_audit().unwrap();
+    }
+
+    /// Every call a tokio bot makes has an async form that behaves as its blocking twin.
+    fn the_bot_facing_calls_have_async_forms(engine) {
+        use durable_outbox::{ItemFilter, ItemState};
+        let h = engine.harness();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let o = &h.outbox;
+            let item = o.enqueue_async(msg("a", "chat-1")).await.unwrap();
+            assert_eq!(item.state(), ItemState::Queued);
+            let many = o
+                .enqueue_many_async(vec![msg("b", "chat-2"), msg("c", "chat-2")])
+                .await
+                .unwrap();
+            assert_eq!(many.len(), 2);
+            assert_eq!(o.get_async("a").await.unwrap(), Some(item));
+            assert_eq!(o.list_items_async().await.unwrap().len(), 3);
+            o.process_async("a", |_| async { Ok(Some("7".to_owned())) })
+                .await
+                .unwrap();
+            o.process_async("b", |_| async { Ok(Some("7".to_owned())) })
+                .await
+                .unwrap();
+            let found = o
+                .find_by_transport_ref_in_async("chat-2", "7")
+                .await
+                .unwrap();
+            assert_eq!(found.unwrap().idempotency_key(), "b");
+            assert!(o.find_by_transport_ref_async("7").await.unwrap().is_some());
+            let cancelled = o.cancel_async("c", "ops", "not needed").await.unwrap();
+            assert_eq!(cancelled.state(), ItemState::Failed);
+            let requeued = o
+                .requeue_async("c", "ops", "needed after all")
+                .await
+                .unwrap();
+            assert_eq!(requeued.state(), ItemState::Queued);
+            let report = o
+                .cancel_where_async(ItemFilter::new().destination("chat-2"), "ops", "closing")
+                .await
+                .unwrap();
+            assert_eq!(report.changed.len(), 1, "c; b was sent");
+            let report = o
+                .requeue_where_async(ItemFilter::new().state(ItemState::Failed), "ops", "reopen")
+                .await
+                .unwrap();
+            assert_eq!(report.changed.len(), 1);
+        });
+    }
 }
 
 fn transport_bug() -> Result<Option<String>, SendError> {
     panic!("transport bug")
-}
-
-#[test]
-fn a_panicking_send_future_is_recorded_then_resumed() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let rt = runtime();
-    let joined = rt.block_on(async {
-        let outbox = h.outbox.clone();
-        tokio::spawn(async move {
-            outbox
-                .process_async("k", |_| async { transport_bug() })
-                .await
-        })
-        .await
-    });
-    assert!(
-        joined.unwrap_err().is_panic(),
-        "the panic reaches the caller's task"
-    );
-    let item = h.outbox.get("k").unwrap().unwrap();
-    assert_eq!(
-        (item.state(), item.error_code()),
-        (ItemState::Failed, Some(SEND_PANICKED))
-    );
-    h.outbox.verify_audit().unwrap();
-}
-
-#[test]
-fn retries_wait_through_the_configured_sleeper() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&calls);
-    let receipt = runtime()
-        .block_on(h.outbox.process_async("k", move |_| {
-            let n = counter.fetch_add(1, Ordering::SeqCst);
-            async move {
-                if n == 0 {
-                    Err(SendError::retryable("http_503"))
-                } else {
-                    Ok(None)
-                }
-            }
-        }))
-        .unwrap();
-    assert_eq!((receipt.outcome, receipt.attempts), (Outcome::Sent, 2));
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
-}
-
-#[test]
-fn process_due_async_bounds_concurrency_and_still_honours_rate_caps() {
-    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
-    for i in 0..24 {
-        h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 4));
-    }
-    let live = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
-    let (l, p) = (Arc::clone(&live), Arc::clone(&peak));
-    let report = runtime()
-        .block_on(h.outbox.process_due_async(3, move |item| {
-            let (live, peak) = (Arc::clone(&l), Arc::clone(&p));
-            async move {
-                let now = live.fetch_add(1, Ordering::SeqCst) + 1;
-                peak.fetch_max(now, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                live.fetch_sub(1, Ordering::SeqCst);
-                Ok(Some(format!("tr-{}", item.idempotency_key())))
-            }
-        }))
-        .unwrap();
-    assert!(peak.load(Ordering::SeqCst) <= 3, "at most 3 in flight");
-    assert!(peak.load(Ordering::SeqCst) >= 2, "and really concurrent");
-    assert_eq!(
-        report.sent, 8,
-        "2 per destination per window, 4 destinations"
-    );
-    assert_eq!(report.deferred, 4, "each destination's third message");
-    assert_eq!(report.waiting, 12, "the rest wait behind it, in order");
-    let sent = h
-        .outbox
-        .list_items()
-        .unwrap()
-        .iter()
-        .filter(|i| i.state() == ItemState::Sent)
-        .count();
-    assert_eq!(sent, 8);
-    h.outbox.verify_audit().unwrap();
 }
 
 #[test]
@@ -248,54 +309,51 @@ fn a_process_async_cancelled_while_claiming_gives_the_claim_back() {
     );
 }
 
-/// Every call a tokio bot makes has an async form that behaves as its blocking twin.
-#[test]
-fn the_bot_facing_calls_have_async_forms() {
-    use durable_outbox::{ItemFilter, ItemState};
-    let h = Harness::new();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let o = &h.outbox;
-        let item = o.enqueue_async(msg("a", "chat-1")).await.unwrap();
-        assert_eq!(item.state(), ItemState::Queued);
-        let many = o
-            .enqueue_many_async(vec![msg("b", "chat-2"), msg("c", "chat-2")])
-            .await
+on_both_engines! {
+    /// The async forms keep the same guarantees; a send future dropped
+    /// mid-flight fails its item as ambiguous (`send_cancelled`), never resent.
+    fn async_forms_and_a_dropped_send(engine) {
+        use durable_outbox::SEND_CANCELLED;
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
             .unwrap();
-        assert_eq!(many.len(), 2);
-        assert_eq!(o.get_async("a").await.unwrap(), Some(item));
-        assert_eq!(o.list_items_async().await.unwrap().len(), 3);
-        o.process_async("a", |_| async { Ok(Some("7".to_owned())) })
-            .await
-            .unwrap();
-        o.process_async("b", |_| async { Ok(Some("7".to_owned())) })
-            .await
-            .unwrap();
-        let found = o
-            .find_by_transport_ref_in_async("chat-2", "7")
-            .await
-            .unwrap();
-        assert_eq!(found.unwrap().idempotency_key(), "b");
-        assert!(o.find_by_transport_ref_async("7").await.unwrap().is_some());
-        let cancelled = o.cancel_async("c", "ops", "not needed").await.unwrap();
-        assert_eq!(cancelled.state(), ItemState::Failed);
-        let requeued = o
-            .requeue_async("c", "ops", "needed after all")
-            .await
-            .unwrap();
-        assert_eq!(requeued.state(), ItemState::Queued);
-        let report = o
-            .cancel_where_async(ItemFilter::new().destination("chat-2"), "ops", "closing")
-            .await
-            .unwrap();
-        assert_eq!(report.changed.len(), 1, "c; b was sent");
-        let report = o
-            .requeue_where_async(ItemFilter::new().state(ItemState::Failed), "ops", "reopen")
-            .await
-            .unwrap();
-        assert_eq!(report.changed.len(), 1);
-    });
+        runtime.block_on(async {
+            outbox.enqueue_async(msg("a", "chat-1")).await.unwrap();
+            outbox.enqueue_async(msg("b", "chat-2")).await.unwrap();
+            outbox.enqueue_async(msg("c", "chat-3")).await.unwrap();
+            let receipt = outbox
+                .process_async("a", |_| async { Ok(Some("ref-a".into())) })
+                .await
+                .unwrap();
+            assert_eq!(receipt.outcome, Outcome::Sent);
+            // A send that never finishes, dropped by a timeout.
+            let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+            let mut entered_tx = Some(entered_tx);
+            let stuck = outbox.process_async("b", move |_| {
+                if let Some(tx) = entered_tx.take() {
+                    tx.send(()).ok();
+                }
+                std::future::pending::<Result<Option<String>, SendError>>()
+            });
+            tokio::select! {
+                _ = stuck => panic!("the send never finishes"),
+                _ = entered_rx => {}
+            }
+            let report = outbox
+                .process_due_async(2, |_| async { Ok(None) })
+                .await
+                .unwrap();
+            assert_eq!(report.sent, 1, "only c: b is ambiguous, never resent");
+            let found = outbox.find_by_transport_ref_async("ref-a").await.unwrap().unwrap();
+            assert_eq!(found.idempotency_key(), "a");
+        });
+        let b = engine.open().get("b").unwrap().unwrap();
+        assert_eq!(
+            (b.state(), b.error_code(), b.failure_class()),
+            (ItemState::Failed, Some(SEND_CANCELLED), Some(FailureClass::Ambiguous))
+        );
+    }
 }

@@ -11,7 +11,9 @@
 
 use durable_outbox::{ManualClock, Outbox, OutboxBuilder};
 
-use crate::harness::START;
+use std::sync::Arc;
+
+use crate::harness::{Harness, START};
 
 /// Which engine a body runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +27,7 @@ pub enum Kind {
 pub struct EngineUnderTest {
     pub kind: Kind,
     pub clock: ManualClock,
-    dir: tempfile::TempDir,
+    dir: Arc<tempfile::TempDir>,
     #[cfg(feature = "postgres")]
     db: Option<crate::pg_server::PgDatabase<'static>>,
 }
@@ -36,7 +38,7 @@ impl EngineUnderTest {
         Self {
             kind: Kind::File,
             clock: ManualClock::at(START).expect("start time"),
-            dir: tempfile::tempdir().expect("temp dir"),
+            dir: Arc::new(tempfile::tempdir().expect("temp dir")),
             #[cfg(feature = "postgres")]
             db: None,
         }
@@ -50,7 +52,7 @@ impl EngineUnderTest {
         Some(Self {
             kind: Kind::Postgres,
             clock: ManualClock::at(START).expect("start time"),
-            dir: tempfile::tempdir().expect("temp dir"),
+            dir: Arc::new(tempfile::tempdir().expect("temp dir")),
             db: Some(server.database()),
         })
     }
@@ -78,6 +80,23 @@ impl EngineUnderTest {
         configure(self.builder())
             .open()
             .unwrap_or_else(|e| panic!("open the {:?} outbox: {e}", self.kind))
+    }
+
+    /// A [`Harness`] around a fresh handle on this outbox.
+    pub fn harness(&self) -> Harness {
+        self.harness_with(|b| b)
+    }
+
+    /// A [`Harness`] around a fresh handle with extra builder settings; its
+    /// `reopen` opens further handles on the same outbox.
+    pub fn harness_with(&self, configure: impl FnOnce(OutboxBuilder) -> OutboxBuilder) -> Harness {
+        let outbox = self.open_with(configure);
+        let url = match self.kind {
+            Kind::File => None,
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => Some(self.url()),
+        };
+        Harness::on_engine(Arc::clone(&self.dir), self.clock.clone(), outbox, url)
     }
 
     /// Makes `key` (queued, unclaimed, committed) look as a handle killed
@@ -142,11 +161,12 @@ impl EngineUnderTest {
 }
 
 /// `on_both_engines! { fn name(engine) { body } … }`: each body as the tests
-/// `name::file` and `name::postgres`.
+/// `name::file` and `name::postgres`. Attributes (docs, `allow`) go on the
+/// module `name`.
 macro_rules! on_both_engines {
-    ($( $(#[doc = $doc:literal])* fn $name:ident($engine:ident) $body:block )*) => {
+    ($( $(#[$meta:meta])* fn $name:ident($engine:ident) $body:block )*) => {
         $(
-            $(#[doc = $doc])*
+            $(#[$meta])*
             mod $name {
                 #[allow(unused_imports)]
                 use super::*;

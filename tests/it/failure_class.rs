@@ -1,5 +1,10 @@
 //! The class of an item's failure is stored with the item and in its audit
 //! record, so "may have been delivered" is read from the outbox itself.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s read or
+//! edit `outbox.json` and `audit.jsonl` bytes, or forge a crash in the
+//! snapshot.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -8,6 +13,7 @@ use durable_outbox::{
     SendError,
 };
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, builder, secs};
 
 const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
@@ -44,41 +50,41 @@ fn each_failure_keeps_its_class_across_a_reopen() {
     assert!(state.contains(r#""failure_class": "ambiguous""#), "{state}");
 }
 
-#[test]
-fn a_success_or_a_requeue_clears_the_class_and_a_cancel_sets_none() {
-    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
-    fail_with(&h, "k", SendError::retryable("http_503"));
-    h.clock.advance(secs(3600));
-    h.outbox.process("k", |_| Ok(None)).unwrap();
-    assert_eq!(h.outbox.get("k").unwrap().unwrap().failure_class(), None);
+on_both_engines! {
+    fn a_success_or_a_requeue_clears_the_class_and_a_cancel_sets_none(engine) {
+        let h = engine.harness_with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+        fail_with(&h, "k", SendError::retryable("http_503"));
+        h.clock.advance(secs(3600));
+        h.outbox.process("k", |_| Ok(None)).unwrap();
+        assert_eq!(h.outbox.get("k").unwrap().unwrap().failure_class(), None);
 
-    fail_with(&h, "amb", SendError::ambiguous("reset_after_write"));
-    let requeued = h
-        .outbox
-        .requeue("amb", "ops", "checked with the user")
-        .unwrap();
-    assert_eq!(requeued.failure_class(), None);
+        fail_with(&h, "amb", SendError::ambiguous("reset_after_write"));
+        let requeued = h
+            .outbox
+            .requeue("amb", "ops", "checked with the user")
+            .unwrap();
+        assert_eq!(requeued.failure_class(), None);
 
-    h.enqueue("c", "chat-3");
-    let cancelled = h.outbox.cancel("c", "ops", "wrong chat").unwrap();
-    assert_eq!(
-        (cancelled.state(), cancelled.failure_class()),
-        (ItemState::Failed, None),
-        "an operator's cancel is not a delivery failure"
-    );
-}
+        h.enqueue("c", "chat-3");
+        let cancelled = h.outbox.cancel("c", "ops", "wrong chat").unwrap();
+        assert_eq!(
+            (cancelled.state(), cancelled.failure_class()),
+            (ItemState::Failed, None),
+            "an operator's cancel is not a delivery failure"
+        );
+    }
 
-#[test]
-fn a_panicking_send_is_stored_as_ambiguous() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let panicked = catch_unwind(AssertUnwindSafe(|| {
-        h.outbox.process("k", |_| panic!("transport bug"))
-    }));
-    assert!(panicked.is_err());
-    let item = h.reopen().get("k").unwrap().unwrap();
-    assert_eq!(item.error_code(), Some(SEND_PANICKED));
-    assert_eq!(item.failure_class(), Some(FailureClass::Ambiguous));
+    fn a_panicking_send_is_stored_as_ambiguous(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let panicked = catch_unwind(AssertUnwindSafe(|| {
+            h.outbox.process("k", |_| panic!("transport bug"))
+        }));
+        assert!(panicked.is_err());
+        let item = h.reopen().get("k").unwrap().unwrap();
+        assert_eq!(item.error_code(), Some(SEND_PANICKED));
+        assert_eq!(item.failure_class(), Some(FailureClass::Ambiguous));
+    }
 }
 
 /// The seed file holds a claim left by a process that died mid-send.
@@ -194,53 +200,54 @@ fn an_unknown_class_in_the_state_file_is_refused_by_name() {
 }
 
 #[cfg(feature = "tokio")]
-#[test]
-fn a_cancelled_async_send_is_stored_as_ambiguous() {
-    use std::time::Duration;
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    // Drop the future once the send is running (a timer could fire before the
-    // claim commits on a loaded machine, and then nothing was sent at all).
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-    let started_tx = std::sync::Mutex::new(Some(started_tx));
-    let dropped_mid_send = rt.block_on(async {
-        let process = h.outbox.process_async("k", move |_| {
-            let started = started_tx.lock().unwrap().take();
-            async move {
-                if let Some(started) = started {
-                    let _ = started.send(());
+on_both_engines! {
+    fn a_cancelled_async_send_is_stored_as_ambiguous(engine) {
+        use std::time::Duration;
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Drop the future once the send is running (a timer could fire before the
+        // claim commits on a loaded machine, and then nothing was sent at all).
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+        let started_tx = std::sync::Mutex::new(Some(started_tx));
+        let dropped_mid_send = rt.block_on(async {
+            let process = h.outbox.process_async("k", move |_| {
+                let started = started_tx.lock().unwrap().take();
+                async move {
+                    if let Some(started) = started {
+                        let _ = started.send(());
+                    }
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    Ok(None)
                 }
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                Ok(None)
+            });
+            tokio::pin!(process);
+            tokio::select! {
+                _ = &mut process => false,
+                _ = started_rx => true,
             }
         });
-        tokio::pin!(process);
-        tokio::select! {
-            _ = &mut process => false,
-            _ = started_rx => true,
-        }
-    });
-    assert!(
-        dropped_mid_send,
-        "the send started and its future was dropped"
-    );
-    // Recorded on the blocking pool: wait for it, under a generous watchdog.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let item = loop {
-        let item = h.outbox.get("k").unwrap().unwrap();
-        if item.state() != ItemState::Queued {
-            break item;
-        }
         assert!(
-            std::time::Instant::now() < deadline,
-            "a cancelled send must be recorded as ambiguous"
+            dropped_mid_send,
+            "the send started and its future was dropped"
         );
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    assert_eq!(item.failure_class(), Some(FailureClass::Ambiguous));
+        // Recorded on the blocking pool: wait for it, under a generous watchdog.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let item = loop {
+            let item = h.outbox.get("k").unwrap().unwrap();
+            if item.state() != ItemState::Queued {
+                break item;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a cancelled send must be recorded as ambiguous"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(item.failure_class(), Some(FailureClass::Ambiguous));
+    }
 }

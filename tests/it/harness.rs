@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use durable_outbox::{ManualClock, NewMessage, Outbox, OutboxBuilder};
@@ -9,11 +10,18 @@ use tempfile::TempDir;
 
 pub const START: &str = "2026-01-15T09:00:00Z";
 
-/// An outbox in a fresh directory with a manual clock (sleeping advances it).
+/// An outbox with a manual clock (sleeping advances it): in a fresh
+/// directory ([`Harness::new`], [`Harness::with`]), or on whichever engine an
+/// [`on_both_engines!`](crate::engines::on_both_engines) body runs
+/// ([`EngineUnderTest::harness`](crate::engines::EngineUnderTest::harness)).
+/// `dir` and the file readers (`path`, `state_bytes`, `audit_bytes`) are for
+/// file-only tests; on PostgreSQL the directory stays empty.
 pub struct Harness {
-    pub dir: TempDir,
+    pub dir: Arc<TempDir>,
     pub clock: ManualClock,
     pub outbox: Outbox,
+    /// The PostgreSQL URL the outbox lives at, `None` on the file engine.
+    pub url: Option<String>,
 }
 
 impl Harness {
@@ -28,14 +36,45 @@ impl Harness {
         let outbox = configure(builder(dir.path(), &clock))
             .open()
             .expect("open outbox");
-        Self { dir, clock, outbox }
+        Self {
+            dir: Arc::new(dir),
+            clock,
+            outbox,
+            url: None,
+        }
     }
 
-    /// Opens a second, independent handle on the same directory (another "process").
+    /// A harness around a handle opened on an engine under test.
+    pub(crate) fn on_engine(
+        dir: Arc<TempDir>,
+        clock: ManualClock,
+        outbox: Outbox,
+        url: Option<String>,
+    ) -> Self {
+        Self {
+            dir,
+            clock,
+            outbox,
+            url,
+        }
+    }
+
+    /// Opens a second, independent handle on the same outbox (another
+    /// "process", or another host on PostgreSQL).
     pub fn reopen(&self) -> Outbox {
-        builder(self.dir.path(), &self.clock)
-            .open()
-            .expect("reopen outbox")
+        self.reopen_with(|b| b)
+    }
+
+    /// Like `reopen`, with extra builder settings.
+    pub fn reopen_with(&self, configure: impl FnOnce(OutboxBuilder) -> OutboxBuilder) -> Outbox {
+        let builder = match &self.url {
+            #[cfg(feature = "postgres")]
+            Some(url) => Outbox::postgres(url)
+                .clock(self.clock.clone())
+                .sleeper(self.clock.clone()),
+            _ => builder(self.dir.path(), &self.clock),
+        };
+        configure(builder).open().expect("reopen outbox")
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
@@ -50,8 +89,24 @@ impl Harness {
         std::fs::read(self.path("audit.jsonl")).unwrap_or_default()
     }
 
-    /// Runs `f` and asserts that neither `outbox.json` nor `audit.jsonl` changed.
+    /// Runs `f` and asserts that it wrote nothing: on the file engine neither
+    /// `outbox.json` nor `audit.jsonl` changed by a byte; on PostgreSQL every
+    /// item reads the same and the audit chain has the same head.
     pub fn assert_files_unchanged<T>(&self, f: impl FnOnce() -> T) -> T {
+        if self.url.is_some() {
+            let before = (
+                self.outbox.list_items().expect("list"),
+                self.outbox.audit_head().expect("head"),
+            );
+            let value = f();
+            let after = (
+                self.outbox.list_items().expect("list"),
+                self.outbox.audit_head().expect("head"),
+            );
+            assert!(after.0 == before.0, "an item changed");
+            assert_eq!(after.1, before.1, "an audit record was written");
+            return value;
+        }
         let (state, audit) = (self.state_bytes(), self.audit_bytes());
         let value = f();
         assert!(self.state_bytes() == state, "outbox.json changed");
@@ -59,14 +114,39 @@ impl Harness {
         value
     }
 
+    /// Lets history and retention catch up with the clock: the file engine
+    /// moves old terminal items into segments and prunes at compaction; on
+    /// PostgreSQL (no compaction: history is a view of old terminal rows)
+    /// retention runs when a handle opens, so this opens one.
+    pub fn settle_history(&self) {
+        if self.url.is_some() {
+            drop(self.reopen());
+        } else {
+            self.outbox.compact().expect("compact");
+        }
+    }
+
     pub fn enqueue(&self, key: &str, destination: &str) {
         self.outbox.enqueue(msg(key, destination)).expect("enqueue");
     }
 
-    /// The outcome names of the audit records, in order.
+    /// Every audit record, in order: `audit.jsonl` on the file engine, the
+    /// audit table on PostgreSQL.
+    pub fn audit_records(&self) -> Vec<durable_outbox::AuditRecord> {
+        if self.url.is_some() {
+            self.outbox
+                .audit_records()
+                .expect("read audit")
+                .map(|r| r.expect("an audit record"))
+                .collect()
+        } else {
+            durable_outbox::AuditLog::read(self.path("audit.jsonl")).expect("read audit")
+        }
+    }
+
+    /// The outcome names of the audit records, in order (`outcome:key`).
     pub fn audit_outcomes(&self) -> Vec<String> {
-        durable_outbox::AuditLog::read(self.path("audit.jsonl"))
-            .expect("read audit")
+        self.audit_records()
             .iter()
             .map(|r| format!("{}:{}", r.outcome.as_str(), r.idempotency_key))
             .collect()

@@ -1,10 +1,15 @@
 //! Terminal items leave the live state for `history/` and stay findable:
 //! by key, by transport ref, for idempotent enqueue, for requeue.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s are about
+//! segment files (moves, damaged index, `MaxSegments`, failpoints mid-move).
 
 use std::time::Duration;
 
 use durable_outbox::{Error, ItemState, Outbox, Outcome, SendError};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, builder, msg, secs, uncapped};
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
@@ -144,26 +149,29 @@ fn a_failed_item_in_history_can_still_be_requeued() {
     assert!(matches!(err, Error::InvalidTransition { .. }), "{err}");
 }
 
-#[test]
-fn items_inside_a_rate_window_stay_live_whatever_history_after_says() {
-    let h = Harness::with(|b| b.history_after(Duration::ZERO).rate_limit(1, secs(600)));
-    h.enqueue("a", "chat-1");
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    h.clock.advance(secs(60));
-    h.outbox.compact().unwrap();
-    assert_eq!(
-        h.outbox.history_len().unwrap(),
-        0,
-        "it still counts against the cap"
-    );
-    h.enqueue("b", "chat-1");
-    assert_eq!(
-        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
-        Outcome::Deferred
-    );
-    h.clock.advance(secs(600));
-    h.outbox.compact().unwrap();
-    assert_eq!(h.outbox.history_len().unwrap(), 1);
+on_both_engines! {
+    fn items_inside_a_rate_window_stay_live_whatever_history_after_says(engine) {
+        let h = engine.harness_with(|b| b.history_after(Duration::ZERO).rate_limit(1, secs(600)));
+        h.enqueue("a", "chat-1");
+        h.outbox.process("a", |_| Ok(None)).unwrap();
+        h.clock.advance(secs(60));
+        h.settle_history();
+        assert_eq!(
+            h.outbox.history_len().unwrap(),
+            0,
+            "it still counts against the cap"
+        );
+        h.enqueue("b", "chat-1");
+        assert_eq!(
+            h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+            Outcome::Deferred
+        );
+        h.clock.advance(secs(600));
+        h.settle_history();
+        assert_eq!(h.outbox.history_len().unwrap(), 1);
+    }
+
+
 }
 
 #[test]
@@ -232,22 +240,22 @@ fn a_damaged_history_index_is_reported_not_ignored() {
 }
 
 /// Moves `n` sent items (keys `{prefix}-i`) into a new history segment.
-fn add_segment(h: &Harness, outbox: &Outbox, prefix: &str, n: usize) {
+fn add_segment(h: &Harness, prefix: &str, n: usize) {
     for i in 0..n {
         let key = format!("{prefix}-{i}");
-        outbox.enqueue(msg(&key, "chat-1")).unwrap();
-        outbox.process(&key, |_| Ok(None)).unwrap();
+        h.outbox.enqueue(msg(&key, "chat-1")).unwrap();
+        h.outbox.process(&key, |_| Ok(None)).unwrap();
         h.clock.advance(secs(60));
     }
     h.clock.advance(DAY + secs(1));
-    outbox.compact().unwrap();
+    h.settle_history();
 }
 
 #[test]
 fn retention_keeps_the_newest_segments_and_audits_each_prune() {
     let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxSegments(2)));
     for prefix in ["s1", "s2", "s3", "s4"] {
-        add_segment(&h, &h.outbox, prefix, 2);
+        add_segment(&h, prefix, 2);
     }
     assert_eq!(
         h.outbox.history_len().unwrap(),
@@ -273,30 +281,34 @@ fn retention_keeps_the_newest_segments_and_audits_each_prune() {
     other.verify_audit().unwrap();
 }
 
+// postgres: `MaxSegments` counts segment files, which PostgreSQL does not
+// have; it keeps all history there (documented), so nothing is pruned.
 #[test]
 fn a_pruned_key_is_forgotten_and_can_be_enqueued_again() {
     let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxSegments(1)));
-    add_segment(&h, &h.outbox, "old", 1);
-    add_segment(&h, &h.outbox, "new", 1);
+    add_segment(&h, "old", 1);
+    add_segment(&h, "new", 1);
     assert!(h.outbox.get("old-0").unwrap().is_none());
     // The documented rule: the key is free again, and a new message is sent.
     let again = h.outbox.enqueue(msg("old-0", "chat-1")).unwrap();
     assert_eq!((again.state(), again.attempts()), (ItemState::Queued, 0));
 }
 
+// postgres: "never the newest segment" is a rule about segment files;
+// PostgreSQL prunes every row past `MaxAge` (one_lifecycle covers that).
 #[test]
 fn retention_by_age_prunes_old_segments_but_never_the_newest() {
     let h = Harness::with(|b| b.history_retention(durable_outbox::Retention::MaxAge(DAY * 7)));
-    add_segment(&h, &h.outbox, "a", 1);
+    add_segment(&h, "a", 1);
     h.clock.advance(DAY * 10);
-    add_segment(&h, &h.outbox, "b", 1);
+    add_segment(&h, "b", 1);
     assert!(
         h.outbox.get("a-0").unwrap().is_none(),
         "older than 7 days: pruned"
     );
     assert!(h.outbox.get("b-0").unwrap().is_some());
     h.clock.advance(DAY * 30);
-    h.outbox.compact().unwrap();
+    h.settle_history();
     assert!(
         h.outbox.get("b-0").unwrap().is_some(),
         "the newest segment is always kept"

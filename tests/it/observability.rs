@@ -1,6 +1,9 @@
 //! What an operator's dashboards see: `tracing` spans around enqueue, claim,
 //! send and finish, and (feature `metrics`) counters, a latency histogram and
 //! queue gauges through the `metrics` facade.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`); every body here runs on both.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,7 +14,8 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
-use crate::harness::{Harness, secs};
+use crate::engines::on_both_engines;
+use crate::harness::secs;
 
 /// A span's name and its fields as last recorded.
 type SpanFields = (&'static str, HashMap<String, String>);
@@ -132,61 +136,62 @@ fn field<'a>(span: &'a HashMap<String, String>, name: &str) -> &'a str {
     span.get(name).map_or("", String::as_str)
 }
 
-#[test]
-fn enqueue_claim_send_and_finish_each_have_a_span_with_key_destination_attempt_and_outcome() {
-    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
-    let spans = collecting_spans(|| {
-        h.enqueue("k", "chat-1");
-        h.outbox
-            .process("k", |_| Err(SendError::retryable("http_503")))
-            .unwrap();
-        h.clock.advance(secs(3600));
-        h.outbox.process("k", |_| Ok(Some("tg-1".into()))).unwrap();
-    });
-    let enqueue = spans.named("outbox.enqueue");
-    assert_eq!(enqueue.len(), 1);
-    assert_eq!(
-        (
-            field(&enqueue[0], "key"),
-            field(&enqueue[0], "destination"),
-            field(&enqueue[0], "outcome")
-        ),
-        ("k", "chat-1", "queued")
-    );
-    let claims: Vec<String> = spans
-        .named("outbox.claim")
-        .iter()
-        .map(|s| {
-            format!(
-                "{} {} {}",
-                field(s, "key"),
-                field(s, "attempt"),
-                field(s, "outcome")
-            )
-        })
-        .collect();
-    assert_eq!(claims, ["k 1 claimed", "k 2 claimed"]);
-    let sends = spans.named("outbox.send");
-    assert_eq!(sends.len(), 2);
-    assert_eq!(field(&sends[1], "destination"), "chat-1");
-    assert_eq!(field(&sends[1], "attempt"), "2");
-    let finishes: Vec<(String, String)> = spans
-        .named("outbox.finish")
-        .iter()
-        .map(|s| {
+on_both_engines! {
+    fn enqueue_claim_send_and_finish_each_have_a_span_with_key_destination_attempt_and_outcome(engine) {
+        let h = engine.harness_with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+        let spans = collecting_spans(|| {
+            h.enqueue("k", "chat-1");
+            h.outbox
+                .process("k", |_| Err(SendError::retryable("http_503")))
+                .unwrap();
+            h.clock.advance(secs(3600));
+            h.outbox.process("k", |_| Ok(Some("tg-1".into()))).unwrap();
+        });
+        let enqueue = spans.named("outbox.enqueue");
+        assert_eq!(enqueue.len(), 1);
+        assert_eq!(
             (
-                field(s, "outcome").to_owned(),
-                field(s, "error_code").to_owned(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        finishes,
-        [
-            ("deferred".to_owned(), "http_503".to_owned()),
-            ("sent".to_owned(), String::new())
-        ]
-    );
+                field(&enqueue[0], "key"),
+                field(&enqueue[0], "destination"),
+                field(&enqueue[0], "outcome")
+            ),
+            ("k", "chat-1", "queued")
+        );
+        let claims: Vec<String> = spans
+            .named("outbox.claim")
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} {} {}",
+                    field(s, "key"),
+                    field(s, "attempt"),
+                    field(s, "outcome")
+                )
+            })
+            .collect();
+        assert_eq!(claims, ["k 1 claimed", "k 2 claimed"]);
+        let sends = spans.named("outbox.send");
+        assert_eq!(sends.len(), 2);
+        assert_eq!(field(&sends[1], "destination"), "chat-1");
+        assert_eq!(field(&sends[1], "attempt"), "2");
+        let finishes: Vec<(String, String)> = spans
+            .named("outbox.finish")
+            .iter()
+            .map(|s| {
+                (
+                    field(s, "outcome").to_owned(),
+                    field(s, "error_code").to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            finishes,
+            [
+                ("deferred".to_owned(), "http_503".to_owned()),
+                ("sent".to_owned(), String::new())
+            ]
+        );
+    }
 }
 
 #[cfg(feature = "metrics")]
@@ -200,7 +205,7 @@ mod metrics_facade {
         Recorder, SharedString, Unit,
     };
 
-    use crate::harness::{Harness, secs};
+    use crate::harness::secs;
 
     /// Every metric's values by `name{label=value,…}`.
     #[derive(Default)]
@@ -275,102 +280,104 @@ mod metrics_facade {
         }
     }
 
-    #[test]
-    #[allow(clippy::float_cmp, reason = "whole numbers, recorded exactly")]
-    fn outcomes_latency_and_queue_gauges_reach_the_recorder() {
-        let h = Harness::with(|b| b.max_attempts(1));
-        let values = Arc::new(Recorded::default());
-        let recorder = TestRecorder(Arc::clone(&values));
-        metrics::with_local_recorder(&recorder, || {
-            for (key, chat) in [("ok", "chat-1"), ("gone", "chat-2"), ("later", "chat-3")] {
-                h.enqueue(key, chat);
-            }
-            h.enqueue("waiting", "chat-4");
-            h.outbox.cancel("waiting", "ops", "not now").unwrap();
-            h.enqueue("new", "chat-5");
-            h.clock.advance(secs(2));
-            h.outbox
-                .process_due(|item| match item.idempotency_key() {
-                    "ok" => Ok(Some("tg-1".into())),
-                    "gone" => Err(SendError::permanent("chat_not_found")),
-                    "later" => Err(SendError::retryable("http_429").retry_after(secs(60))),
-                    _ => {
-                        // Leave "new" for later: still queued when the gauges are set.
-                        Err(SendError::retryable("http_429").retry_after(secs(60)))
-                    }
-                })
-                .unwrap();
-        });
-        assert_eq!(
-            h.outbox.get("later").unwrap().unwrap().state(),
-            ItemState::Queued
-        );
-        let all = values.0.lock().unwrap();
-        let total = |labels: &str| {
-            all.get(&format!("durable_outbox_outcomes_total{{{labels}}}"))
-                .and_then(|v| v.last().copied())
-                .unwrap_or(0.0)
-        };
-        assert_eq!(total("class=,error_code=,outcome=queued"), 5.0, "{all:#?}");
-        assert_eq!(total("class=,error_code=,outcome=sent"), 1.0);
-        assert_eq!(
-            total("class=permanent,error_code=chat_not_found,outcome=failed"),
-            1.0
-        );
-        assert_eq!(
-            total("class=retryable,error_code=http_429,outcome=retrying"),
-            2.0
-        );
-        assert_eq!(
-            total("class=,error_code=cancelled_by_operator,outcome=cancelled"),
-            1.0
-        );
-        assert_eq!(
-            all.get("durable_outbox_enqueue_to_sent_seconds{}"),
-            Some(&vec![2.0]),
-            "enqueued, then sent two seconds later"
-        );
-        assert_eq!(all.get("durable_outbox_queued{}"), Some(&vec![2.0]));
-        assert_eq!(all.get("durable_outbox_in_flight{}"), Some(&vec![0.0]));
-        assert_eq!(
-            all.get("durable_outbox_oldest_queued_age_seconds{}"),
-            Some(&vec![2.0])
-        );
+    crate::engines::on_both_engines! {
+        #[allow(clippy::float_cmp, reason = "whole numbers, recorded exactly")]
+        fn outcomes_latency_and_queue_gauges_reach_the_recorder(engine) {
+            let h = engine.harness_with(|b| b.max_attempts(1));
+            let values = Arc::new(Recorded::default());
+            let recorder = TestRecorder(Arc::clone(&values));
+            metrics::with_local_recorder(&recorder, || {
+                for (key, chat) in [("ok", "chat-1"), ("gone", "chat-2"), ("later", "chat-3")] {
+                    h.enqueue(key, chat);
+                }
+                h.enqueue("waiting", "chat-4");
+                h.outbox.cancel("waiting", "ops", "not now").unwrap();
+                h.enqueue("new", "chat-5");
+                h.clock.advance(secs(2));
+                h.outbox
+                    .process_due(|item| match item.idempotency_key() {
+                        "ok" => Ok(Some("tg-1".into())),
+                        "gone" => Err(SendError::permanent("chat_not_found")),
+                        "later" => Err(SendError::retryable("http_429").retry_after(secs(60))),
+                        _ => {
+                            // Leave "new" for later: still queued when the gauges are set.
+                            Err(SendError::retryable("http_429").retry_after(secs(60)))
+                        }
+                    })
+                    .unwrap();
+            });
+            assert_eq!(
+                h.outbox.get("later").unwrap().unwrap().state(),
+                ItemState::Queued
+            );
+            let all = values.0.lock().unwrap();
+            let total = |labels: &str| {
+                all.get(&format!("durable_outbox_outcomes_total{{{labels}}}"))
+                    .and_then(|v| v.last().copied())
+                    .unwrap_or(0.0)
+            };
+            assert_eq!(total("class=,error_code=,outcome=queued"), 5.0, "{all:#?}");
+            assert_eq!(total("class=,error_code=,outcome=sent"), 1.0);
+            assert_eq!(
+                total("class=permanent,error_code=chat_not_found,outcome=failed"),
+                1.0
+            );
+            assert_eq!(
+                total("class=retryable,error_code=http_429,outcome=retrying"),
+                2.0
+            );
+            assert_eq!(
+                total("class=,error_code=cancelled_by_operator,outcome=cancelled"),
+                1.0
+            );
+            assert_eq!(
+                all.get("durable_outbox_enqueue_to_sent_seconds{}"),
+                Some(&vec![2.0]),
+                "enqueued, then sent two seconds later"
+            );
+            assert_eq!(all.get("durable_outbox_queued{}"), Some(&vec![2.0]));
+            assert_eq!(all.get("durable_outbox_in_flight{}"), Some(&vec![0.0]));
+            assert_eq!(
+                all.get("durable_outbox_oldest_queued_age_seconds{}"),
+                Some(&vec![2.0])
+            );
+        }
     }
 }
 
-/// The worker says what it is doing: started, stopping, stopped with its tally.
 #[cfg(feature = "tokio")]
-#[test]
-fn the_worker_logs_its_state_changes() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let spans = collecting_spans(|| {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let report = runtime
-            .block_on(
-                h.outbox
-                    .worker(|_| async { Ok(Some("tg-1".to_owned())) })
-                    .run(async {
-                        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-                    }),
-            )
-            .unwrap();
-        assert_eq!(report.sent, 1);
-    });
-    let events = spans.events.lock().unwrap().clone();
-    let position = |text: &str| {
-        events
-            .iter()
-            .position(|e| e.starts_with(text))
-            .unwrap_or_else(|| panic!("no {text:?} in {events:?}"))
-    };
-    assert!(
-        position("delivery worker started") < position("delivery worker stopping")
-            && position("delivery worker stopping") < position("delivery worker stopped"),
-        "{events:?}"
-    );
+on_both_engines! {
+    /// The worker says what it is doing: started, stopping, stopped with its tally.
+    fn the_worker_logs_its_state_changes(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let spans = collecting_spans(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let report = runtime
+                .block_on(
+                    h.outbox
+                        .worker(|_| async { Ok(Some("tg-1".to_owned())) })
+                        .run(async {
+                            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                        }),
+                )
+                .unwrap();
+            assert_eq!(report.sent, 1);
+        });
+        let events = spans.events.lock().unwrap().clone();
+        let position = |text: &str| {
+            events
+                .iter()
+                .position(|e| e.starts_with(text))
+                .unwrap_or_else(|| panic!("no {text:?} in {events:?}"))
+        };
+        assert!(
+            position("delivery worker started") < position("delivery worker stopping")
+                && position("delivery worker stopping") < position("delivery worker stopped"),
+            "{events:?}"
+        );
+    }
 }

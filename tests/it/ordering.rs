@@ -2,136 +2,138 @@
 //! enqueue order, a later one never starts while an earlier one is queued,
 //! claimed or waiting for its retry, and a terminal head blocks nothing.
 //! `Ordering::Unordered` opts out.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s race
+//! handles on one directory under failpoints or load a seed-format state file.
 
 use std::sync::{Arc, Mutex};
 
 use durable_outbox::{ItemState, Ordering, Outcome, SendError};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, builder, msg, secs, uncapped};
+use durable_outbox::Backoff;
 
-#[test]
-fn a_later_message_waits_behind_the_earlier_one_and_changes_nothing() {
-    let h = Harness::with(uncapped);
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    let receipt = h.assert_files_unchanged(|| {
+on_both_engines! {
+    fn a_later_message_waits_behind_the_earlier_one_and_changes_nothing(engine) {
+        let h = engine.harness_with(uncapped);
+        h.enqueue("m1", "chat-1");
+        h.enqueue("m2", "chat-1");
+        let receipt = h.assert_files_unchanged(|| {
+            h.outbox
+                .process("m2", |_| panic!("m2 started before m1"))
+                .unwrap()
+        });
+        assert_eq!((receipt.outcome, receipt.attempts), (Outcome::Waiting, 0));
+        assert_eq!(
+            h.outbox.process("m1", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox.process("m2", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+    }
+
+    fn process_due_sends_each_destination_in_enqueue_order(engine) {
+        let h = engine.harness_with(uncapped);
+        // Keys sort against enqueue order, and the clock never moves: only the
+        // enqueue sequence tells the order.
+        for key in ["m5", "m4", "m3", "m1", "m2"] {
+            h.enqueue(key, "chat-1");
+        }
+        h.enqueue("x1", "chat-2");
+        let mut seen = Vec::new();
+        let report = h
+            .outbox
+            .process_due(|item| {
+                seen.push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(report.sent, 6);
+        let chat_1: Vec<&str> = seen
+            .iter()
+            .map(String::as_str)
+            .filter(|k| k.starts_with('m'))
+            .collect();
+        assert_eq!(chat_1, ["m5", "m4", "m3", "m1", "m2"]);
+    }
+
+    fn a_retry_holds_the_followers_until_the_head_goes(engine) {
+        let h = engine.harness_with(|b| uncapped(b).max_inline_wait(std::time::Duration::ZERO));
+        h.enqueue("m1", "chat-1");
+        h.enqueue("m2", "chat-1");
+        let mut calls = Vec::new();
+        let report = h
+            .outbox
+            .process_due(|item| {
+                calls.push(item.idempotency_key().to_owned());
+                Err(SendError::retryable("http_502"))
+            })
+            .unwrap();
+        assert_eq!((report.retried, report.waiting), (1, 1));
+        assert_eq!(
+            calls,
+            ["m1"],
+            "m2 must not start while m1 waits for its retry"
+        );
+        let m2 = h.outbox.get("m2").unwrap().unwrap();
+        assert_eq!((m2.state(), m2.attempts()), (ItemState::Queued, 0));
+        h.clock.advance(secs(1));
+        let mut calls = Vec::new();
         h.outbox
-            .process("m2", |_| panic!("m2 started before m1"))
-            .unwrap()
-    });
-    assert_eq!((receipt.outcome, receipt.attempts), (Outcome::Waiting, 0));
-    assert_eq!(
-        h.outbox.process("m1", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox.process("m2", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-}
-
-#[test]
-fn process_due_sends_each_destination_in_enqueue_order() {
-    let h = Harness::with(uncapped);
-    // Keys sort against enqueue order, and the clock never moves: only the
-    // enqueue sequence tells the order.
-    for key in ["m5", "m4", "m3", "m1", "m2"] {
-        h.enqueue(key, "chat-1");
+            .process_due(|item| {
+                calls.push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(calls, ["m1", "m2"]);
     }
-    h.enqueue("x1", "chat-2");
-    let mut seen = Vec::new();
-    let report = h
-        .outbox
-        .process_due(|item| {
-            seen.push(item.idempotency_key().to_owned());
-            Ok(None)
-        })
-        .unwrap();
-    assert_eq!(report.sent, 6);
-    let chat_1: Vec<&str> = seen
-        .iter()
-        .map(String::as_str)
-        .filter(|k| k.starts_with('m'))
-        .collect();
-    assert_eq!(chat_1, ["m5", "m4", "m3", "m1", "m2"]);
-}
 
-#[test]
-fn a_retry_holds_the_followers_until_the_head_goes() {
-    let h = Harness::with(|b| uncapped(b).max_inline_wait(std::time::Duration::ZERO));
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    let mut calls = Vec::new();
-    let report = h
-        .outbox
-        .process_due(|item| {
-            calls.push(item.idempotency_key().to_owned());
-            Err(SendError::retryable("http_502"))
-        })
-        .unwrap();
-    assert_eq!((report.retried, report.waiting), (1, 1));
-    assert_eq!(
-        calls,
-        ["m1"],
-        "m2 must not start while m1 waits for its retry"
-    );
-    let m2 = h.outbox.get("m2").unwrap().unwrap();
-    assert_eq!((m2.state(), m2.attempts()), (ItemState::Queued, 0));
-    h.clock.advance(secs(1));
-    let mut calls = Vec::new();
-    h.outbox
-        .process_due(|item| {
-            calls.push(item.idempotency_key().to_owned());
-            Ok(None)
-        })
-        .unwrap();
-    assert_eq!(calls, ["m1", "m2"]);
-}
-
-#[test]
-fn a_failed_or_cancelled_head_does_not_block_the_rest() {
-    let h = Harness::new();
-    for key in ["m1", "m2", "m3"] {
-        h.enqueue(key, "chat-1");
+    fn a_failed_or_cancelled_head_does_not_block_the_rest(engine) {
+        let h = engine.harness();
+        for key in ["m1", "m2", "m3"] {
+            h.enqueue(key, "chat-1");
+        }
+        let failed = h
+            .outbox
+            .process("m1", |_| Err(SendError::permanent("chat_not_found")))
+            .unwrap();
+        assert_eq!(failed.outcome, Outcome::Failed);
+        h.outbox.cancel("m2", "ops", "duplicate").unwrap();
+        assert_eq!(
+            h.outbox.process("m3", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
     }
-    let failed = h
-        .outbox
-        .process("m1", |_| Err(SendError::permanent("chat_not_found")))
-        .unwrap();
-    assert_eq!(failed.outcome, Outcome::Failed);
-    h.outbox.cancel("m2", "ops", "duplicate").unwrap();
-    assert_eq!(
-        h.outbox.process("m3", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-}
 
-#[test]
-fn a_requeued_message_goes_to_the_back_of_its_destinations_line() {
-    let h = Harness::with(uncapped);
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    h.outbox
-        .process("m1", |_| Err(SendError::permanent("bot_blocked")))
-        .unwrap();
-    h.outbox.requeue("m1", "ops", "unblocked").unwrap();
-    let mut seen = Vec::new();
-    h.outbox
-        .process_due(|item| {
-            seen.push(item.idempotency_key().to_owned());
-            Ok(None)
-        })
-        .unwrap();
-    assert_eq!(seen, ["m2", "m1"]);
-}
+    fn a_requeued_message_goes_to_the_back_of_its_destinations_line(engine) {
+        let h = engine.harness_with(uncapped);
+        h.enqueue("m1", "chat-1");
+        h.enqueue("m2", "chat-1");
+        h.outbox
+            .process("m1", |_| Err(SendError::permanent("bot_blocked")))
+            .unwrap();
+        h.outbox.requeue("m1", "ops", "unblocked").unwrap();
+        let mut seen = Vec::new();
+        h.outbox
+            .process_due(|item| {
+                seen.push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(seen, ["m2", "m1"]);
+    }
 
-#[test]
-fn unordered_lets_several_messages_to_one_destination_go() {
-    let h = Harness::with(|b| b.ordering(Ordering::Unordered));
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    let receipt = h.outbox.process("m2", |_| Ok(None)).unwrap();
-    assert_eq!(receipt.outcome, Outcome::Sent);
+    fn unordered_lets_several_messages_to_one_destination_go(engine) {
+        let h = engine.harness_with(|b| b.ordering(Ordering::Unordered));
+        h.enqueue("m1", "chat-1");
+        h.enqueue("m2", "chat-1");
+        let receipt = h.outbox.process("m2", |_| Ok(None)).unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent);
+    }
 }
 
 #[test]
@@ -252,4 +254,69 @@ fn a_seed_item_without_a_sequence_goes_before_newer_messages() {
         })
         .unwrap();
     assert_eq!(seen, ["seed-queued", "new-1"]);
+}
+
+on_both_engines! {
+    /// Messages to one destination go in enqueue order; a later one waits.
+    fn per_destination_order(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        for key in ["a1", "a2", "a3"] {
+            outbox.enqueue(msg(key, "chat-a")).unwrap();
+        }
+        outbox.enqueue(msg("b1", "chat-b")).unwrap();
+        let early = outbox.process("a2", |_| panic!("a2 must wait for a1")).unwrap();
+        assert_eq!(early.outcome, Outcome::Waiting);
+
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        let report = engine
+            .open()
+            .process_due(move |item| {
+                log.lock().unwrap().push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(report.sent, 4);
+        let sent = sent.lock().unwrap();
+        let chat_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
+        assert_eq!(chat_a, ["a1", "a2", "a3"]);
+    }
+
+    /// A message in flight holds its chat's followers for every other handle;
+    /// `Ordering::Unordered` opts out, and a drain then passes a deferred item.
+    fn order_holds_across_handles_unless_unordered(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        outbox.enqueue(msg("m1", "chat-1")).unwrap();
+        outbox.enqueue(msg("m2", "chat-1")).unwrap();
+        let other = engine.open();
+        let first = outbox
+            .process("m1", |_| {
+                let r = other.process("m2", |_| panic!("m2 started while m1 was in flight")).unwrap();
+                assert_eq!(r.outcome, Outcome::Waiting);
+                let drained = other.process_due(|_| panic!("nothing may pass m1")).unwrap();
+                assert_eq!(drained.sent, 0);
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(first.outcome, Outcome::Sent);
+
+        let loose = engine.open_with(|b| {
+            b.ordering(durable_outbox::Ordering::Unordered)
+                .backoff(Backoff::Fixed(vec![secs(30)]))
+                .max_inline_wait(secs(0))
+                .update_settings()
+        });
+        loose.enqueue(msg("u1", "chat-2")).unwrap();
+        loose.enqueue(msg("u2", "chat-2")).unwrap();
+        loose.process("u1", |_| Err(SendError::retryable("timeout"))).unwrap();
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        loose
+            .process_due(move |item| {
+                log.lock().unwrap().push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        assert_eq!(*sent.lock().unwrap(), ["m2", "u2"], "u2 passes the deferred u1");
+    }
 }

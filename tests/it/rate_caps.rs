@@ -1,60 +1,277 @@
 //! Per-destination sliding-window caps, counted from persisted send times.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s reopen a
+//! directory across restarts, compact, or load state files written by older
+//! releases.
 
 use durable_outbox::{Clock, Ordering, Outcome, RATE_CAPPED, RateLimit};
 
+use crate::engines::on_both_engines;
+use crate::harness::msg;
 use crate::harness::{Harness, builder, secs};
+use durable_outbox::{DESTINATION_COOLDOWN, SendError};
 
-#[test]
-fn a_capped_item_is_deferred_to_the_exact_moment_a_slot_frees() {
-    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
-    for key in ["a", "b", "c"] {
-        h.enqueue(key, "chat-1");
+on_both_engines! {
+    fn a_capped_item_is_deferred_to_the_exact_moment_a_slot_frees(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(2, secs(60)));
+        for key in ["a", "b", "c"] {
+            h.enqueue(key, "chat-1");
+        }
+        let t0 = h.clock.now();
+        h.outbox.process("a", |_| Ok(None)).unwrap();
+        h.clock.advance(secs(10));
+        h.outbox.process("b", |_| Ok(None)).unwrap();
+        h.clock.advance(secs(5));
+
+        let receipt = h.outbox.process("c", |_| panic!("over the cap")).unwrap();
+        assert_eq!(receipt.outcome, Outcome::Deferred);
+        assert_eq!(receipt.error_code.as_deref(), Some(RATE_CAPPED));
+        assert_eq!(
+            receipt.next_attempt_at,
+            Some(t0 + chrono::Duration::seconds(60))
+        );
+        assert_eq!(receipt.attempts, 0, "a deferral is not an attempt");
+
+        // One microsecond early: still not attempted, and nothing is written.
+        h.clock
+            .set(t0 + chrono::Duration::seconds(60) - chrono::Duration::microseconds(1));
+        let early = h.assert_files_unchanged(|| h.outbox.process("c", |_| panic!("early")).unwrap());
+        assert_eq!(early.outcome, Outcome::Deferred);
+        h.clock.set(t0 + chrono::Duration::seconds(60));
+        assert_eq!(
+            h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
     }
-    let t0 = h.clock.now();
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    h.clock.advance(secs(10));
-    h.outbox.process("b", |_| Ok(None)).unwrap();
-    h.clock.advance(secs(5));
 
-    let receipt = h.outbox.process("c", |_| panic!("over the cap")).unwrap();
-    assert_eq!(receipt.outcome, Outcome::Deferred);
-    assert_eq!(receipt.error_code.as_deref(), Some(RATE_CAPPED));
-    assert_eq!(
-        receipt.next_attempt_at,
-        Some(t0 + chrono::Duration::seconds(60))
-    );
-    assert_eq!(receipt.attempts, 0, "a deferral is not an attempt");
+    fn caps_are_per_destination(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-2");
+        h.enqueue("c", "chat-1");
+        assert_eq!(
+            h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+            Outcome::Deferred
+        );
+    }
 
-    // One microsecond early: still not attempted, and nothing is written.
-    h.clock
-        .set(t0 + chrono::Duration::seconds(60) - chrono::Duration::microseconds(1));
-    let early = h.assert_files_unchanged(|| h.outbox.process("c", |_| panic!("early")).unwrap());
-    assert_eq!(early.outcome, Outcome::Deferred);
-    h.clock.set(t0 + chrono::Duration::seconds(60));
-    assert_eq!(
-        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-}
+    fn destinations_matching_a_pattern_get_their_own_cap(engine) {
+        // Telegram-like: 1 per minute for private chats (the default), 3 for groups ("-…").
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)).rate_limit_for("-*", 3, secs(60)));
+        for key in ["g1", "g2", "g3", "g4"] {
+            h.enqueue(key, "-100200");
+        }
+        h.enqueue("p1", "4242");
+        h.enqueue("p2", "4242");
+        let outcomes: Vec<_> = ["g1", "g2", "g3", "g4", "p1", "p2"]
+            .iter()
+            .map(|k| h.outbox.process(k, |_| Ok(None)).unwrap().outcome)
+            .collect();
+        let (sent, deferred) = (Outcome::Sent, Outcome::Deferred);
+        assert_eq!(outcomes, [sent, sent, sent, deferred, sent, deferred]);
+    }
 
-#[test]
-fn caps_are_per_destination() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-2");
-    h.enqueue("c", "chat-1");
-    assert_eq!(
-        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
-        Outcome::Deferred
-    );
+    fn a_global_cap_holds_across_destinations_and_says_so(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(10, secs(60)).global_rate_limit(2, secs(1)));
+        for i in 0..3 {
+            h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
+        }
+        let t0 = h.clock.now();
+        assert_eq!(
+            h.outbox.process("k0", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox.process("k1", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        let capped = h
+            .outbox
+            .process("k2", |_| panic!("over the global cap"))
+            .unwrap();
+        assert_eq!(capped.outcome, Outcome::Deferred);
+        assert_eq!(
+            capped.error_code.as_deref(),
+            Some(durable_outbox::GLOBAL_RATE_CAPPED)
+        );
+        assert_eq!(
+            capped.next_attempt_at,
+            Some(t0 + chrono::Duration::seconds(1))
+        );
+        h.clock.advance(secs(1));
+        assert_eq!(
+            h.outbox.process("k2", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+    }
+
+    fn when_both_caps_bind_the_item_waits_for_the_later_one(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)).global_rate_limit(1, secs(1)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-1");
+        let t0 = h.clock.now();
+        h.outbox.process("a", |_| Ok(None)).unwrap();
+        let r = h.outbox.process("b", |_| panic!("capped")).unwrap();
+        assert_eq!(r.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+        assert_eq!(r.error_code.as_deref(), Some(RATE_CAPPED));
+    }
+
+    /// With no cap set, a chat gets what Telegram and Slack publish, one send a
+    /// second: a second message to the same chat leaves exactly one second after
+    /// the first, and other chats are not held back by it.
+    fn by_default_a_chat_gets_one_send_a_second_and_other_chats_do_not_wait(engine) {
+        let h = engine.harness();
+        let settings = h.outbox.settings().unwrap();
+        assert_eq!(
+            settings.rate_limit(),
+            RateLimit {
+                count: 1,
+                window: secs(1)
+            }
+        );
+        for (key, chat) in [
+            ("a1", "chat-1"),
+            ("a2", "chat-1"),
+            ("b1", "chat-2"),
+            ("c1", "chat-3"),
+        ] {
+            h.enqueue(key, chat);
+        }
+        let t0 = h.clock.now();
+        let mut sent = Vec::new();
+        let report = h
+            .outbox
+            .process_due(|item| {
+                sent.push(item.idempotency_key().to_owned());
+                Ok(None)
+            })
+            .unwrap();
+        sent.sort();
+        assert_eq!(sent, ["a1", "b1", "c1"], "one per chat, every chat at once");
+        assert_eq!((report.sent, report.deferred), (3, 1));
+        let slot = t0 + chrono::Duration::seconds(1);
+        assert_eq!(
+            h.outbox.get("a2").unwrap().unwrap().next_attempt_at(),
+            Some(slot)
+        );
+        assert_eq!(h.outbox.next_due_at().unwrap(), Some(slot));
+
+        h.clock.set(slot - chrono::Duration::microseconds(1));
+        let early = h
+            .outbox
+            .process("a2", |_| panic!("inside the first send's second"))
+            .unwrap();
+        assert_eq!(
+            (early.outcome, early.error_code.as_deref()),
+            (Outcome::Deferred, Some(RATE_CAPPED))
+        );
+        h.clock.set(slot);
+        let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+        assert_eq!((report.sent, report.deferred), (1, 0));
+        assert!(
+            h.outbox.settings().unwrap().is_stored("rate_limit"),
+            "a new outbox stores the default with its first change"
+        );
+    }
+
+    fn the_window_counts_from_the_send_not_from_the_enqueue(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-1");
+        // `a` waits 50 s in the queue, then goes out.
+        h.clock.advance(secs(50));
+        let sent_at = h.clock.now();
+        assert_eq!(
+            h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        // 70 s after the enqueue but only 20 s after the send: the window is full.
+        h.clock.advance(secs(20));
+        let b = h
+            .outbox
+            .process("b", |_| panic!("counted from created_at"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(b.error_code.as_deref(), Some(RATE_CAPPED));
+        assert_eq!(
+            b.next_attempt_at,
+            Some(sent_at + chrono::Duration::seconds(60))
+        );
+    }
+
+    fn an_old_item_sent_now_holds_the_global_window_now(engine) {
+        let h = engine.harness_with(|b| b.global_rate_limit(1, secs(10)));
+        h.enqueue("old", "chat-1");
+        h.clock.advance(secs(3600));
+        h.enqueue("new", "chat-2");
+        let sent_at = h.clock.now();
+        h.outbox.process("old", |_| Ok(None)).unwrap();
+        h.clock.advance(secs(5));
+        let new = h
+            .outbox
+            .process("new", |_| panic!("counted from created_at"))
+            .unwrap();
+        assert_eq!(new.outcome, Outcome::Deferred);
+        assert_eq!(
+            new.next_attempt_at,
+            Some(sent_at + chrono::Duration::seconds(10))
+        );
+    }
+
+    fn an_ambiguous_send_counts_against_the_global_cap(engine) {
+        let h = engine.harness_with(|b| b.global_rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-2");
+        let claimed_at = h.clock.now();
+        h.outbox
+            .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
+            .unwrap();
+        h.clock.advance(secs(1));
+        let b = h
+            .outbox
+            .process("b", |_| panic!("global cap forgot it"))
+            .unwrap();
+        assert_eq!(
+            b.error_code.as_deref(),
+            Some(durable_outbox::GLOBAL_RATE_CAPPED)
+        );
+        assert_eq!(
+            b.next_attempt_at,
+            Some(claimed_at + chrono::Duration::seconds(60))
+        );
+    }
+
+    fn a_requeued_ambiguous_send_still_counts_where_it_may_have_landed(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        let claimed_at = h.clock.now();
+        h.outbox
+            .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
+            .unwrap();
+        h.outbox
+            .requeue("a", "ops", "customer saw nothing")
+            .unwrap();
+        h.clock.advance(secs(10));
+        // The operator's resend still waits for the window of the first attempt.
+        let a = h
+            .outbox
+            .process("a", |_| panic!("the first attempt was forgotten"))
+            .unwrap();
+        assert_eq!(a.outcome, Outcome::Deferred);
+        assert_eq!(
+            a.next_attempt_at,
+            Some(claimed_at + chrono::Duration::seconds(60))
+        );
+    }
 }
 
 #[test]
@@ -99,70 +316,6 @@ fn a_send_in_progress_counts_against_the_cap() {
             Ok(None)
         })
         .unwrap();
-}
-
-#[test]
-fn destinations_matching_a_pattern_get_their_own_cap() {
-    // Telegram-like: 1 per minute for private chats (the default), 3 for groups ("-…").
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)).rate_limit_for("-*", 3, secs(60)));
-    for key in ["g1", "g2", "g3", "g4"] {
-        h.enqueue(key, "-100200");
-    }
-    h.enqueue("p1", "4242");
-    h.enqueue("p2", "4242");
-    let outcomes: Vec<_> = ["g1", "g2", "g3", "g4", "p1", "p2"]
-        .iter()
-        .map(|k| h.outbox.process(k, |_| Ok(None)).unwrap().outcome)
-        .collect();
-    let (sent, deferred) = (Outcome::Sent, Outcome::Deferred);
-    assert_eq!(outcomes, [sent, sent, sent, deferred, sent, deferred]);
-}
-
-#[test]
-fn a_global_cap_holds_across_destinations_and_says_so() {
-    let h = Harness::with(|b| b.rate_limit(10, secs(60)).global_rate_limit(2, secs(1)));
-    for i in 0..3 {
-        h.enqueue(&format!("k{i}"), &format!("chat-{i}"));
-    }
-    let t0 = h.clock.now();
-    assert_eq!(
-        h.outbox.process("k0", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox.process("k1", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    let capped = h
-        .outbox
-        .process("k2", |_| panic!("over the global cap"))
-        .unwrap();
-    assert_eq!(capped.outcome, Outcome::Deferred);
-    assert_eq!(
-        capped.error_code.as_deref(),
-        Some(durable_outbox::GLOBAL_RATE_CAPPED)
-    );
-    assert_eq!(
-        capped.next_attempt_at,
-        Some(t0 + chrono::Duration::seconds(1))
-    );
-    h.clock.advance(secs(1));
-    assert_eq!(
-        h.outbox.process("k2", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-}
-
-#[test]
-fn when_both_caps_bind_the_item_waits_for_the_later_one() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)).global_rate_limit(1, secs(1)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    let t0 = h.clock.now();
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    let r = h.outbox.process("b", |_| panic!("capped")).unwrap();
-    assert_eq!(r.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
-    assert_eq!(r.error_code.as_deref(), Some(RATE_CAPPED));
 }
 
 #[test]
@@ -245,112 +398,7 @@ fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
 
 // ----- the default cap ------------------------------------------------------
 
-/// With no cap set, a chat gets what Telegram and Slack publish, one send a
-/// second: a second message to the same chat leaves exactly one second after
-/// the first, and other chats are not held back by it.
-#[test]
-fn by_default_a_chat_gets_one_send_a_second_and_other_chats_do_not_wait() {
-    let h = Harness::new();
-    let settings = h.outbox.settings().unwrap();
-    assert_eq!(
-        settings.rate_limit(),
-        RateLimit {
-            count: 1,
-            window: secs(1)
-        }
-    );
-    for (key, chat) in [
-        ("a1", "chat-1"),
-        ("a2", "chat-1"),
-        ("b1", "chat-2"),
-        ("c1", "chat-3"),
-    ] {
-        h.enqueue(key, chat);
-    }
-    let t0 = h.clock.now();
-    let mut sent = Vec::new();
-    let report = h
-        .outbox
-        .process_due(|item| {
-            sent.push(item.idempotency_key().to_owned());
-            Ok(None)
-        })
-        .unwrap();
-    sent.sort();
-    assert_eq!(sent, ["a1", "b1", "c1"], "one per chat, every chat at once");
-    assert_eq!((report.sent, report.deferred), (3, 1));
-    let slot = t0 + chrono::Duration::seconds(1);
-    assert_eq!(
-        h.outbox.get("a2").unwrap().unwrap().next_attempt_at(),
-        Some(slot)
-    );
-    assert_eq!(h.outbox.next_due_at().unwrap(), Some(slot));
-
-    h.clock.set(slot - chrono::Duration::microseconds(1));
-    let early = h
-        .outbox
-        .process("a2", |_| panic!("inside the first send's second"))
-        .unwrap();
-    assert_eq!(
-        (early.outcome, early.error_code.as_deref()),
-        (Outcome::Deferred, Some(RATE_CAPPED))
-    );
-    h.clock.set(slot);
-    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
-    assert_eq!((report.sent, report.deferred), (1, 0));
-    assert!(
-        h.outbox.settings().unwrap().is_stored("rate_limit"),
-        "a new outbox stores the default with its first change"
-    );
-}
-
 // ----- the window counts sends, not enqueues -------------------------------
-
-#[test]
-fn the_window_counts_from_the_send_not_from_the_enqueue() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    // `a` waits 50 s in the queue, then goes out.
-    h.clock.advance(secs(50));
-    let sent_at = h.clock.now();
-    assert_eq!(
-        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    // 70 s after the enqueue but only 20 s after the send: the window is full.
-    h.clock.advance(secs(20));
-    let b = h
-        .outbox
-        .process("b", |_| panic!("counted from created_at"))
-        .unwrap();
-    assert_eq!(b.outcome, Outcome::Deferred);
-    assert_eq!(b.error_code.as_deref(), Some(RATE_CAPPED));
-    assert_eq!(
-        b.next_attempt_at,
-        Some(sent_at + chrono::Duration::seconds(60))
-    );
-}
-
-#[test]
-fn an_old_item_sent_now_holds_the_global_window_now() {
-    let h = Harness::with(|b| b.global_rate_limit(1, secs(10)));
-    h.enqueue("old", "chat-1");
-    h.clock.advance(secs(3600));
-    h.enqueue("new", "chat-2");
-    let sent_at = h.clock.now();
-    h.outbox.process("old", |_| Ok(None)).unwrap();
-    h.clock.advance(secs(5));
-    let new = h
-        .outbox
-        .process("new", |_| panic!("counted from created_at"))
-        .unwrap();
-    assert_eq!(new.outcome, Outcome::Deferred);
-    assert_eq!(
-        new.next_attempt_at,
-        Some(sent_at + chrono::Duration::seconds(10))
-    );
-}
 
 #[test]
 fn a_drained_backlog_counts_its_send_times_after_a_restart() {
@@ -442,54 +490,6 @@ fn a_send_reported_ambiguous_counts_against_the_cap_across_restarts() {
 #[test]
 fn a_send_that_panicked_counts_against_the_cap_across_restarts() {
     assert_counts_as_a_send(|| panic!("transport bug"), durable_outbox::SEND_PANICKED);
-}
-
-#[test]
-fn an_ambiguous_send_counts_against_the_global_cap() {
-    let h = Harness::with(|b| b.global_rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-2");
-    let claimed_at = h.clock.now();
-    h.outbox
-        .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
-        .unwrap();
-    h.clock.advance(secs(1));
-    let b = h
-        .outbox
-        .process("b", |_| panic!("global cap forgot it"))
-        .unwrap();
-    assert_eq!(
-        b.error_code.as_deref(),
-        Some(durable_outbox::GLOBAL_RATE_CAPPED)
-    );
-    assert_eq!(
-        b.next_attempt_at,
-        Some(claimed_at + chrono::Duration::seconds(60))
-    );
-}
-
-#[test]
-fn a_requeued_ambiguous_send_still_counts_where_it_may_have_landed() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    let claimed_at = h.clock.now();
-    h.outbox
-        .process("a", |_| Err(durable_outbox::SendError::ambiguous("reset")))
-        .unwrap();
-    h.outbox
-        .requeue("a", "ops", "customer saw nothing")
-        .unwrap();
-    h.clock.advance(secs(10));
-    // The operator's resend still waits for the window of the first attempt.
-    let a = h
-        .outbox
-        .process("a", |_| panic!("the first attempt was forgotten"))
-        .unwrap();
-    assert_eq!(a.outcome, Outcome::Deferred);
-    assert_eq!(
-        a.next_attempt_at,
-        Some(claimed_at + chrono::Duration::seconds(60))
-    );
 }
 
 // ----- a cooldown belongs to the destination --------------------------------
@@ -777,50 +777,151 @@ fn a_cooldown_an_older_release_kept_on_its_item_still_holds_the_destination() {
 }
 
 #[cfg(feature = "tokio")]
-#[test]
-fn a_send_future_dropped_mid_flight_counts_against_the_cap_from_its_claim() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    let claimed_at = h.clock.now();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let clock = h.clock.clone();
-    let timed_out = rt.block_on(async {
-        tokio::time::timeout(
-            std::time::Duration::from_millis(50),
-            h.outbox.process_async("a", move |_| {
-                clock.advance(secs(5)); // the request went out; the answer never comes
-                async {
-                    tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
-                    Ok(None)
-                }
-            }),
-        )
-        .await
-    });
-    assert!(timed_out.is_err(), "the caller gave up");
-    // The cancellation is recorded on the blocking pool: wait for it (generously).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while h.outbox.get("a").unwrap().unwrap().state() == durable_outbox::ItemState::Queued {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a dropped send future was never recorded as cancelled"
+on_both_engines! {
+    fn a_send_future_dropped_mid_flight_counts_against_the_cap_from_its_claim(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-1");
+        let claimed_at = h.clock.now();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let clock = h.clock.clone();
+        let timed_out = rt.block_on(async {
+            tokio::time::timeout(
+                std::time::Duration::from_millis(50),
+                h.outbox.process_async("a", move |_| {
+                    clock.advance(secs(5)); // the request went out; the answer never comes
+                    async {
+                        tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+                        Ok(None)
+                    }
+                }),
+            )
+            .await
+        });
+        assert!(timed_out.is_err(), "the caller gave up");
+        // The cancellation is recorded on the blocking pool: wait for it (generously).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while h.outbox.get("a").unwrap().unwrap().state() == durable_outbox::ItemState::Queued {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a dropped send future was never recorded as cancelled"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let a = h.outbox.get("a").unwrap().unwrap();
+        assert_eq!(a.error_code(), Some(durable_outbox::SEND_CANCELLED));
+        let b = h
+            .outbox
+            .process("b", |_| panic!("the cancelled send was forgotten"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(
+            b.next_attempt_at,
+            Some(claimed_at + chrono::Duration::seconds(60))
         );
-        std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let a = h.outbox.get("a").unwrap().unwrap();
-    assert_eq!(a.error_code(), Some(durable_outbox::SEND_CANCELLED));
-    let b = h
-        .outbox
-        .process("b", |_| panic!("the cancelled send was forgotten"))
-        .unwrap();
-    assert_eq!(b.outcome, Outcome::Deferred);
-    assert_eq!(
-        b.next_attempt_at,
-        Some(claimed_at + chrono::Duration::seconds(60))
-    );
+}
+
+on_both_engines! {
+    /// A rate cap and a platform cooldown hold for every handle of the outbox.
+    fn caps_and_cooldowns_hold_across_handles(engine) {
+        let first = engine.open_with(|b| b.rate_limit(1, secs(60)));
+        let second = engine.open();
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2"), ("d", "chat-2")] {
+            first.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        assert_eq!(first.process("a", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        engine.clock.advance(secs(10));
+        let capped = second.process("b", |_| panic!("over the cap")).unwrap();
+        assert_eq!(capped.outcome, Outcome::Deferred);
+        assert_eq!(capped.error_code.as_deref(), Some(RATE_CAPPED));
+        assert_eq!(capped.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+        assert_eq!(capped.attempts, 0, "a deferral is not an attempt");
+        assert_eq!(
+            second.settings().unwrap().rate_limit().count,
+            1,
+            "the first handle's cap is stored and in force for the second"
+        );
+
+        // A 429 on chat-2 cools the whole destination down, for every handle.
+        let refused = first
+            .process("c", |_| Err(SendError::retryable("429").retry_after(secs(30))))
+            .unwrap();
+        assert_eq!(refused.outcome, Outcome::Deferred);
+        // The cooldown belongs to the destination, not to the item that got it.
+        first.cancel("c", "ops", "superseded").unwrap();
+        let cooled = second.process("d", |_| panic!("cooling down")).unwrap();
+        assert_eq!(cooled.outcome, Outcome::Deferred);
+        assert_eq!(cooled.error_code.as_deref(), Some(DESTINATION_COOLDOWN));
+        engine.clock.advance(secs(31));
+        assert_eq!(second.process("d", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+    }
+
+    /// `rate_windows` measures each destination as the caps see it: sends in
+    /// the window (an ambiguous one included; a refused one not), when it
+    /// frees, what is queued, a cooldown.
+    fn rate_windows_measure_what_the_caps_see(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(2, secs(60)));
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-1"), ("d", "chat-2")] {
+            outbox.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        outbox.process("a", |_| Ok(None)).unwrap();
+        engine.clock.advance(secs(10));
+        outbox.process("b", |_| Err(SendError::ambiguous("reset"))).unwrap();
+        outbox
+            .process("d", |_| Err(SendError::retryable("429").retry_after(secs(30))))
+            .unwrap();
+        let windows = engine.open().rate_windows(None).unwrap();
+        let summary: Vec<(String, usize, usize, bool, bool)> = windows
+            .iter()
+            .map(|w| {
+                (
+                    w.destination.clone(),
+                    w.sends_in_window,
+                    w.queued,
+                    w.next_free_slot.is_some(),
+                    w.cooldown_until.is_some(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("chat-1".to_owned(), 2, 1, true, false),
+                ("chat-2".to_owned(), 0, 1, false, true),
+            ]
+        );
+        assert_eq!(windows[0].next_free_slot, Some(t0 + chrono::Duration::seconds(60)));
+        let what_if = outbox.rate_windows(Some(durable_outbox::RateLimit { count: 5, window: secs(60) }));
+        assert!(what_if.unwrap().iter().all(|w| w.next_free_slot.is_none()));
+    }
+
+    /// The cap across all destinations holds for every handle: the third
+    /// send in its window, from another handle, waits for the first to age out.
+    fn the_global_cap_holds_across_handles(engine) {
+        let configure = |b: durable_outbox::OutboxBuilder| {
+            b.rate_limit(u32::MAX, secs(60)).global_rate_limit(2, secs(60))
+        };
+        let first = engine.open_with(configure);
+        let second = engine.open_with(configure);
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-2"), ("c", "chat-3")] {
+            first.enqueue(msg(key, chat)).unwrap();
+        }
+        let t0 = engine.clock.now();
+        assert_eq!(first.process("a", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        engine.clock.advance(secs(5));
+        assert_eq!(second.process("b", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+        let capped = second.process("c", |_| panic!("over the global cap")).unwrap();
+        assert_eq!(capped.outcome, Outcome::Deferred);
+        assert_eq!(capped.error_code.as_deref(), Some(durable_outbox::GLOBAL_RATE_CAPPED));
+        assert_eq!(capped.next_attempt_at, Some(t0 + chrono::Duration::seconds(60)));
+        engine.clock.set(t0 + chrono::Duration::seconds(60));
+        assert_eq!(first.process("c", |_| Ok(None)).unwrap().outcome, Outcome::Sent);
+    }
 }

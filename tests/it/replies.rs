@@ -1,10 +1,15 @@
 //! A reply is matched to the message it answers within its own chat: Telegram
 //! and Slack number messages per chat, so the same id names a message in every chat.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]` reads
+//! history segment files written by an older release.
 
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, secs, uncapped};
 
 /// Items `a` → chat-1 and `b` → chat-2, both delivered as platform message "7",
@@ -25,44 +30,61 @@ fn key_of(found: Option<durable_outbox::OutboxItem>) -> Option<String> {
     found.map(|i| i.idempotency_key().to_owned())
 }
 
-#[test]
-fn the_same_id_in_two_chats_finds_the_message_of_the_right_chat() {
-    let h = Harness::with(uncapped);
-    two_chats(&h);
-    let find = |chat: &str, id: &str| key_of(h.outbox.find_by_transport_ref_in(chat, id).unwrap());
-    assert_eq!(find("chat-1", "7").as_deref(), Some("a"));
-    assert_eq!(find("chat-2", "7").as_deref(), Some("b"));
-    assert_eq!(find("chat-2", "8"), None, "chat-2 never had a message 8");
-    assert_eq!(find("chat-3", "7"), None);
-    assert_eq!(find("chat-1", "  "), None, "a blank id finds nothing");
-    // Another handle (another process) sees the same.
-    let other = h.reopen();
-    assert_eq!(
-        key_of(other.find_by_transport_ref_in("chat-2", "7").unwrap()).as_deref(),
-        Some("b")
-    );
+on_both_engines! {
+    fn the_same_id_in_two_chats_finds_the_message_of_the_right_chat(engine) {
+        let h = engine.harness_with(uncapped);
+        two_chats(&h);
+        let find = |chat: &str, id: &str| key_of(h.outbox.find_by_transport_ref_in(chat, id).unwrap());
+        assert_eq!(find("chat-1", "7").as_deref(), Some("a"));
+        assert_eq!(find("chat-2", "7").as_deref(), Some("b"));
+        assert_eq!(find("chat-2", "8"), None, "chat-2 never had a message 8");
+        assert_eq!(find("chat-3", "7"), None);
+        assert_eq!(find("chat-1", "  "), None, "a blank id finds nothing");
+        // Another handle (another process) sees the same.
+        let other = h.reopen();
+        assert_eq!(
+            key_of(other.find_by_transport_ref_in("chat-2", "7").unwrap()).as_deref(),
+            Some("b")
+        );
+    }
+
+    fn scoped_lookups_reach_into_history(engine) {
+        let h = engine.harness_with(|b| uncapped(b).history_after(Duration::ZERO));
+        two_chats(&h);
+        moved_to_history(&h);
+        for outbox in [&h.outbox, &h.reopen()] {
+            let find =
+                |chat: &str, id: &str| key_of(outbox.find_by_transport_ref_in(chat, id).unwrap());
+            assert_eq!(find("chat-1", "7").as_deref(), Some("a"));
+            assert_eq!(find("chat-2", "7").as_deref(), Some("b"));
+            assert_eq!(find("chat-1", "8").as_deref(), Some("c"));
+            assert_eq!(find("chat-2", "8"), None);
+        }
+    }
+
+    fn the_global_lookup_still_finds_a_globally_unique_id(engine) {
+        let h = engine.harness();
+        h.enqueue("m", "!room:example.org");
+        h.outbox
+            .process("m", |_| Ok(Some("$event-id-1:example.org".into())))
+            .unwrap();
+        assert_eq!(
+            key_of(
+                h.outbox
+                    .find_by_transport_ref("$event-id-1:example.org")
+                    .unwrap()
+            )
+            .as_deref(),
+            Some("m")
+        );
+    }
 }
 
 fn moved_to_history(h: &Harness) {
     h.clock.advance(secs(3 * 86_400));
-    h.outbox.compact().unwrap();
+    h.settle_history();
     assert_eq!(h.outbox.history_len().unwrap(), 3, "all three moved");
     assert!(h.outbox.list_items().unwrap().is_empty());
-}
-
-#[test]
-fn scoped_lookups_reach_into_history() {
-    let h = Harness::with(|b| uncapped(b).history_after(Duration::ZERO));
-    two_chats(&h);
-    moved_to_history(&h);
-    for outbox in [&h.outbox, &h.reopen()] {
-        let find =
-            |chat: &str, id: &str| key_of(outbox.find_by_transport_ref_in(chat, id).unwrap());
-        assert_eq!(find("chat-1", "7").as_deref(), Some("a"));
-        assert_eq!(find("chat-2", "7").as_deref(), Some("b"));
-        assert_eq!(find("chat-1", "8").as_deref(), Some("c"));
-        assert_eq!(find("chat-2", "8"), None);
-    }
 }
 
 /// Rewrites a version 3 history index as version 2 (no scoped table), the
@@ -102,23 +124,5 @@ fn segments_written_before_scoped_lookups_still_answer_them() {
         key_of(reopened.get("c").unwrap()).as_deref(),
         Some("c"),
         "keys of a version 2 segment still resolve"
-    );
-}
-
-#[test]
-fn the_global_lookup_still_finds_a_globally_unique_id() {
-    let h = Harness::new();
-    h.enqueue("m", "!room:example.org");
-    h.outbox
-        .process("m", |_| Ok(Some("$event-id-1:example.org".into())))
-        .unwrap();
-    assert_eq!(
-        key_of(
-            h.outbox
-                .find_by_transport_ref("$event-id-1:example.org")
-                .unwrap()
-        )
-        .as_deref(),
-        Some("m")
     );
 }

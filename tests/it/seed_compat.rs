@@ -16,11 +16,7 @@ fn seeded() -> Harness {
         .rate_limit(2, secs(60))
         .open()
         .unwrap();
-    Harness {
-        dir,
-        clock: h.clock,
-        outbox,
-    }
+    Harness::on_engine(std::sync::Arc::new(dir), h.clock, outbox, None)
 }
 
 #[test]

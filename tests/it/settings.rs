@@ -1,9 +1,15 @@
 //! Settings that shape shared state live in the outbox: every handle, the CLI
 //! and a maintenance job work with the same caps, and only an explicit,
 //! audited update changes them.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s read,
+//! damage or hand-write `outbox.json` and the journal, or model older releases'
+//! files.
 
 use durable_outbox::{AuditOutcome, Error, Outcome, RateLimit, Retention};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, builder, msg, secs};
 
 const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
@@ -29,30 +35,31 @@ fn settings_records(h: &Harness) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn a_new_outbox_stores_its_creators_settings_with_its_first_change() {
-    let h = Harness::with(|b| {
-        b.rate_limit(2, secs(30))
-            .rate_limit_for("-*", 20, secs(60))
-            .global_rate_limit(30, secs(1))
-            .max_attempts(5)
-            .history_after(secs(3600))
-            .history_retention(Retention::MaxSegments(4))
-    });
-    h.enqueue("a", "chat-1");
-    // Another process opening with every default works with the creator's values.
-    let settings = h.reopen().settings().unwrap();
-    assert_eq!(settings.rate_limit(), cap(2, 30));
-    assert_eq!(settings.rate_limit_for("-100"), cap(20, 60));
-    assert_eq!(settings.global_rate_limit(), Some(cap(30, 1)));
-    assert_eq!(settings.max_attempts(), 5);
-    assert_eq!(settings.history_after(), secs(3600));
-    assert_eq!(settings.history_retention(), Retention::MaxSegments(4));
-    assert!(settings.is_stored("rate_limit") && settings.is_stored("backoff"));
-    assert!(
-        settings_records(&h).is_empty(),
-        "the initial settings are the outbox's first state, not a change"
-    );
+on_both_engines! {
+    fn a_new_outbox_stores_its_creators_settings_with_its_first_change(engine) {
+        let h = engine.harness_with(|b| {
+            b.rate_limit(2, secs(30))
+                .rate_limit_for("-*", 20, secs(60))
+                .global_rate_limit(30, secs(1))
+                .max_attempts(5)
+                .history_after(secs(3600))
+                .history_retention(Retention::MaxSegments(4))
+        });
+        h.enqueue("a", "chat-1");
+        // Another process opening with every default works with the creator's values.
+        let settings = h.reopen().settings().unwrap();
+        assert_eq!(settings.rate_limit(), cap(2, 30));
+        assert_eq!(settings.rate_limit_for("-100"), cap(20, 60));
+        assert_eq!(settings.global_rate_limit(), Some(cap(30, 1)));
+        assert_eq!(settings.max_attempts(), 5);
+        assert_eq!(settings.history_after(), secs(3600));
+        assert_eq!(settings.history_retention(), Retention::MaxSegments(4));
+        assert!(settings.is_stored("rate_limit") && settings.is_stored("backoff"));
+        assert!(
+            settings_records(&h).is_empty(),
+            "the initial settings are the outbox's first state, not a change"
+        );
+    }
 }
 
 #[test]
@@ -392,4 +399,21 @@ fn the_order_rule_is_the_outboxs_not_each_handles() {
         settings_records(&chat_bot).is_empty(),
         "nothing was changed"
     );
+}
+
+on_both_engines! {
+    /// Settings the first handle stored are in force for a handle opened
+    /// with other values; `update_settings` changes them, audited.
+    fn stored_settings_are_shared(engine) {
+        let first = engine.open_with(|b| b.max_attempts(3));
+        first.enqueue(msg("a", "chat-1")).unwrap();
+        let second = engine.open_with(|b| b.max_attempts(7));
+        assert_eq!(second.settings().unwrap().max_attempts(), 3, "the stored value wins");
+        let third = engine.open_with(|b| b.max_attempts(5).update_settings());
+        assert_eq!(third.settings().unwrap().max_attempts(), 5);
+        assert_eq!(first.settings().unwrap().max_attempts(), 5, "reaches open handles");
+        let note = third.history("settings").unwrap().last().and_then(|r| r.note.clone());
+        assert!(note.is_some_and(|n| n.contains("max_attempts 3 -> 5")));
+        third.verify_audit().unwrap();
+    }
 }

@@ -2,6 +2,10 @@
 //! due moment, graceful shutdown, backpressure, fairness and order.
 //!
 //! Every wait runs under a watchdog that names the guarantee it waits for.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). Not yet on both: the `#[test]`s open a
+//! directory with the system clock (not converted yet).
 
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
@@ -10,7 +14,9 @@ use std::time::{Duration, Instant};
 use durable_outbox::{Backoff, ItemState, Ordering, Outbox, OutboxItem, SendError};
 use tokio::sync::{Notify, oneshot};
 
+use crate::engines::on_both_engines;
 use crate::harness::msg;
+use crate::harness::{DEADLOCK_LIMIT, secs};
 
 const WATCHDOG: Duration = Duration::from_secs(60);
 
@@ -148,27 +154,6 @@ fn a_deferred_item_wakes_the_worker_at_its_moment_and_not_before() {
     assert!(
         attempts[1] - attempts[0] >= chrono::Duration::milliseconds(300),
         "the retry waited for its backoff"
-    );
-}
-
-#[test]
-fn next_due_at_is_the_earliest_moment_a_head_may_go() {
-    let h = crate::harness::Harness::with(|b| {
-        b.backoff(Backoff::Fixed(vec![Duration::from_secs(30)]))
-            .max_inline_wait(Duration::ZERO)
-    });
-    assert_eq!(h.outbox.next_due_at().unwrap(), None, "nothing queued");
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    let now = h.clock_now();
-    assert!(h.outbox.next_due_at().unwrap().is_some_and(|at| at <= now));
-    h.outbox
-        .process("m1", |_| Err(SendError::retryable("http_502")))
-        .unwrap();
-    // m2 is due by itself but waits behind m1: the line is due at m1's retry.
-    assert_eq!(
-        h.outbox.next_due_at().unwrap(),
-        Some(now + chrono::Duration::seconds(30))
     );
 }
 
@@ -382,5 +367,53 @@ fn a_flooded_destination_does_not_starve_the_others() {
             "fairness ({ordering:?}): the three quiet chats were served by turn, \
              not after the flood; order was {started:?}"
         );
+    }
+}
+
+on_both_engines! {
+    /// The delivery worker drains what another handle (process, host)
+    /// enqueues while it runs, woken without polling the items.
+    fn the_worker_drains_what_another_handle_enqueues(engine) {
+        use std::time::Duration;
+        let worker_handle = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        // The same settings: on a new directory the handle that commits
+        // first stores its own (the clock is manual: a cap would never free).
+        let producer = engine.open_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&sent);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let report = crate::harness::within("the worker is woken by another handle's enqueue", DEADLOCK_LIMIT * 2, || {
+            runtime.block_on(async {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let worker = worker_handle.worker(move |item: durable_outbox::OutboxItem| {
+                    let log = Arc::clone(&log);
+                    async move {
+                        log.lock().unwrap().push(item.idempotency_key().to_owned());
+                        Ok::<_, SendError>(None)
+                    }
+                });
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                for (key, chat) in [("a1", "chat-a"), ("b1", "chat-b"), ("a2", "chat-a")] {
+                    producer.enqueue(msg(key, chat)).unwrap();
+                }
+                while sent.lock().unwrap().len() < 3 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap()
+            })
+        });
+        assert_eq!(report.sent, 3);
+        let sent = sent.lock().unwrap();
+        let chat_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
+        assert_eq!(chat_a, ["a1", "a2"], "in order");
+        assert!(producer.list_items().unwrap().iter().all(|i| i.state() == ItemState::Sent));
     }
 }
