@@ -67,27 +67,9 @@ impl FileTxn<'_> {
             .or_else(|| self.base.state.items.get(key))
     }
 
-    fn head(&self, destination: &str) -> Option<OrderKey> {
-        let committed = self
-            .base
-            .index
-            .lines
-            .line(destination)
-            .find(|place| !self.overlay.contains_key(&place.key))
-            .cloned();
-        let pending = self
-            .overlay
-            .values()
-            .filter(|i| i.destination == destination && i.state == ItemState::Queued)
-            .map(OrderKey::of)
-            .min();
-        committed.into_iter().chain(pending).min()
-    }
-
-    /// Whether `key` is `destination`'s head (as [`head`](Self::head) would
-    /// say), without copying a place: the committed line's first item this
-    /// transaction left alone, unless a queued item it changed sorts first.
-    fn is_head(&self, destination: &str, key: &str) -> bool {
+    /// `destination`'s two head candidates: the committed line's first item
+    /// this transaction left alone, and the earliest queued item it changed.
+    fn head_candidates(&self, destination: &str) -> (Option<&OrderKey>, Option<OrderKey>) {
         let committed = self
             .base
             .index
@@ -100,7 +82,18 @@ impl FileTxn<'_> {
             .filter(|i| i.destination == destination && i.state == ItemState::Queued)
             .map(OrderKey::of)
             .min();
-        match (committed, pending) {
+        (committed, pending)
+    }
+
+    fn head(&self, destination: &str) -> Option<OrderKey> {
+        let (committed, pending) = self.head_candidates(destination);
+        committed.cloned().into_iter().chain(pending).min()
+    }
+
+    /// Whether `key` is `destination`'s head (as [`head`](Self::head) would
+    /// say), without copying the committed place.
+    fn is_head(&self, destination: &str, key: &str) -> bool {
+        match self.head_candidates(destination) {
             (Some(c), Some(p)) if p < *c => p.key == key,
             (Some(c), _) => c.key == key,
             (None, Some(p)) => p.key == key,
