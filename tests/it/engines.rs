@@ -57,17 +57,113 @@ impl EngineUnderTest {
         })
     }
 
+    /// A fresh, empty outbox on the same engine (a campaign's next round).
+    pub fn fresh(&self) -> Self {
+        match self.kind {
+            Kind::File => Self::file(),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => Self::postgres().expect("the server that served this engine"),
+        }
+    }
+
     /// A builder for another handle on this outbox, with the shared manual
     /// clock as clock and sleeper.
     pub fn builder(&self) -> OutboxBuilder {
-        let builder = match self.kind {
+        self.real_clock_builder()
+            .clock(self.clock.clone())
+            .sleeper(self.clock.clone())
+    }
+
+    /// A builder for a handle on this outbox with the crate's defaults: the
+    /// system clock, and sleeps that take real time (the worker's waits).
+    pub fn real_clock_builder(&self) -> OutboxBuilder {
+        match self.kind {
             Kind::File => Outbox::builder(self.dir.path()),
             #[cfg(feature = "postgres")]
             Kind::Postgres => Outbox::postgres(&self.url()),
-        };
-        builder
-            .clock(self.clock.clone())
-            .sleeper(self.clock.clone())
+        }
+    }
+
+    /// Opens a handle on the system clock with extra builder settings.
+    pub fn open_real_clock_with(
+        &self,
+        configure: impl FnOnce(OutboxBuilder) -> OutboxBuilder,
+    ) -> Outbox {
+        configure(self.real_clock_builder())
+            .open()
+            .unwrap_or_else(|e| panic!("open the {:?} outbox: {e}", self.kind))
+    }
+
+    /// Whether nothing has been written to this outbox yet: the directory is
+    /// empty (file), the outbox's schema does not exist (PostgreSQL). A
+    /// refused open must leave it so.
+    pub fn is_untouched(&self) -> bool {
+        match self.kind {
+            Kind::File => std::fs::read_dir(self.dir.path())
+                .expect("read the outbox directory")
+                .next()
+                .is_none(),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => {
+                let db = self.db.as_ref().expect("a database");
+                db.psql(
+                    "SELECT count(*) FROM information_schema.schemata \
+                     WHERE schema_name = 'durable_outbox'",
+                ) == "0"
+            }
+        }
+    }
+
+    /// Where a child process (`outbox-test-worker`, the CLI) finds this
+    /// outbox: the directory, or the PostgreSQL URL.
+    pub fn location(&self) -> String {
+        match self.kind {
+            Kind::File => self.dir.path().to_str().expect("a UTF-8 path").to_owned(),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => self.url(),
+        }
+    }
+
+    /// Like [`location`](Self::location) for a child the test may kill: on
+    /// PostgreSQL its sessions carry `name` as their application name, so
+    /// [`await_child_gone`](Self::await_child_gone) can see them end.
+    pub fn child_location(&self, name: &str) -> String {
+        match self.kind {
+            Kind::File => self.location(),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => format!("{}?application_name={name}", self.url()),
+        }
+    }
+
+    /// After a child opened at [`child_location`](Self::child_location)`(name)`
+    /// was killed: waits until its liveness token is free. File: the kernel
+    /// releases the owner file's lock when the process dies, nothing to wait
+    /// for. PostgreSQL: the server ends the child's sessions, and with them
+    /// its owner lock, only once it notices the closed sockets.
+    pub fn await_child_gone(&self, name: &str) {
+        match self.kind {
+            Kind::File => {
+                let _ = name;
+            }
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => {
+                let db = self.db.as_ref().expect("a database");
+                let deadline = std::time::Instant::now() + crate::harness::DEADLOCK_LIMIT;
+                while db.psql(&format!(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND application_name = '{name}'"
+                )) != "0"
+                {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the server still runs the killed child {name}'s sessions \
+                         after {:?}",
+                        crate::harness::DEADLOCK_LIMIT
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+        }
     }
 
     /// Opens a handle (another "process" or "host" when called again).
