@@ -1,13 +1,13 @@
 //! Per-destination sliding-window caps, counted from persisted send times.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s reopen a
-//! directory across restarts, compact, or load state files written by older
-//! releases.
+//! (`name::file`, `name::postgres`); a restart is a handle dropped and another
+//! opened (another process, or host). File-only here: the `#[test]`s edit
+//! `outbox.json` to model what older releases wrote.
 
 use durable_outbox::{Clock, Ordering, Outcome, RATE_CAPPED, RateLimit};
 
-use crate::engines::on_both_engines;
+use crate::engines::{EngineUnderTest, on_both_engines};
 use crate::harness::msg;
 use crate::harness::{Harness, builder, secs};
 use durable_outbox::{DESTINATION_COOLDOWN, SendError};
@@ -274,156 +274,145 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn caps_hold_across_a_restart() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    let dir = h.dir.path().to_path_buf();
-    let clock = h.clock.clone();
-    drop(h.outbox);
-    let reopened = builder(&dir, &clock)
-        .rate_limit(1, secs(60))
-        .open()
-        .unwrap();
-    assert_eq!(
-        reopened
-            .process("b", |_| panic!("cap forgotten"))
-            .unwrap()
-            .outcome,
-        Outcome::Deferred
-    );
-}
-
-#[test]
-fn a_send_in_progress_counts_against_the_cap() {
-    // Unordered: under per-destination order b would wait behind a anyway.
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    let other = builder(h.dir.path(), &h.clock)
-        .rate_limit(1, secs(60))
-        .ordering(Ordering::Unordered)
-        .open()
-        .unwrap();
-    h.outbox
-        .process("a", |_| {
-            let r = other
-                .process("b", |_| panic!("cap exceeded by a concurrent send"))
-                .unwrap();
-            assert_eq!(r.outcome, Outcome::Deferred);
-            Ok(None)
-        })
-        .unwrap();
-}
-
-#[test]
-fn an_empty_pattern_or_a_zero_cap_is_rejected_at_open() {
-    let dir = tempfile::tempdir().unwrap();
-    for builder in [
-        durable_outbox::Outbox::builder(dir.path()).rate_limit_for("", 1, secs(1)),
-        durable_outbox::Outbox::builder(dir.path()).rate_limit_for("-*", 0, secs(1)),
-        durable_outbox::Outbox::builder(dir.path()).global_rate_limit(1, secs(0)),
-    ] {
-        assert!(matches!(
-            builder.open(),
-            Err(durable_outbox::Error::InvalidConfig { .. })
-        ));
+on_both_engines! {
+    fn caps_hold_across_a_restart(engine) {
+        let outbox = engine.open_with(|b| b.rate_limit(1, secs(60)));
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        outbox.enqueue(msg("b", "chat-1")).unwrap();
+        outbox.process("a", |_| Ok(None)).unwrap();
+        drop(outbox);
+        let reopened = engine.open_with(|b| b.rate_limit(1, secs(60)));
+        assert_eq!(
+            reopened
+                .process("b", |_| panic!("cap forgotten"))
+                .unwrap()
+                .outcome,
+            Outcome::Deferred
+        );
     }
-}
 
-#[test]
-fn a_retry_after_cools_the_whole_destination_down_across_restarts() {
-    // Unordered, so b is held by the cooldown itself, not by waiting behind a.
-    let h = Harness::with(|b| {
-        b.max_inline_wait(std::time::Duration::ZERO)
-            .ordering(Ordering::Unordered)
-    });
-    for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2")] {
-        h.enqueue(key, chat);
+    fn a_send_in_progress_counts_against_the_cap(engine) {
+        // Unordered: under per-destination order b would wait behind a anyway.
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-1");
+        let other = h.reopen_with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
+        h.outbox
+            .process("a", |_| {
+                let r = other
+                    .process("b", |_| panic!("cap exceeded by a concurrent send"))
+                    .unwrap();
+                assert_eq!(r.outcome, Outcome::Deferred);
+                Ok(None)
+            })
+            .unwrap();
     }
-    let t0 = h.clock.now();
-    let first = h
-        .outbox
-        .process("a", |_| {
-            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(30)))
-        })
-        .unwrap();
-    assert_eq!(first.outcome, Outcome::Deferred);
-    // The platform said "wait 30 s" about chat-1: b must not go there either…
-    let b = builder(h.dir.path(), &h.clock)
-        .max_inline_wait(std::time::Duration::ZERO)
-        .ordering(Ordering::Unordered)
-        .open()
-        .unwrap()
-        .process("b", |_| panic!("ignored the platform's Retry-After"))
-        .unwrap();
-    assert_eq!(b.outcome, Outcome::Deferred);
-    assert_eq!(
-        b.error_code.as_deref(),
-        Some(durable_outbox::DESTINATION_COOLDOWN)
-    );
-    assert_eq!(b.next_attempt_at, Some(t0 + chrono::Duration::seconds(30)));
-    // …while other chats are unaffected.
-    assert_eq!(
-        h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    h.clock.advance(secs(30));
-    assert_eq!(
-        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    // No herd when the cooldown ends: the next send to chat-1 is paced by
-    // what the platform asked for (see `adaptive_pacing`).
-    let a = h
-        .outbox
-        .process("a", |_| panic!("inside the learned pace"))
-        .unwrap();
-    assert_eq!(
-        a.error_code.as_deref(),
-        Some(durable_outbox::DESTINATION_PACED)
-    );
-    assert_eq!(
-        a.next_attempt_at,
-        Some(t0 + chrono::Duration::milliseconds(30_000 + 37_500))
-    );
-    h.clock.advance(std::time::Duration::from_millis(37_500));
-    assert_eq!(
-        h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
+
+    /// A bad cap is refused before anything is written.
+    fn an_empty_pattern_or_a_zero_cap_is_rejected_at_open(engine) {
+        for builder in [
+            engine.builder().rate_limit_for("", 1, secs(1)),
+            engine.builder().rate_limit_for("-*", 0, secs(1)),
+            engine.builder().global_rate_limit(1, secs(0)),
+        ] {
+            let result = builder.open();
+            assert!(
+                matches!(result, Err(durable_outbox::Error::InvalidConfig { .. })),
+                "{result:?}"
+            );
+        }
+        assert!(engine.is_untouched(), "a refused open wrote nothing");
+    }
+
+    fn a_retry_after_cools_the_whole_destination_down_across_restarts(engine) {
+        // Unordered, so b is held by the cooldown itself, not by waiting behind a.
+        let h = engine.harness_with(|b| {
+            b.max_inline_wait(std::time::Duration::ZERO)
+                .ordering(Ordering::Unordered)
+        });
+        for (key, chat) in [("a", "chat-1"), ("b", "chat-1"), ("c", "chat-2")] {
+            h.enqueue(key, chat);
+        }
+        let t0 = h.clock.now();
+        let first = h
+            .outbox
+            .process("a", |_| {
+                Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(30)))
+            })
+            .unwrap();
+        assert_eq!(first.outcome, Outcome::Deferred);
+        // The platform said "wait 30 s" about chat-1: b must not go there either…
+        let b = h
+            .reopen_with(|b| {
+                b.max_inline_wait(std::time::Duration::ZERO)
+                    .ordering(Ordering::Unordered)
+            })
+            .process("b", |_| panic!("ignored the platform's Retry-After"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(
+            b.error_code.as_deref(),
+            Some(durable_outbox::DESTINATION_COOLDOWN)
+        );
+        assert_eq!(b.next_attempt_at, Some(t0 + chrono::Duration::seconds(30)));
+        // …while other chats are unaffected.
+        assert_eq!(
+            h.outbox.process("c", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        h.clock.advance(secs(30));
+        assert_eq!(
+            h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        // No herd when the cooldown ends: the next send to chat-1 is paced by
+        // what the platform asked for (see `adaptive_pacing`).
+        let a = h
+            .outbox
+            .process("a", |_| panic!("inside the learned pace"))
+            .unwrap();
+        assert_eq!(
+            a.error_code.as_deref(),
+            Some(durable_outbox::DESTINATION_PACED)
+        );
+        assert_eq!(
+            a.next_attempt_at,
+            Some(t0 + chrono::Duration::milliseconds(30_000 + 37_500))
+        );
+        h.clock.advance(std::time::Duration::from_millis(37_500));
+        assert_eq!(
+            h.outbox.process("a", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+    }
 }
 
 // ----- the default cap ------------------------------------------------------
 
 // ----- the window counts sends, not enqueues -------------------------------
 
-#[test]
-fn a_drained_backlog_counts_its_send_times_after_a_restart() {
-    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
-    for key in ["a", "b"] {
-        h.enqueue(key, "chat-1");
+on_both_engines! {
+    fn a_drained_backlog_counts_its_send_times_after_a_restart(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(2, secs(60)));
+        for key in ["a", "b"] {
+            h.enqueue(key, "chat-1");
+        }
+        h.clock.advance(secs(45));
+        let sent_at = h.clock.now();
+        let report = h.outbox.process_due(|_| Ok(None)).unwrap();
+        assert_eq!(report.sent, 2);
+        h.clock.advance(secs(30)); // 75 s after the enqueues, 30 s after the sends
+        h.enqueue("c", "chat-1");
+        let reopened = h.reopen_with(|b| b.rate_limit(2, secs(60)));
+        let c = reopened
+            .process("c", |_| panic!("counted from created_at"))
+            .unwrap();
+        assert_eq!(c.outcome, Outcome::Deferred);
+        assert_eq!(
+            c.next_attempt_at,
+            Some(sent_at + chrono::Duration::seconds(60))
+        );
     }
-    h.clock.advance(secs(45));
-    let sent_at = h.clock.now();
-    let report = h.outbox.process_due(|_| Ok(None)).unwrap();
-    assert_eq!(report.sent, 2);
-    h.clock.advance(secs(30)); // 75 s after the enqueues, 30 s after the sends
-    h.enqueue("c", "chat-1");
-    let reopened = builder(h.dir.path(), &h.clock)
-        .rate_limit(2, secs(60))
-        .open()
-        .unwrap();
-    let c = reopened
-        .process("c", |_| panic!("counted from created_at"))
-        .unwrap();
-    assert_eq!(c.outcome, Outcome::Deferred);
-    assert_eq!(
-        c.next_attempt_at,
-        Some(sent_at + chrono::Duration::seconds(60))
-    );
 }
 
 // ----- a send that may have left counts ------------------------------------
@@ -432,10 +421,11 @@ fn a_drained_backlog_counts_its_send_times_after_a_restart() {
 /// the same chat, waits a whole window (60 s) from the first claim, in this
 /// handle and after a restart.
 fn assert_counts_as_a_send(
+    engine: &EngineUnderTest,
     send: impl FnOnce() -> Result<Option<String>, durable_outbox::SendError>,
     expected_code: &str,
 ) {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
+    let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
     h.enqueue("first", "chat-1");
     h.enqueue("second", "chat-1");
     h.clock.advance(secs(7)); // the claim, not the enqueue, is the send time
@@ -461,10 +451,7 @@ fn assert_counts_as_a_send(
         (second.outcome, second.next_attempt_at),
         (Outcome::Deferred, free)
     );
-    let reopened = builder(h.dir.path(), &h.clock)
-        .rate_limit(1, secs(60))
-        .open()
-        .unwrap();
+    let reopened = h.reopen_with(|b| b.rate_limit(1, secs(60)));
     let second = reopened
         .process("second", |_| panic!("forgotten after a restart"))
         .unwrap();
@@ -479,25 +466,26 @@ fn assert_counts_as_a_send(
     );
 }
 
-#[test]
-fn a_send_reported_ambiguous_counts_against_the_cap_across_restarts() {
-    assert_counts_as_a_send(
-        || Err(durable_outbox::SendError::ambiguous("read_timeout")),
-        "read_timeout",
-    );
-}
+on_both_engines! {
+    fn a_send_reported_ambiguous_counts_against_the_cap_across_restarts(engine) {
+        assert_counts_as_a_send(
+            engine,
+            || Err(durable_outbox::SendError::ambiguous("read_timeout")),
+            "read_timeout",
+        );
+    }
 
-#[test]
-fn a_send_that_panicked_counts_against_the_cap_across_restarts() {
-    assert_counts_as_a_send(|| panic!("transport bug"), durable_outbox::SEND_PANICKED);
+    fn a_send_that_panicked_counts_against_the_cap_across_restarts(engine) {
+        assert_counts_as_a_send(engine, || panic!("transport bug"), durable_outbox::SEND_PANICKED);
+    }
 }
 
 // ----- a cooldown belongs to the destination --------------------------------
 
 /// Enqueues `a` and `b` for chat-1, lets `a` receive a 30 s `retry_after`, runs
 /// `meanwhile` on the harness, then asserts `b` still waits for the cooldown.
-fn assert_cooldown_survives(meanwhile: impl FnOnce(&Harness)) {
-    let h = Harness::with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+fn assert_cooldown_survives(engine: &EngineUnderTest, meanwhile: impl FnOnce(&Harness)) {
+    let h = engine.harness_with(|b| b.max_inline_wait(std::time::Duration::ZERO));
     h.enqueue("a", "chat-1");
     h.enqueue("b", "chat-1");
     let t0 = h.clock.now();
@@ -527,38 +515,37 @@ fn assert_cooldown_survives(meanwhile: impl FnOnce(&Harness)) {
     );
 }
 
-#[test]
-fn a_cooldown_outlives_the_cancel_of_the_item_that_got_it() {
-    assert_cooldown_survives(|h| {
-        h.reopen().cancel("a", "ops", "duplicate").unwrap();
-    });
-}
+on_both_engines! {
+    fn a_cooldown_outlives_the_cancel_of_the_item_that_got_it(engine) {
+        assert_cooldown_survives(engine, |h| {
+            h.reopen().cancel("a", "ops", "duplicate").unwrap();
+        });
+    }
 
-#[test]
-fn a_cooldown_outlives_a_requeue_of_the_item_that_got_it() {
-    assert_cooldown_survives(|h| {
-        h.outbox.cancel("a", "ops", "duplicate").unwrap();
-        h.outbox
-            .requeue("a", "ops", "not a duplicate after all")
-            .unwrap();
-    });
-}
+    fn a_cooldown_outlives_a_requeue_of_the_item_that_got_it(engine) {
+        assert_cooldown_survives(engine, |h| {
+            h.outbox.cancel("a", "ops", "duplicate").unwrap();
+            h.outbox
+                .requeue("a", "ops", "not a duplicate after all")
+                .unwrap();
+        });
+    }
 
-#[test]
-fn a_cooldown_outlives_the_move_of_the_item_that_got_it_to_history() {
-    assert_cooldown_survives(|h| {
-        h.outbox.cancel("a", "ops", "duplicate").unwrap();
-        h.clock.advance(secs(1));
-        builder(h.dir.path(), &h.clock)
-            .history_after(std::time::Duration::ZERO)
-            .rate_limit(10, std::time::Duration::from_millis(1))
-            .update_settings()
-            .open()
-            .unwrap()
-            .compact()
-            .unwrap();
-        assert_eq!(h.outbox.history_len().unwrap(), 1, "a moved to history");
-    });
+    fn a_cooldown_outlives_the_move_of_the_item_that_got_it_to_history(engine) {
+        assert_cooldown_survives(engine, |h| {
+            h.outbox.cancel("a", "ops", "duplicate").unwrap();
+            h.clock.advance(secs(1));
+            // A maintenance job moves every terminal item to history at once
+            // and lifts the cap to almost nothing.
+            drop(h.reopen_with(|b| {
+                b.history_after(std::time::Duration::ZERO)
+                    .rate_limit(10, std::time::Duration::from_millis(1))
+                    .update_settings()
+            }));
+            h.settle_history();
+            assert_eq!(h.outbox.history_len().unwrap(), 1, "a moved to history");
+        });
+    }
 }
 
 // ----- with other processes ------------------------------------------------
@@ -569,8 +556,9 @@ mod across_processes {
     use std::process::{Child, Command, Stdio};
 
     use chrono::Utc;
-    use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ManualClock, Outbox, Outcome};
+    use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ManualClock, Outcome};
 
+    use crate::engines::on_both_engines;
     use crate::harness::{msg, secs};
 
     const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
@@ -599,116 +587,108 @@ mod across_processes {
         }
     }
 
-    #[test]
-    fn a_send_cut_off_by_a_kill_counts_against_the_cap_after_the_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().to_str().unwrap();
-        let bot = || {
-            Outbox::builder(dir.path())
-                .rate_limit(1, secs(3600))
-                .open()
-                .unwrap()
-        };
-        let first = bot();
-        first.enqueue(msg("a", "chat-1")).unwrap();
-        first.enqueue(msg("b", "chat-1")).unwrap();
-        let before = Utc::now();
-        let mut child = worker(&["process", d, "a", "hang"]).spawn().unwrap();
-        wait_for_line(&mut child, "sending a");
-        child.kill().unwrap(); // SIGKILL inside send
-        let status = child.wait().unwrap();
-        assert!(
-            !status.success(),
-            "the worker was killed mid-send: {status}"
-        );
-        drop(first);
-
-        let restarted = bot();
-        let a = restarted.process("a", |_| panic!("resent")).unwrap();
-        assert_eq!(a.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
-        let claimed_at = restarted.get("a").unwrap().unwrap().maybe_sent_at();
-        assert!(claimed_at.is_some_and(|at| at >= before), "{claimed_at:?}");
-        for handle in [&restarted, &bot()] {
-            let b = handle
-                .process("b", |_| panic!("the ambiguous send was forgotten"))
+    on_both_engines! {
+        fn a_send_cut_off_by_a_kill_counts_against_the_cap_after_the_restart(engine) {
+            let bot = || engine.open_real_clock_with(|b| b.rate_limit(1, secs(3600)));
+            let first = bot();
+            first.enqueue(msg("a", "chat-1")).unwrap();
+            first.enqueue(msg("b", "chat-1")).unwrap();
+            let before = Utc::now();
+            let mut child = worker(&["process", &engine.child_location("killed"), "a", "hang"])
+                .spawn()
                 .unwrap();
-            assert_eq!(b.outcome, Outcome::Deferred);
-            assert_eq!(
-                b.next_attempt_at,
-                claimed_at.map(|at| at + chrono::Duration::seconds(3600))
+            wait_for_line(&mut child, "sending a");
+            child.kill().unwrap(); // SIGKILL inside send
+            let status = child.wait().unwrap();
+            assert!(
+                !status.success(),
+                "the worker was killed mid-send: {status}"
             );
+            engine.await_child_gone("killed");
+            drop(first);
+
+            let restarted = bot();
+            let a = restarted.process("a", |_| panic!("resent")).unwrap();
+            assert_eq!(a.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+            let claimed_at = restarted.get("a").unwrap().unwrap().maybe_sent_at();
+            assert!(claimed_at.is_some_and(|at| at >= before), "{claimed_at:?}");
+            for handle in [&restarted, &bot()] {
+                let b = handle
+                    .process("b", |_| panic!("the ambiguous send was forgotten"))
+                    .unwrap();
+                assert_eq!(b.outcome, Outcome::Deferred);
+                assert_eq!(
+                    b.next_attempt_at,
+                    claimed_at.map(|at| at + chrono::Duration::seconds(3600))
+                );
+            }
+        }
+
+        fn another_process_compacting_with_defaults_never_lifts_the_cap(engine) {
+            let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0);
+            // The bot allows one message per chat every three days; its last send
+            // was two days ago, longer than the default `history_after` (a day).
+            let clock = ManualClock::at(&(now - chrono::Duration::days(2)).to_rfc3339()).unwrap();
+            let bot = engine
+                .real_clock_builder()
+                .clock(clock.clone())
+                .rate_limit(1, secs(3 * 86_400))
+                .open()
+                .unwrap();
+            bot.enqueue(msg("a", "chat-1")).unwrap();
+            bot.process("a", |_| Ok(None)).unwrap();
+            let sent_at = bot.get("a").unwrap().unwrap().sent_at().unwrap();
+            clock.set(now);
+            bot.enqueue(msg("b", "chat-1")).unwrap();
+
+            // A maintenance job opens the outbox with every default and
+            // compacts (PostgreSQL: applies retention, which opening does).
+            let out = worker(&["maintain", &engine.location()]).output().unwrap();
+            assert!(out.status.success(), "maintain failed: {out:?}");
+
+            assert!(
+                bot.list_items()
+                    .unwrap()
+                    .iter()
+                    .any(|i| i.idempotency_key() == "a"),
+                "a send inside the bot's window moved out of the live state"
+            );
+            let b = bot.process("b", |_| panic!("the cap was lifted")).unwrap();
+            assert_eq!(b.outcome, Outcome::Deferred);
+            assert_eq!(b.next_attempt_at, Some(sent_at + chrono::Duration::days(3)));
         }
     }
 
-    #[test]
-    fn another_process_compacting_with_defaults_never_lifts_the_cap() {
-        let dir = tempfile::tempdir().unwrap();
-        let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0);
-        // The bot allows one message per chat every three days; its last send
-        // was two days ago, longer than the default `history_after` (a day).
-        let clock = ManualClock::at(&(now - chrono::Duration::days(2)).to_rfc3339()).unwrap();
-        let bot = Outbox::builder(dir.path())
-            .clock(clock.clone())
-            .rate_limit(1, secs(3 * 86_400))
-            .open()
-            .unwrap();
-        bot.enqueue(msg("a", "chat-1")).unwrap();
-        bot.process("a", |_| Ok(None)).unwrap();
-        let sent_at = bot.get("a").unwrap().unwrap().sent_at().unwrap();
-        clock.set(now);
-        bot.enqueue(msg("b", "chat-1")).unwrap();
-
-        // A maintenance job opens the directory with every default and compacts.
-        let out = worker(&["maintain", dir.path().to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "maintain failed: {out:?}");
-
-        assert!(
-            bot.list_items()
-                .unwrap()
-                .iter()
-                .any(|i| i.idempotency_key() == "a"),
-            "a send inside the bot's window moved out of the live state"
-        );
-        let b = bot.process("b", |_| panic!("the cap was lifted")).unwrap();
-        assert_eq!(b.outcome, Outcome::Deferred);
-        assert_eq!(b.next_attempt_at, Some(sent_at + chrono::Duration::days(3)));
-    }
-
     #[cfg(feature = "cli")]
-    #[test]
-    fn an_operator_cancelling_the_item_that_got_a_retry_after_leaves_the_cooldown() {
-        let dir = tempfile::tempdir().unwrap();
-        let bot = Outbox::builder(dir.path())
-            .max_inline_wait(std::time::Duration::ZERO)
-            .open()
+    on_both_engines! {
+        fn an_operator_cancelling_the_item_that_got_a_retry_after_leaves_the_cooldown(engine) {
+            let bot = engine.open_real_clock_with(|b| b.max_inline_wait(std::time::Duration::ZERO));
+            bot.enqueue(msg("a", "chat-1")).unwrap();
+            bot.enqueue(msg("b", "chat-1")).unwrap();
+            bot.process("a", |_| {
+                Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(3600)))
+            })
             .unwrap();
-        bot.enqueue(msg("a", "chat-1")).unwrap();
-        bot.enqueue(msg("b", "chat-1")).unwrap();
-        bot.process("a", |_| {
-            Err(durable_outbox::SendError::retryable("http_429").retry_after(secs(3600)))
-        })
-        .unwrap();
-        let until = bot.get("a").unwrap().unwrap().cooldown_until();
-        assert!(until.is_some());
+            let until = bot.get("a").unwrap().unwrap().cooldown_until();
+            assert!(until.is_some());
 
-        let cancel = Command::new(env!("CARGO_BIN_EXE_durable-outbox"))
-            .args(["cancel", dir.path().to_str().unwrap(), "a"])
-            .args(["--reason", "duplicate", "--operator", "ops"])
-            .output()
-            .unwrap();
-        assert!(cancel.status.success(), "cancel failed: {cancel:?}");
+            let cancel = Command::new(env!("CARGO_BIN_EXE_durable-outbox"))
+                .args(["cancel", &engine.location(), "a"])
+                .args(["--reason", "duplicate", "--operator", "ops"])
+                .output()
+                .unwrap();
+            assert!(cancel.status.success(), "cancel failed: {cancel:?}");
 
-        let b = bot
-            .process("b", |_| panic!("the cooldown was lifted"))
-            .unwrap();
-        assert_eq!(b.outcome, Outcome::Deferred);
-        assert_eq!(
-            b.error_code.as_deref(),
-            Some(durable_outbox::DESTINATION_COOLDOWN)
-        );
-        assert_eq!(b.next_attempt_at, until);
+            let b = bot
+                .process("b", |_| panic!("the cooldown was lifted"))
+                .unwrap();
+            assert_eq!(b.outcome, Outcome::Deferred);
+            assert_eq!(
+                b.error_code.as_deref(),
+                Some(durable_outbox::DESTINATION_COOLDOWN)
+            );
+            assert_eq!(b.next_attempt_at, until);
+        }
     }
 }
 

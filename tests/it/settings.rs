@@ -3,13 +3,13 @@
 //! audited update changes them.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s read,
-//! damage or hand-write `outbox.json` and the journal, or model older releases'
-//! files.
+//! (`name::file`, `name::postgres`); a restart is a handle dropped and another
+//! opened. File-only here: the `#[test]`s read, damage or hand-write
+//! `outbox.json` and the journal, or model older releases' files.
 
 use durable_outbox::{AuditOutcome, Error, Outcome, RateLimit, Retention};
 
-use crate::engines::on_both_engines;
+use crate::engines::{Kind, on_both_engines};
 use crate::harness::{Harness, builder, msg, secs};
 
 const SEED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/seed-v1/outbox.json");
@@ -26,9 +26,9 @@ fn cap(count: u32, window_secs: u64) -> RateLimit {
     }
 }
 
+/// The notes of the settings changes in the audit log, on either engine.
 fn settings_records(h: &Harness) -> Vec<String> {
-    durable_outbox::AuditLog::read(h.path("audit.jsonl"))
-        .unwrap()
+    h.audit_records()
         .into_iter()
         .filter(|r| r.outcome == AuditOutcome::Settings)
         .map(|r| r.note.unwrap_or_default())
@@ -62,94 +62,85 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn a_handle_opened_with_a_weaker_cap_keeps_the_stored_one() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    h.enqueue("a", "chat-1");
-    h.enqueue("b", "chat-1");
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    let careless = builder(h.dir.path(), &h.clock)
-        .rate_limit(100, secs(60))
-        .max_attempts(9)
-        .open()
-        .unwrap();
-    let b = careless
-        .process("b", |_| panic!("a builder value weakened the stored cap"))
-        .unwrap();
-    assert_eq!(b.outcome, Outcome::Deferred);
-    assert_eq!(careless.settings().unwrap().rate_limit(), cap(1, 60));
-    assert_eq!(
-        careless.settings().unwrap().max_attempts(),
-        12,
-        "the stored default"
-    );
-    assert!(settings_records(&h).is_empty(), "nothing was changed");
-}
-
-#[test]
-fn update_settings_changes_them_for_every_handle_with_an_audit_record() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(60)));
-    for key in ["a", "b", "c"] {
-        h.enqueue(key, "chat-1");
+on_both_engines! {
+    fn a_handle_opened_with_a_weaker_cap_keeps_the_stored_one(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-1");
+        h.outbox.process("a", |_| Ok(None)).unwrap();
+        let careless = h.reopen_with(|b| b.rate_limit(100, secs(60)).max_attempts(9));
+        let b = careless
+            .process("b", |_| panic!("a builder value weakened the stored cap"))
+            .unwrap();
+        assert_eq!(b.outcome, Outcome::Deferred);
+        assert_eq!(careless.settings().unwrap().rate_limit(), cap(1, 60));
+        assert_eq!(
+            careless.settings().unwrap().max_attempts(),
+            12,
+            "the stored default"
+        );
+        assert!(settings_records(&h).is_empty(), "nothing was changed");
     }
-    h.outbox.process("a", |_| Ok(None)).unwrap();
-    let before = h.outbox.audit_head().unwrap().seq;
-    builder(h.dir.path(), &h.clock)
-        .rate_limit(2, secs(60))
-        .update_settings()
-        .open()
-        .unwrap();
-    // The bot's own handle, opened before the change, follows it at its next call.
-    assert_eq!(
-        h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox
-            .process("c", |_| panic!("over the new cap"))
-            .unwrap()
-            .outcome,
-        Outcome::Deferred
-    );
-    assert_eq!(
-        settings_records(&h),
-        ["rate_limit 1/60s -> 2/60s (updated by a handle opened with update_settings)"]
-    );
-    let records = durable_outbox::AuditLog::read(h.path("audit.jsonl")).unwrap();
-    let change = records
-        .iter()
-        .find(|r| r.outcome == AuditOutcome::Settings)
-        .unwrap();
-    assert_eq!(
-        (change.seq, change.idempotency_key.as_str()),
-        (before + 1, "settings")
-    );
-    h.outbox.verify_audit().unwrap();
-    // Updating to the values already stored writes nothing.
-    let head = h.outbox.audit_head().unwrap();
-    builder(h.dir.path(), &h.clock)
-        .rate_limit(2, secs(60))
-        .update_settings()
-        .compact_on_open(false)
-        .open()
-        .unwrap();
-    assert_eq!(h.outbox.audit_head().unwrap(), head);
-}
 
-#[test]
-fn stored_settings_survive_compaction_and_restarts() {
-    let h = Harness::with(|b| b.rate_limit(1, secs(600)).max_attempts(7));
-    h.enqueue("a", "chat-1");
-    h.outbox.compact().unwrap();
-    drop(h.reopen());
-    let text = std::fs::read_to_string(h.path("outbox.json")).unwrap();
-    assert!(text.contains("\"settings\""), "{text}");
-    let reopened = builder(h.dir.path(), &h.clock).open().unwrap();
-    let settings = reopened.settings().unwrap();
-    assert_eq!(
-        (settings.rate_limit(), settings.max_attempts()),
-        (cap(1, 600), 7)
-    );
+    fn update_settings_changes_them_for_every_handle_with_an_audit_record(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
+        for key in ["a", "b", "c"] {
+            h.enqueue(key, "chat-1");
+        }
+        h.outbox.process("a", |_| Ok(None)).unwrap();
+        let before = h.outbox.audit_head().unwrap().seq;
+        h.reopen_with(|b| b.rate_limit(2, secs(60)).update_settings());
+        // The bot's own handle, opened before the change, follows it at its next call.
+        assert_eq!(
+            h.outbox.process("b", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox
+                .process("c", |_| panic!("over the new cap"))
+                .unwrap()
+                .outcome,
+            Outcome::Deferred
+        );
+        assert_eq!(
+            settings_records(&h),
+            ["rate_limit 1/60s -> 2/60s (updated by a handle opened with update_settings)"]
+        );
+        let records = h.audit_records();
+        let change = records
+            .iter()
+            .find(|r| r.outcome == AuditOutcome::Settings)
+            .unwrap();
+        assert_eq!(
+            (change.seq, change.idempotency_key.as_str()),
+            (before + 1, "settings")
+        );
+        h.outbox.verify_audit().unwrap();
+        // Updating to the values already stored writes nothing.
+        let head = h.outbox.audit_head().unwrap();
+        h.reopen_with(|b| {
+            b.rate_limit(2, secs(60))
+                .update_settings()
+                .compact_on_open(false)
+        });
+        assert_eq!(h.outbox.audit_head().unwrap(), head);
+    }
+
+    fn stored_settings_survive_compaction_and_restarts(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(600)).max_attempts(7));
+        h.enqueue("a", "chat-1");
+        h.settle_history();
+        drop(h.reopen());
+        if engine.kind == Kind::File {
+            let text = std::fs::read_to_string(h.path("outbox.json")).unwrap();
+            assert!(text.contains("\"settings\""), "{text}");
+        }
+        let settings = h.reopen().settings().unwrap();
+        assert_eq!(
+            (settings.rate_limit(), settings.max_attempts()),
+            (cap(1, 600), 7)
+        );
+    }
 }
 
 #[test]
@@ -322,83 +313,74 @@ fn a_damaged_setting_in_the_journal_is_refused_naming_its_place() {
     );
 }
 
-#[test]
-fn a_handle_with_a_shorter_give_up_age_never_gives_up_the_bots_items_early() {
-    let h = Harness::with(|b| b.give_up_after(secs(2 * 3600)));
-    h.enqueue("a", "chat-1");
-    // A maintenance job (or a second worker) opened with a one-second deadline.
-    let impatient = builder(h.dir.path(), &h.clock)
-        .give_up_after(secs(1))
-        .max_inline_wait(secs(0))
-        .open()
-        .unwrap();
-    assert_eq!(impatient.settings().unwrap().give_up_after(), secs(7200));
-    assert!(impatient.settings().unwrap().is_stored("give_up_after"));
-    h.clock.advance(secs(600));
-    let receipt = impatient
-        .process("a", |_| {
-            Err(durable_outbox::SendError::retryable("http_503").retry_after(secs(5)))
-        })
-        .unwrap();
-    assert_eq!(
-        receipt.outcome,
-        Outcome::Deferred,
-        "ten minutes is inside the bot's two hours: paced, not given up"
-    );
-    // The bot can change it, audited.
-    let bot = builder(h.dir.path(), &h.clock)
-        .give_up_after(secs(600))
-        .update_settings()
-        .open()
-        .unwrap();
-    assert_eq!(h.outbox.settings().unwrap().give_up_after(), secs(600));
-    let records = settings_records(&h);
-    assert_eq!(records.len(), 1);
-    assert!(
-        records[0].starts_with("give_up_after 7200s -> 600s"),
-        "{records:?}"
-    );
-    drop(bot);
-}
+on_both_engines! {
+    fn a_handle_with_a_shorter_give_up_age_never_gives_up_the_bots_items_early(engine) {
+        let h = engine.harness_with(|b| b.give_up_after(secs(2 * 3600)));
+        h.enqueue("a", "chat-1");
+        // A maintenance job (or a second worker) opened with a one-second deadline.
+        let impatient = h.reopen_with(|b| b.give_up_after(secs(1)).max_inline_wait(secs(0)));
+        assert_eq!(impatient.settings().unwrap().give_up_after(), secs(7200));
+        assert!(impatient.settings().unwrap().is_stored("give_up_after"));
+        h.clock.advance(secs(600));
+        let receipt = impatient
+            .process("a", |_| {
+                Err(durable_outbox::SendError::retryable("http_503").retry_after(secs(5)))
+            })
+            .unwrap();
+        assert_eq!(
+            receipt.outcome,
+            Outcome::Deferred,
+            "ten minutes is inside the bot's two hours: paced, not given up"
+        );
+        // The bot can change it, audited.
+        let bot = h.reopen_with(|b| b.give_up_after(secs(600)).update_settings());
+        assert_eq!(h.outbox.settings().unwrap().give_up_after(), secs(600));
+        let records = settings_records(&h);
+        assert_eq!(records.len(), 1);
+        assert!(
+            records[0].starts_with("give_up_after 7200s -> 600s"),
+            "{records:?}"
+        );
+        drop(bot);
+    }
 
-#[test]
-fn the_order_rule_is_the_outboxs_not_each_handles() {
-    // A broadcast bot lifted the per-chat order; a second worker opened with
-    // the default does not put it back.
-    let h = Harness::with(|b| b.ordering(durable_outbox::Ordering::Unordered));
-    h.enqueue("first", "chat-1");
-    h.enqueue("second", "chat-1");
-    let other = h.reopen();
-    assert_eq!(
-        other.settings().unwrap().ordering(),
-        durable_outbox::Ordering::Unordered
-    );
-    assert_eq!(
-        other.process("second", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent,
-        "unordered: the second message need not wait for the first"
-    );
+    /// A broadcast bot lifted the per-chat order; a second worker opened
+    /// with the default does not put it back.
+    fn an_unordered_outbox_stays_unordered_for_a_handle_with_the_default(engine) {
+        let h = engine.harness_with(|b| b.ordering(durable_outbox::Ordering::Unordered));
+        h.enqueue("first", "chat-1");
+        h.enqueue("second", "chat-1");
+        let other = h.reopen();
+        assert_eq!(
+            other.settings().unwrap().ordering(),
+            durable_outbox::Ordering::Unordered
+        );
+        assert_eq!(
+            other.process("second", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent,
+            "unordered: the second message need not wait for the first"
+        );
+    }
 
-    // And the other way round: a handle opened with Unordered never breaks
-    // the order a chat bot's outbox keeps.
-    let chat_bot = Harness::new();
-    chat_bot.enqueue("m1", "chat-1");
-    chat_bot.enqueue("m2", "chat-1");
-    let careless = builder(chat_bot.dir.path(), &chat_bot.clock)
-        .ordering(durable_outbox::Ordering::Unordered)
-        .open()
-        .unwrap();
-    assert_eq!(
-        careless
-            .process("m2", |_| panic!("m2 overtook m1"))
-            .unwrap()
-            .outcome,
-        Outcome::Waiting
-    );
-    assert!(
-        settings_records(&chat_bot).is_empty(),
-        "nothing was changed"
-    );
+    /// And the other way round: a handle opened with Unordered never breaks
+    /// the order a chat bot's outbox keeps.
+    fn an_ordered_outbox_stays_ordered_for_a_handle_opened_unordered(engine) {
+        let chat_bot = engine.harness();
+        chat_bot.enqueue("m1", "chat-1");
+        chat_bot.enqueue("m2", "chat-1");
+        let careless = chat_bot.reopen_with(|b| b.ordering(durable_outbox::Ordering::Unordered));
+        assert_eq!(
+            careless
+                .process("m2", |_| panic!("m2 overtook m1"))
+                .unwrap()
+                .outcome,
+            Outcome::Waiting
+        );
+        assert!(
+            settings_records(&chat_bot).is_empty(),
+            "nothing was changed"
+        );
+    }
 }
 
 on_both_engines! {

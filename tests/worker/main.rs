@@ -81,18 +81,18 @@ fn message(key: &str, i: u64) -> NewMessage {
     }
 }
 
-fn open(dir: &str) -> Outbox {
-    // A `postgres://` URL in place of DIR: the same workload on PostgreSQL,
-    // each process a "host".
+/// A builder for DIR, or for a `postgres://` URL in its place: the same
+/// workload on PostgreSQL, each process a "host".
+fn builder_for(dir: &str) -> durable_outbox::OutboxBuilder {
     #[cfg(feature = "postgres")]
-    let builder = if dir.starts_with("postgres://") {
-        Outbox::postgres(dir)
-    } else {
-        Outbox::builder(dir)
-    };
-    #[cfg(not(feature = "postgres"))]
-    let builder = Outbox::builder(dir);
-    builder
+    if dir.starts_with("postgres://") {
+        return Outbox::postgres(dir);
+    }
+    Outbox::builder(dir)
+}
+
+fn open(dir: &str) -> Outbox {
+    builder_for(dir)
         .rate_limit(u32::MAX, Duration::from_secs(60))
         .max_inline_wait(Duration::ZERO)
         .open()
@@ -117,7 +117,19 @@ impl Rng {
 
 /// A maintenance job: opens with every default and compacts, the way a cron
 /// job or an operator's script would.
+/// A maintenance job: opens with every default and compacts. On PostgreSQL
+/// (no journal to fold) opening is the maintenance: it applies retention.
 fn maintain(dir: &str) {
+    #[cfg(feature = "postgres")]
+    if dir.starts_with("postgres://") {
+        drop(
+            builder_for(dir)
+                .open()
+                .unwrap_or_else(|e| fail(&format!("open: {e}"))),
+        );
+        say("compacted");
+        return;
+    }
     let outbox = Outbox::open(dir).unwrap_or_else(|e| fail(&format!("open: {e}")));
     outbox
         .compact()
@@ -330,9 +342,9 @@ mod serve {
     use std::path::PathBuf;
     use std::time::Duration;
 
-    use durable_outbox::{Outbox, OutboxItem, SendError};
+    use durable_outbox::{OutboxItem, SendError};
 
-    use super::{fail, say};
+    use super::{builder_for, fail, say};
 
     fn append(log: &PathBuf, line: &str) {
         let mut file = std::fs::OpenOptions::new()
@@ -354,7 +366,7 @@ mod serve {
         let concurrency = number(3) as usize;
         let send_for = Duration::from_millis(number(4));
         let shutdown_timeout = Duration::from_millis(number(5));
-        let outbox = Outbox::builder(arg(1))
+        let outbox = builder_for(arg(1))
             .rate_limit(u32::MAX, Duration::from_secs(60))
             .backoff(durable_outbox::Backoff::Fixed(vec![Duration::from_millis(
                 100,
