@@ -1,64 +1,69 @@
 //! Bad input gets a typed error naming the field or file position, and nothing is written.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s write a
+//! damaged `outbox.json` and check the error names its line, item and field.
 
 use durable_outbox::{Error, NewMessage, Outbox, limits};
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, msg};
 
 /// A field name and how to break it.
 type Case = (&'static str, fn(&mut NewMessage));
 
-#[test]
-fn invalid_fields_are_named_and_nothing_is_written() {
-    let h = Harness::new();
-    h.enqueue("existing", "chat-1");
-    let cases: [Case; 9] = [
-        ("idempotency_key", |m| m.idempotency_key = "   ".into()),
-        ("connector", |m| m.connector = String::new()),
-        ("grant_id", |m| m.grant_id = "g\0".into()),
-        ("destination", |m| {
-            m.destination = "d".repeat(limits::DESTINATION + 1);
-        }),
-        ("content", |m| m.content = "x".repeat(limits::CONTENT + 1)),
-        ("content", |m| m.content = "nul\0inside".into()),
-        ("idempotency_key", |m| {
-            m.idempotency_key = "k".repeat(limits::IDEMPOTENCY_KEY + 1);
-        }),
-        ("lane", |m| m.lane = Some(String::new())),
-        ("risk_class", |m| m.risk_class = Some("x\ny".into())),
-    ];
-    for (field, mutate) in cases {
-        let mut m = msg("new", "chat-1");
-        mutate(&mut m);
-        let err = h.assert_files_unchanged(|| h.outbox.enqueue(m).unwrap_err());
-        assert!(
-            matches!(err, Error::InvalidField { field: f, .. } if f == field),
-            "{field}: {err}"
-        );
-        assert!(
-            err.to_string().contains(field),
-            "message names the field: {err}"
-        );
+on_both_engines! {
+    fn invalid_fields_are_named_and_nothing_is_written(engine) {
+        let h = engine.harness();
+        h.enqueue("existing", "chat-1");
+        let cases: [Case; 9] = [
+            ("idempotency_key", |m| m.idempotency_key = "   ".into()),
+            ("connector", |m| m.connector = String::new()),
+            ("grant_id", |m| m.grant_id = "g\0".into()),
+            ("destination", |m| {
+                m.destination = "d".repeat(limits::DESTINATION + 1);
+            }),
+            ("content", |m| m.content = "x".repeat(limits::CONTENT + 1)),
+            ("content", |m| m.content = "nul\0inside".into()),
+            ("idempotency_key", |m| {
+                m.idempotency_key = "k".repeat(limits::IDEMPOTENCY_KEY + 1);
+            }),
+            ("lane", |m| m.lane = Some(String::new())),
+            ("risk_class", |m| m.risk_class = Some("x\ny".into())),
+        ];
+        for (field, mutate) in cases {
+            let mut m = msg("new", "chat-1");
+            mutate(&mut m);
+            let err = h.assert_files_unchanged(|| h.outbox.enqueue(m).unwrap_err());
+            assert!(
+                matches!(err, Error::InvalidField { field: f, .. } if f == field),
+                "{field}: {err}"
+            );
+            assert!(
+                err.to_string().contains(field),
+                "message names the field: {err}"
+            );
+        }
     }
-}
 
-#[test]
-fn reusing_a_key_for_a_different_message_is_a_conflict_naming_the_field() {
-    let h = Harness::new();
-    h.enqueue("k", "chat-1");
-    let cases: [Case; 4] = [
-        ("connector", |m| m.connector = "slack".into()),
-        ("grant_id", |m| m.grant_id = "grant-2".into()),
-        ("destination", |m| m.destination = "chat-2".into()),
-        ("content", |m| m.content = "something else".into()),
-    ];
-    for (field, mutate) in cases {
-        let mut m = msg("k", "chat-1");
-        mutate(&mut m);
-        let err = h.assert_files_unchanged(|| h.outbox.enqueue(m).unwrap_err());
-        assert!(
-            matches!(&err, Error::IdempotencyConflict { key, field: f } if key == "k" && *f == field),
-            "{field}: {err}"
-        );
+    fn reusing_a_key_for_a_different_message_is_a_conflict_naming_the_field(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let cases: [Case; 4] = [
+            ("connector", |m| m.connector = "slack".into()),
+            ("grant_id", |m| m.grant_id = "grant-2".into()),
+            ("destination", |m| m.destination = "chat-2".into()),
+            ("content", |m| m.content = "something else".into()),
+        ];
+        for (field, mutate) in cases {
+            let mut m = msg("k", "chat-1");
+            mutate(&mut m);
+            let err = h.assert_files_unchanged(|| h.outbox.enqueue(m).unwrap_err());
+            assert!(
+                matches!(&err, Error::IdempotencyConflict { key, field: f } if key == "k" && *f == field),
+                "{field}: {err}"
+            );
+        }
     }
 }
 

@@ -3,12 +3,11 @@
 //! platform deduplicates); everywhere else at-most-once stands unchanged.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]` checks that
-//! nothing is written to a directory for bad settings.
+//! (`name::file`, `name::postgres`); every body here runs on both.
 
 use std::sync::{Arc, Mutex};
 
-use durable_outbox::{AMBIGUOUS_AFTER_RESTART, AuditOutcome, Error, Outbox, Outcome, SendError};
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, AuditOutcome, Error, Outcome, SendError};
 
 use crate::engines::{EngineUnderTest, on_both_engines};
 use crate::harness::{Harness, msg, secs, uncapped};
@@ -200,27 +199,26 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn bad_idempotent_transport_settings_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    for builder in [
-        Outbox::builder(dir.path()).idempotent_transport(" ", WINDOW),
-        Outbox::builder(dir.path()).idempotent_transport("matrix", std::time::Duration::ZERO),
-    ] {
-        let e = builder.open().unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidConfig {
-                    setting: "idempotent_transport",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+on_both_engines! {
+    fn bad_idempotent_transport_settings_are_refused(engine) {
+        for builder in [
+            engine.builder().idempotent_transport(" ", WINDOW),
+            engine
+                .builder()
+                .idempotent_transport("matrix", std::time::Duration::ZERO),
+        ] {
+            let e = builder.open().unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidConfig {
+                        setting: "idempotent_transport",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        assert!(engine.is_untouched(), "nothing written");
     }
-    assert!(
-        std::fs::read_dir(dir.path()).unwrap().next().is_none(),
-        "nothing written"
-    );
 }

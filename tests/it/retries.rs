@@ -1,8 +1,7 @@
 //! Bounded retries: only retryable failures retry, with the backoff, honouring `retry_after`.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the two `#[test]`s open a
-//! directory to check that bad settings are refused.
+//! (`name::file`, `name::postgres`); every body here runs on both.
 
 use durable_outbox::{Backoff, Clock, ItemState, Outcome, SendError};
 
@@ -228,39 +227,33 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn invalid_settings_are_rejected_at_open() {
-    let dir = tempfile::tempdir().unwrap();
-    let cases = [
-        durable_outbox::Outbox::builder(dir.path())
-            .max_attempts(0)
-            .open(),
-        durable_outbox::Outbox::builder(dir.path())
-            .rate_limit(0, secs(1))
-            .open(),
-        durable_outbox::Outbox::builder(dir.path())
-            .rate_limit(1, secs(0))
-            .open(),
-        durable_outbox::Outbox::builder(dir.path())
-            .backoff(Backoff::Fixed(vec![]))
-            .open(),
-    ];
-    for result in cases {
-        assert!(
-            matches!(result, Err(durable_outbox::Error::InvalidConfig { .. })),
-            "{result:?}"
-        );
+on_both_engines! {
+    /// Settings that cannot work are refused at open, before anything is written.
+    fn invalid_settings_are_rejected_at_open(engine) {
+        let cases = [
+            engine.builder().max_attempts(0).open(),
+            engine.builder().rate_limit(0, secs(1)).open(),
+            engine.builder().rate_limit(1, secs(0)).open(),
+            engine.builder().backoff(Backoff::Fixed(vec![])).open(),
+        ];
+        for result in cases {
+            assert!(
+                matches!(result, Err(durable_outbox::Error::InvalidConfig { .. })),
+                "{result:?}"
+            );
+        }
+        assert!(engine.is_untouched(), "a refused open wrote nothing");
     }
-}
 
-#[test]
-fn give_up_after_must_be_positive() {
-    let dir = tempfile::tempdir().unwrap();
-    let err = durable_outbox::Outbox::builder(dir.path())
-        .give_up_after(std::time::Duration::ZERO)
-        .open()
-        .unwrap_err();
-    assert!(err.to_string().contains("give_up_after"), "{err}");
+    fn give_up_after_must_be_positive(engine) {
+        let err = engine
+            .builder()
+            .give_up_after(std::time::Duration::ZERO)
+            .open()
+            .unwrap_err();
+        assert!(err.to_string().contains("give_up_after"), "{err}");
+        assert!(engine.is_untouched(), "a refused open wrote nothing");
+    }
 }
 
 on_both_engines! {
