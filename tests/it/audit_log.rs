@@ -1,15 +1,26 @@
 //! The audit log: a verifiable chain with one record per outcome, and never a body.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s read,
+//! edit, tear or forge the lines of `audit.jsonl` (PostgreSQL's audit table
+//! is checked against the same verifier in `deferred_sealing` and `migration`).
 
 use std::fs;
 
 use durable_outbox::{AuditFault, AuditLog, Error, GENESIS_HASH, Outbox, SendError};
 use sha2::{Digest, Sha256};
 
+use crate::engines::{EngineUnderTest, Kind, on_both_engines};
 use crate::harness::{Harness, builder, msg, secs};
 
 /// A mixed workload: sends, retries, deferrals, failures.
 fn busy() -> Harness {
-    let h = Harness::with(|b| b.rate_limit(2, secs(60)));
+    busy_on(&EngineUnderTest::file())
+}
+
+/// [`busy`] on the engine under test.
+fn busy_on(engine: &EngineUnderTest) -> Harness {
+    let h = engine.harness_with(|b| b.rate_limit(2, secs(60)));
     for i in 0..12 {
         h.enqueue(&format!("k{i:02}"), &format!("chat-{}", i % 3));
     }
@@ -47,20 +58,57 @@ fn fault(err: Error) -> (u64, AuditFault) {
     }
 }
 
-#[test]
-fn a_mixed_workload_verifies_clean_with_one_record_per_outcome() {
-    let h = busy();
-    let report = h.outbox.verify_audit().unwrap();
-    let outcomes = h.audit_outcomes();
-    assert_eq!(report.records, outcomes.len() as u64);
-    for kind in ["queued", "sent", "failed", "deferred", "retrying"] {
+on_both_engines! {
+    fn a_mixed_workload_verifies_clean_with_one_record_per_outcome(engine) {
+        let h = busy_on(engine);
+        let report = h.outbox.verify_audit().unwrap();
+        let outcomes = h.audit_outcomes();
+        assert_eq!(report.records, outcomes.len() as u64);
+        for kind in ["queued", "sent", "failed", "deferred", "retrying"] {
+            assert!(
+                outcomes.iter().any(|o| o.starts_with(kind)),
+                "no {kind} record in {outcomes:?}"
+            );
+        }
+        if engine.kind == Kind::File {
+            assert_eq!(report, AuditLog::verify(h.path("audit.jsonl")).unwrap());
+        }
+        assert_eq!(h.outbox.audit_head().unwrap().hash, report.head_hash);
+    }
+
+    fn no_message_body_ever_reaches_the_audit_log(engine) {
+        let h = engine.harness();
+        let secret = "the launch code is 0000";
+        let mut m = msg("k", "chat-1");
+        m.content = secret.into();
+        h.outbox.enqueue(m).unwrap();
+        h.outbox
+            .process("k", |_| Err(SendError::retryable("x")))
+            .unwrap();
+        // File: the log's bytes. PostgreSQL: every field of every record.
+        let audit = match engine.kind {
+            Kind::File => String::from_utf8(h.audit_bytes()).unwrap(),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => serde_json::to_string(&h.audit_records()).unwrap(),
+        };
+        assert!(!audit.contains("launch code"));
         assert!(
-            outcomes.iter().any(|o| o.starts_with(kind)),
-            "no {kind} record in {outcomes:?}"
+            audit.contains(&hex::encode(Sha256::digest(secret.as_bytes()))),
+            "the hash is recorded instead"
         );
     }
-    assert_eq!(report, AuditLog::verify(h.path("audit.jsonl")).unwrap());
-    assert_eq!(h.outbox.audit_head().unwrap().hash, report.head_hash);
+
+    fn history_lists_one_items_records_in_order(engine) {
+        let h = busy_on(engine);
+        let outcomes: Vec<_> = h
+            .outbox
+            .history("k02")
+            .unwrap()
+            .iter()
+            .map(|r| r.outcome.as_str())
+            .collect();
+        assert_eq!(outcomes, ["queued", "retrying", "sent"]);
+    }
 }
 
 /// Recomputes the chain with nothing but `serde_json` and `sha2`, as a third party would.
@@ -278,37 +326,6 @@ fn damage_in_the_middle_is_fatal_and_the_log_is_left_untouched() {
         Err(Error::AuditBroken { .. })
     ));
     assert_eq!(h.audit_bytes(), bytes);
-}
-
-#[test]
-fn no_message_body_ever_reaches_the_audit_log() {
-    let h = Harness::new();
-    let secret = "the launch code is 0000";
-    let mut m = msg("k", "chat-1");
-    m.content = secret.into();
-    h.outbox.enqueue(m).unwrap();
-    h.outbox
-        .process("k", |_| Err(SendError::retryable("x")))
-        .unwrap();
-    let audit = String::from_utf8(h.audit_bytes()).unwrap();
-    assert!(!audit.contains("launch code"));
-    assert!(
-        audit.contains(&hex::encode(Sha256::digest(secret.as_bytes()))),
-        "the hash is recorded instead"
-    );
-}
-
-#[test]
-fn history_lists_one_items_records_in_order() {
-    let h = busy();
-    let outcomes: Vec<_> = h
-        .outbox
-        .history("k02")
-        .unwrap()
-        .iter()
-        .map(|r| r.outcome.as_str())
-        .collect();
-    assert_eq!(outcomes, ["queued", "retrying", "sent"]);
 }
 
 #[test]

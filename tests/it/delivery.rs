@@ -223,19 +223,20 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn enqueue_is_idempotent_for_the_same_message() {
-    let h = Harness::new();
-    let first = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
-    let audit = h.audit_bytes();
-    let second = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
-    assert_eq!(first, second);
-    assert_eq!(
-        h.audit_bytes(),
-        audit,
-        "a duplicate enqueue records nothing"
-    );
-    assert_eq!(h.outbox.list_items().unwrap().len(), 1);
+on_both_engines! {
+    fn enqueue_is_idempotent_for_the_same_message(engine) {
+        let h = engine.harness();
+        let first = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+        let audit = h.audit_records();
+        let second = h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+        assert_eq!(first, second);
+        assert_eq!(
+            h.audit_records(),
+            audit,
+            "a duplicate enqueue records nothing"
+        );
+        assert_eq!(h.outbox.list_items().unwrap().len(), 1);
+    }
 }
 
 impl Harness {

@@ -147,27 +147,21 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn an_ambiguous_item_left_by_a_crash_can_be_requeued() {
-    let h = Harness::with(uncapped);
-    h.enqueue("k", "chat-1");
-    h.outbox.compact().unwrap();
-    let path = h.path("outbox.json");
-    let text = std::fs::read_to_string(&path).unwrap().replace(
-        "\"dispatch_claimed\": false",
-        "\"claim_owner\": \"1-dead-0\",\n      \"dispatch_claimed\": true",
-    );
-    std::fs::write(&path, text).unwrap();
-    crate::harness::plant_dead_owner(h.dir.path(), "1-dead-0");
-    let r = h.outbox.process("k", |_| panic!("resent")).unwrap();
-    assert_eq!(r.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
-    h.outbox
-        .requeue("k", "bob", "customer confirmed nothing arrived")
-        .unwrap();
-    assert_eq!(
-        h.outbox.process("k", |_| Ok(None)).unwrap().outcome,
-        Outcome::Sent
-    );
+on_both_engines! {
+    fn an_ambiguous_item_left_by_a_crash_can_be_requeued(engine) {
+        let h = engine.harness_with(uncapped);
+        h.enqueue("k", "chat-1");
+        engine.forge_dead_claim("k");
+        let r = h.outbox.process("k", |_| panic!("resent")).unwrap();
+        assert_eq!(r.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+        h.outbox
+            .requeue("k", "bob", "customer confirmed nothing arrived")
+            .unwrap();
+        assert_eq!(
+            h.outbox.process("k", |_| Ok(None)).unwrap().outcome,
+            Outcome::Sent
+        );
+    }
 }
 
 on_both_engines! {

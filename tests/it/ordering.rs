@@ -136,89 +136,89 @@ on_both_engines! {
     }
 }
 
-#[test]
-fn a_message_in_flight_holds_its_followers_for_other_handles() {
-    let h = Harness::new();
-    h.enqueue("m1", "chat-1");
-    h.enqueue("m2", "chat-1");
-    let other = builder(h.dir.path(), &h.clock).open().unwrap();
-    h.outbox
-        .process("m1", |_| {
-            let r = other
-                .process("m2", |_| panic!("m2 started while m1 was in flight"))
-                .unwrap();
-            assert_eq!(r.outcome, Outcome::Waiting);
-            Ok(None)
-        })
-        .unwrap();
-}
-
-/// Enqueue order is a sequence, not a timestamp: two handles enqueueing at the
-/// same instant still get a total order, and threads draining with separate
-/// handles keep it.
-#[test]
-fn threads_with_separate_handles_keep_each_destinations_order() {
-    let h = Harness::with(uncapped);
-    let reopen = || uncapped(builder(h.dir.path(), &h.clock)).open().unwrap();
-    let mut expected = Vec::new();
-    for i in 0..12 {
-        let key = format!("m{i:02}");
-        // Alternate handles; the manual clock never moves, so times all tie.
-        let handle = if i % 2 == 0 {
-            h.outbox.clone()
-        } else {
-            reopen()
-        };
-        handle.enqueue(msg(&key, "chat-1")).unwrap();
-        expected.push(key);
-    }
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let threads: Vec<_> = (0..3)
-        .map(|_| {
-            let (outbox, log) = (reopen(), Arc::clone(&log));
-            std::thread::spawn(move || {
-                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-                while outbox
-                    .list_items()
-                    .unwrap()
-                    .iter()
-                    .any(|i| i.state() != ItemState::Sent)
-                {
-                    assert!(
-                        std::time::Instant::now() < deadline,
-                        "order across threads: the drains did not finish"
-                    );
-                    outbox
-                        .process_due(|item| {
-                            log.lock()
-                                .unwrap()
-                                .push(format!("start {}", item.idempotency_key()));
-                            std::thread::sleep(std::time::Duration::from_millis(1));
-                            log.lock()
-                                .unwrap()
-                                .push(format!("end {}", item.idempotency_key()));
-                            Ok(None)
-                        })
-                        .unwrap();
-                }
+on_both_engines! {
+    fn a_message_in_flight_holds_its_followers_for_other_handles(engine) {
+        let h = engine.harness();
+        h.enqueue("m1", "chat-1");
+        h.enqueue("m2", "chat-1");
+        let other = h.reopen();
+        h.outbox
+            .process("m1", |_| {
+                let r = other
+                    .process("m2", |_| panic!("m2 started while m1 was in flight"))
+                    .unwrap();
+                assert_eq!(r.outcome, Outcome::Waiting);
+                Ok(None)
             })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
+            .unwrap();
     }
-    let log = log.lock().unwrap().clone();
-    let starts: Vec<String> = log
-        .iter()
-        .filter_map(|l| l.strip_prefix("start ").map(str::to_owned))
-        .collect();
-    assert_eq!(starts, expected, "each message once, in enqueue order");
-    for pair in log.chunks(2) {
-        assert_eq!(
-            pair[0].replace("start", "end"),
-            pair[1],
-            "no start before the previous send to the chat ended"
-        );
+
+    /// Enqueue order is a sequence, not a timestamp: two handles enqueueing at the
+    /// same instant still get a total order, and threads draining with separate
+    /// handles keep it.
+    fn threads_with_separate_handles_keep_each_destinations_order(engine) {
+        let h = engine.harness_with(uncapped);
+        let reopen = || h.reopen_with(uncapped);
+        let mut expected = Vec::new();
+        for i in 0..12 {
+            let key = format!("m{i:02}");
+            // Alternate handles; the manual clock never moves, so times all tie.
+            let handle = if i % 2 == 0 {
+                h.outbox.clone()
+            } else {
+                reopen()
+            };
+            handle.enqueue(msg(&key, "chat-1")).unwrap();
+            expected.push(key);
+        }
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let threads: Vec<_> = (0..3)
+            .map(|_| {
+                let (outbox, log) = (reopen(), Arc::clone(&log));
+                std::thread::spawn(move || {
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                    while outbox
+                        .list_items()
+                        .unwrap()
+                        .iter()
+                        .any(|i| i.state() != ItemState::Sent)
+                    {
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "order across threads: the drains did not finish"
+                        );
+                        outbox
+                            .process_due(|item| {
+                                log.lock()
+                                    .unwrap()
+                                    .push(format!("start {}", item.idempotency_key()));
+                                std::thread::sleep(std::time::Duration::from_millis(1));
+                                log.lock()
+                                    .unwrap()
+                                    .push(format!("end {}", item.idempotency_key()));
+                                Ok(None)
+                            })
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let log = log.lock().unwrap().clone();
+        let starts: Vec<String> = log
+            .iter()
+            .filter_map(|l| l.strip_prefix("start ").map(str::to_owned))
+            .collect();
+        assert_eq!(starts, expected, "each message once, in enqueue order");
+        for pair in log.chunks(2) {
+            assert_eq!(
+                pair[0].replace("start", "end"),
+                pair[1],
+                "no start before the previous send to the chat ended"
+            );
+        }
     }
 }
 
