@@ -1,6 +1,7 @@
-//! Many writers on one directory (brief §6): several `Outbox` handles with several
+//! Many writers on one outbox (brief §6): several `Outbox` handles with several
 //! threads each, and worker processes at the same time, race `enqueue`, `process`,
-//! `process_due` and `find_by_transport_ref`. The transport log is the truth: every
+//! `process_due` and `find_by_transport_ref`. On both engines (`on_both_engines!`):
+//! processes on one directory, or processes ("hosts") on one PostgreSQL schema. The transport log is the truth: every
 //! delivery appends its key and fsyncs before `send` returns `Ok`.
 //!
 //! Proved: no acknowledged item is lost (and each is eventually sent or failed),
@@ -20,8 +21,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use durable_outbox::{AuditLog, Error, ItemState, NewMessage, Outbox, OutboxItem, SendError};
+use durable_outbox::{Error, ItemState, NewMessage, Outbox, OutboxItem, SendError};
 
+use crate::engines::{EngineUnderTest, on_both_engines};
 use crate::seeded;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
@@ -129,13 +131,12 @@ fn message(key: &str, i: u64) -> NewMessage {
     }
 }
 
-/// The same settings as the worker processes.
-fn open(dir: &Path) -> Outbox {
-    Outbox::builder(dir)
-        .rate_limit(u32::MAX, Duration::from_secs(60))
-        .max_inline_wait(Duration::ZERO)
-        .open()
-        .expect("open the shared outbox")
+/// The same settings as the worker processes, on the system clock.
+fn open(engine: &EngineUnderTest) -> Outbox {
+    engine.open_real_clock_with(|b| {
+        b.rate_limit(u32::MAX, Duration::from_secs(60))
+            .max_inline_wait(Duration::ZERO)
+    })
 }
 
 /// The transport: a message has left once its key is fsynced in the log.
@@ -245,16 +246,14 @@ struct Summary {
     failed: usize,
 }
 
-/// One round: threads and processes race on a fresh directory, then every
+/// One round: threads and processes race on a fresh outbox, then every
 /// invariant is checked. Returns what broke, if anything.
-fn round(seed: u64, children: &Children) -> Result<Summary, String> {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let log = dir.path().join("transport.log");
-    let (d, l) = (
-        dir.path().to_str().expect("utf-8 path"),
-        log.to_str().expect("utf-8 path"),
-    );
-    drop(open(dir.path()));
+fn round(seed: u64, children: &Children, engine: &EngineUnderTest) -> Result<Summary, String> {
+    let logs = tempfile::tempdir().expect("temp dir");
+    let log = logs.path().join("transport.log");
+    let location = engine.location();
+    let (d, l) = (location.as_str(), log.to_str().expect("utf-8 path"));
+    drop(open(engine));
     let mut workers = vec![
         children.spawn(&[
             "torture",
@@ -277,7 +276,7 @@ fn round(seed: u64, children: &Children) -> Result<Summary, String> {
         acked: Mutex::new(HashSet::new()),
         broken: Mutex::new(Vec::new()),
     };
-    let handles: Vec<Outbox> = (0..HANDLES).map(|_| open(dir.path())).collect();
+    let handles: Vec<Outbox> = (0..HANDLES).map(|_| open(engine)).collect();
     std::thread::scope(|s| {
         for (h, outbox) in handles.iter().enumerate() {
             for t in 0..THREADS_PER_HANDLE {
@@ -312,10 +311,10 @@ fn round(seed: u64, children: &Children) -> Result<Summary, String> {
                 .map(str::to_owned),
         );
     }
-    broken.extend(check(dir.path(), &log, &acked, false));
+    broken.extend(check(engine, &log, &acked, false));
     // Let every backoff expire, drain what is left, and check again: by now every
     // acknowledged item must have been sent or failed for good.
-    let outbox = open(dir.path());
+    let outbox = open(engine);
     for _ in 0..6 {
         std::thread::sleep(Duration::from_millis(300));
         if let Err(e) = outbox.process_due(|item| deliver(&log, item)) {
@@ -323,9 +322,9 @@ fn round(seed: u64, children: &Children) -> Result<Summary, String> {
         }
     }
     drop(outbox);
-    broken.extend(check(dir.path(), &log, &acked, true));
+    broken.extend(check(engine, &log, &acked, true));
     if broken.is_empty() {
-        let items = open(dir.path()).list_items().expect("items");
+        let items = open(engine).list_items().expect("items");
         Ok(Summary {
             acked: acked.len(),
             delivered: delivered(&log).len(),
@@ -340,9 +339,14 @@ fn round(seed: u64, children: &Children) -> Result<Summary, String> {
 }
 
 /// Every invariant, from a fresh handle, with no other handle open.
-fn check(dir: &Path, log: &Path, acked: &HashSet<String>, drained: bool) -> Vec<String> {
+fn check(
+    engine: &EngineUnderTest,
+    log: &Path,
+    acked: &HashSet<String>,
+    drained: bool,
+) -> Vec<String> {
     let mut broken = Vec::new();
-    let outbox = open(dir);
+    let outbox = open(engine);
     if let Err(e) = outbox.verify_audit() {
         broken.push(format!("audit-chain broken: {e}"));
     }
@@ -391,7 +395,10 @@ fn check(dir: &Path, log: &Path, acked: &HashSet<String>, drained: bool) -> Vec<
             ));
         }
     }
-    match AuditLog::read(dir.join("audit.jsonl")) {
+    match outbox
+        .audit_records()
+        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+    {
         Err(e) => broken.push(format!("audit log unreadable: {e}")),
         Ok(records) => {
             let mut sent_records: HashMap<&str, usize> = HashMap::new();
@@ -413,13 +420,26 @@ fn check(dir: &Path, log: &Path, acked: &HashSet<String>, drained: bool) -> Vec<
     broken
 }
 
-/// Rounds until `budget` has passed (at least one).
-fn run(seed: u64, budget: Duration, children: &Children) -> Result<(u64, Summary), String> {
+/// Rounds until `budget` has passed (at least one), the first on `engine`,
+/// each later one on a fresh outbox of the same engine.
+fn run(
+    seed: u64,
+    budget: Duration,
+    children: &Children,
+    engine: &EngineUnderTest,
+) -> Result<(u64, Summary), String> {
     let start = Instant::now();
     let mut rounds: u64 = 0;
     loop {
         let round_seed = seed.wrapping_add(rounds.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let summary = round(round_seed, children)
+        let fresh;
+        let engine = if rounds == 0 {
+            engine
+        } else {
+            fresh = engine.fresh();
+            &fresh
+        };
+        let summary = round(round_seed, children, engine)
             .map_err(|e| format!("round {rounds} (seed {round_seed}):\n  {e}"))?;
         rounds += 1;
         if start.elapsed() >= budget {
@@ -428,38 +448,46 @@ fn run(seed: u64, budget: Duration, children: &Children) -> Result<(u64, Summary
     }
 }
 
-#[test]
-fn threads_and_processes_racing_on_one_directory_lose_nothing_and_send_nothing_twice() {
-    let budget = Duration::from_secs(seeded::env_u64("OUTBOX_TORTURE_SECS").unwrap_or(0));
-    let seed = seeded::seed_from_env("OUTBOX_TORTURE_SEED");
-    let replay = format!("replay: OUTBOX_TORTURE_SEED={seed}");
-    let children = Children::default();
-    let (tx, rx) = mpsc::channel();
-    let runner = children.clone();
-    std::thread::spawn(move || {
-        let result = catch_unwind(AssertUnwindSafe(|| run(seed, budget, &runner)));
-        let _ = tx.send(result);
-    });
-    match rx.recv_timeout(WATCHDOG + budget) {
-        Ok(Ok(Ok((rounds, last)))) => {
-            eprintln!(
-                "concurrency: {rounds} round(s), last: {} acknowledged, {} delivered once, {} failed",
-                last.acked, last.delivered, last.failed
-            );
-            assert!(
-                last.acked > 0 && last.delivered > 0,
-                "the run exercised nothing ({replay})"
-            );
-        }
-        Ok(Ok(Err(broken))) => panic!("{broken}\n{replay}"),
-        Ok(Err(_)) => panic!("the run panicked (see above)\n{replay}"),
-        Err(_) => {
-            children.kill_all();
-            panic!(
-                "bounded-time broken: the run did not finish within {:?}: a deadlock, a lock \
-                 never released or a worker stuck\n{replay}",
-                WATCHDOG + budget
-            );
+on_both_engines! {
+    fn threads_and_processes_racing_on_one_outbox_lose_nothing_and_send_nothing_twice(engine) {
+        let budget = Duration::from_secs(seeded::env_u64("OUTBOX_TORTURE_SECS").unwrap_or(0));
+        let seed = seeded::seed_from_env("OUTBOX_TORTURE_SEED");
+        let replay = format!("replay: OUTBOX_TORTURE_SEED={seed}");
+        let children = Children::default();
+        // The watchdog: a hang kills the workers and stops the test binary
+        // naming the guarantee (a hung thread of this process cannot be
+        // stopped any other way).
+        let (finished, watch) = mpsc::channel::<()>();
+        let (watched, limit, why) = (children.clone(), WATCHDOG + budget, replay.clone());
+        std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = watch.recv_timeout(limit) {
+                watched.kill_all();
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "WATCHDOG: bounded-time broken: the run did not finish within {limit:?}: a \
+                     deadlock, a lock never released or a worker stuck\n{why}"
+                );
+                std::process::exit(70);
+            }
+        });
+        let result = catch_unwind(AssertUnwindSafe(|| run(seed, budget, &children, engine)));
+        drop(finished);
+        match result {
+            Ok(Ok((rounds, last))) => {
+                eprintln!(
+                    "concurrency: {rounds} round(s), last: {} acknowledged, {} delivered once, {} failed",
+                    last.acked, last.delivered, last.failed
+                );
+                assert!(
+                    last.acked > 0 && last.delivered > 0,
+                    "the run exercised nothing ({replay})"
+                );
+            }
+            Ok(Err(broken)) => panic!("{broken}\n{replay}"),
+            Err(_) => {
+                children.kill_all();
+                panic!("the run panicked (see above)\n{replay}");
+            }
         }
     }
 }

@@ -1,4 +1,12 @@
 //! Real processes: concurrent writers, SIGKILL inside send, races on one key, a kill loop.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`): processes on one directory, or on one
+//! schema. File-only here: the `#[test]`s kill at file-engine failpoints
+//! (between the journal commit and the audit append, inside a move to
+//! history or a prune) or check the directory after each kill (the kill loop;
+//! on PostgreSQL `postgres_outbox::host_processes_racing_one_outbox_send_each_key_at_most_once`
+//! kills a host among racing hosts).
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
@@ -7,6 +15,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outbox, Outcome};
+
+use crate::engines::on_both_engines;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
 
@@ -52,89 +62,87 @@ pub(crate) fn transport_log(path: &Path) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn concurrent_processes_enqueueing_lose_no_update() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().to_str().unwrap();
-    let children: Vec<Child> = (0..4)
-        .map(|p| spawn(&["enqueue", d, &format!("p{p}"), "40"]))
-        .collect();
-    let mut acked = HashSet::new();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success());
-        for line in String::from_utf8(out.stdout).unwrap().lines() {
-            acked.insert(line.strip_prefix("queued ").unwrap().to_owned());
+on_both_engines! {
+    fn concurrent_processes_enqueueing_lose_no_update(engine) {
+        let location = engine.location();
+        let children: Vec<Child> = (0..4)
+            .map(|p| spawn(&["enqueue", &location, &format!("p{p}"), "40"]))
+            .collect();
+        let mut acked = HashSet::new();
+        for child in children {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success());
+            for line in String::from_utf8(out.stdout).unwrap().lines() {
+                acked.insert(line.strip_prefix("queued ").unwrap().to_owned());
+            }
         }
+        assert_eq!(acked.len(), 160);
+        let outbox = engine.open_real_clock_with(|b| b);
+        let keys: HashSet<String> = outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .map(|i| i.idempotency_key().to_owned())
+            .collect();
+        assert_eq!(keys, acked);
+        assert_eq!(outbox.verify_audit().unwrap().records, 160);
     }
-    assert_eq!(acked.len(), 160);
-    let outbox = Outbox::open(dir.path()).unwrap();
-    let keys: HashSet<String> = outbox
-        .list_items()
-        .unwrap()
-        .iter()
-        .map(|i| i.idempotency_key().to_owned())
-        .collect();
-    assert_eq!(keys, acked);
-    assert_eq!(outbox.verify_audit().unwrap().records, 160);
-}
 
-#[test]
-fn a_worker_killed_inside_send_leaves_an_ambiguous_item_that_is_never_resent() {
-    let dir = tempfile::tempdir().unwrap();
-    let outbox = Outbox::open(dir.path()).unwrap();
-    outbox.enqueue(crate::harness::msg("k", "chat-1")).unwrap();
-    let mut child = spawn(&["process", dir.path().to_str().unwrap(), "k", "hang"]);
-    wait_for_line(&mut child, "sending k");
-
-    // While the worker is alive and inside send, we are told it is in flight.
-    let live = outbox
-        .process("k", |_| panic!("sent while another process sends"))
-        .unwrap();
-    assert_eq!(live.outcome, Outcome::InFlight);
-
-    kill9(&mut child);
-    let after = outbox
-        .process("k", |_| panic!("resent after a crash"))
-        .unwrap();
-    assert_eq!(after.outcome, Outcome::Failed);
-    assert_eq!(after.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
-    assert_eq!(after.attempts, 1);
-    outbox.verify_audit().unwrap();
-}
-
-#[test]
-fn processes_racing_on_one_key_deliver_it_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    {
-        let outbox = Outbox::open(dir.path()).unwrap();
+    fn a_worker_killed_inside_send_leaves_an_ambiguous_item_that_is_never_resent(engine) {
+        let outbox = engine.open_real_clock_with(|b| b);
         outbox.enqueue(crate::harness::msg("k", "chat-1")).unwrap();
+        let mut child = spawn(&["process", &engine.child_location("killed"), "k", "hang"]);
+        wait_for_line(&mut child, "sending k");
+
+        // While the worker is alive and inside send, we are told it is in flight.
+        let live = outbox
+            .process("k", |_| panic!("sent while another process sends"))
+            .unwrap();
+        assert_eq!(live.outcome, Outcome::InFlight);
+
+        kill9(&mut child);
+        engine.await_child_gone("killed");
+        let after = outbox
+            .process("k", |_| panic!("resent after a crash"))
+            .unwrap();
+        assert_eq!(after.outcome, Outcome::Failed);
+        assert_eq!(after.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+        assert_eq!(after.attempts, 1);
+        outbox.verify_audit().unwrap();
     }
-    let d = dir.path().to_str().unwrap();
-    let l = log.to_str().unwrap();
-    let children: Vec<Child> = (0..6)
-        .map(|_| spawn(&["process", d, "k", "deliver", l]))
-        .collect();
-    let mut outcomes = HashMap::new();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success());
-        *outcomes
-            .entry(String::from_utf8(out.stdout).unwrap().trim().to_owned())
-            .or_insert(0) += 1;
+
+    fn processes_racing_on_one_key_deliver_it_once(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        engine
+            .open_real_clock_with(|b| b)
+            .enqueue(crate::harness::msg("k", "chat-1"))
+            .unwrap();
+        let d = engine.location();
+        let l = log.to_str().unwrap();
+        let children: Vec<Child> = (0..6)
+            .map(|_| spawn(&["process", &d, "k", "deliver", l]))
+            .collect();
+        let mut outcomes = HashMap::new();
+        for child in children {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success());
+            *outcomes
+                .entry(String::from_utf8(out.stdout).unwrap().trim().to_owned())
+                .or_insert(0) += 1;
+        }
+        assert_eq!(
+            transport_log(&log),
+            ["k"],
+            "delivered exactly once; outcomes {outcomes:?}"
+        );
+        assert!(
+            outcomes
+                .keys()
+                .all(|o| o == "outcome sent" || o == "outcome in_flight"),
+            "{outcomes:?}"
+        );
     }
-    assert_eq!(
-        transport_log(&log),
-        ["k"],
-        "delivered exactly once; outcomes {outcomes:?}"
-    );
-    assert!(
-        outcomes
-            .keys()
-            .all(|o| o == "outcome sent" || o == "outcome in_flight"),
-        "{outcomes:?}"
-    );
 }
 
 #[test]
