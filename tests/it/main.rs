@@ -18,6 +18,7 @@ mod at_most_once;
 mod audit_log;
 mod bad_input;
 mod bulk_actions;
+mod byte_compat;
 #[cfg(feature = "postgres")]
 mod deferred_sealing;
 mod delivery;
