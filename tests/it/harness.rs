@@ -229,6 +229,49 @@ pub fn within<T>(guarantee: &str, limit: Duration, body: impl FnOnce() -> T) -> 
     value
 }
 
+/// Calls `process_async(key, …)` with a send that never answers, and drops
+/// the call's future once the send has started (the request is out), as a
+/// caller that gives up does. `at_send` runs when the send starts (a test
+/// moves its manual clock there). Event-driven: the drop waits for the send
+/// to start however slow the claim is, and a send that never starts fails
+/// the test after [`DEADLOCK_LIMIT`]. A fixed timeout instead would drop the
+/// call before the claim on a loaded machine, which tests something else.
+#[cfg(feature = "tokio")]
+pub fn drop_mid_send(
+    runtime: &tokio::runtime::Runtime,
+    outbox: &Outbox,
+    key: &str,
+    mut at_send: impl FnMut(),
+) {
+    let (started, in_flight) = tokio::sync::oneshot::channel::<()>();
+    let mut started = Some(started);
+    runtime.block_on(async {
+        let call = outbox.process_async(key, |_| {
+            at_send();
+            let started = started.take();
+            async move {
+                if let Some(started) = started {
+                    let _ = started.send(());
+                }
+                // The request was written; the answer never comes.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(None)
+            }
+        });
+        let raced = tokio::time::timeout(DEADLOCK_LIMIT, async {
+            tokio::select! {
+                receipt = call => panic!("a send that never answers returned {receipt:?}"),
+                _ = in_flight => {}
+            }
+        })
+        .await;
+        assert!(
+            raced.is_ok(),
+            "the send did not start within {DEADLOCK_LIMIT:?}"
+        );
+    });
+}
+
 /// How long a test that can deadlock may run before its watchdog fires:
 /// far beyond what it needs on a loaded two-core machine.
 pub const DEADLOCK_LIMIT: Duration = Duration::from_secs(30);
