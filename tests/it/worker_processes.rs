@@ -4,6 +4,11 @@
 //! enqueue waking an idle worker.
 //!
 //! Every wait runs under a deadline that names the guarantee it was waiting for.
+//!
+//! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
+//! (`name::file`, `name::postgres`): the worker processes share one directory
+//! or one schema. File-only here: the `#[test]` kills the worker at a
+//! file-engine failpoint (its k-th journal fdatasync).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
@@ -13,6 +18,8 @@ use std::time::{Duration, Instant};
 use durable_outbox::{
     AMBIGUOUS_AFTER_RESTART, ItemState, NewMessage, Outbox, OutboxItem, SEND_CANCELLED,
 };
+
+use crate::engines::{EngineUnderTest, on_both_engines};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
 /// Generous: the machine may be loaded; a hang fails, a slow pass does not.
@@ -43,10 +50,12 @@ impl std::ops::DerefMut for Reaped {
     }
 }
 
-fn serve(dir: &Path, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u64) -> Reaped {
+/// Starts `outbox-test-worker serve` on `location` (a directory or a
+/// PostgreSQL URL, see `EngineUnderTest::child_location`).
+fn serve(location: &str, log: &Path, concurrency: u32, send_ms: u64, shutdown_ms: u64) -> Reaped {
     let mut child = Command::new(WORKER)
         .arg("serve")
-        .arg(dir)
+        .arg(location)
         .arg(log)
         .args([
             concurrency.to_string(),
@@ -135,13 +144,28 @@ fn message(key: &str, destination: &str) -> NewMessage {
 /// first handle stores its settings, and these tests are about processes and
 /// order, not caps: under the default, one send per chat per second, a chat's
 /// eight messages would take eight seconds.
-fn open(dir: &Path) -> durable_outbox::Result<Outbox> {
-    Outbox::builder(dir)
+fn open(engine: &EngineUnderTest) -> durable_outbox::Result<Outbox> {
+    engine
+        .real_clock_builder()
         .rate_limit(u32::MAX, Duration::from_secs(60))
         .open()
 }
 
-fn items(dir: &Path) -> BTreeMap<String, OutboxItem> {
+fn items(engine: &EngineUnderTest) -> BTreeMap<String, OutboxItem> {
+    engine
+        .real_clock_builder()
+        .compact_on_open(false)
+        .open()
+        .expect("open")
+        .list_items()
+        .expect("list")
+        .into_iter()
+        .map(|i| (i.idempotency_key().to_owned(), i))
+        .collect()
+}
+
+/// [`items`] of a directory (the failpoint test, file-only).
+fn dir_items(dir: &Path) -> BTreeMap<String, OutboxItem> {
     Outbox::builder(dir)
         .compact_on_open(false)
         .open()
@@ -154,85 +178,17 @@ fn items(dir: &Path) -> BTreeMap<String, OutboxItem> {
 }
 
 /// Twelve messages, each to its own chat (so order does not hold any back).
-fn twelve(dir: &Path) {
-    let outbox = open(dir).expect("open");
+fn twelve(engine: &EngineUnderTest) {
+    let outbox = open(engine).expect("open");
     let batch = (0..12)
         .map(|i| message(&format!("m{i:02}"), &format!("chat-{i}")))
         .collect();
     outbox.enqueue_many(batch).expect("enqueue");
 }
 
-#[test]
-fn sigterm_mid_batch_lets_running_sends_finish_and_leaves_the_rest_untouched() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    twelve(dir.path());
-    let mut child = serve(dir.path(), &log, 3, 400, 20_000);
-    wait_until("graceful shutdown: three sends running", || {
-        started(&log).len() >= 3
-    });
-    sigterm(&child);
-    wait_exit(&mut child, "graceful shutdown");
-    let report = report(&mut child);
-    let running = started(&log);
-    assert_eq!(running.len(), 3, "no new claims after SIGTERM: {running:?}");
-    assert_eq!(
-        report["sent"], 3,
-        "running sends finished and were recorded"
-    );
-    assert_eq!(report["cancelled"], 0);
-    let items = items(dir.path());
-    for (key, item) in &items {
-        if running.contains(key) {
-            assert_eq!(
-                item.state(),
-                ItemState::Sent,
-                "{key} finished during shutdown"
-            );
-        } else {
-            assert_eq!(
-                (item.state(), item.attempts(), item.dispatch_claimed()),
-                (ItemState::Queued, 0, false),
-                "graceful shutdown: {key} was never handed to send, so it is untouched"
-            );
-        }
-    }
-}
-
-#[test]
-fn sigterm_with_sends_past_the_deadline_cancels_only_those_sends() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    twelve(dir.path());
-    let mut child = serve(dir.path(), &log, 3, 600_000, 200);
-    wait_until("shutdown deadline: three sends running", || {
-        started(&log).len() >= 3
-    });
-    sigterm(&child);
-    wait_exit(&mut child, "shutdown deadline");
-    let report = report(&mut child);
-    assert_eq!((report["cancelled"], report["sent"]), (3, 0));
-    let running = started(&log);
-    for (key, item) in items(dir.path()) {
-        if running.contains(&key) {
-            assert_eq!(
-                (item.state(), item.error_code()),
-                (ItemState::Failed, Some(SEND_CANCELLED)),
-                "{key} was still sending at the deadline: cancelled, never resent"
-            );
-        } else {
-            assert_eq!(
-                (item.state(), item.attempts(), item.dispatch_claimed()),
-                (ItemState::Queued, 0, false),
-                "{key} was never handed to send: untouched"
-            );
-        }
-    }
-}
-
 /// After SIGKILL only sends that had started are in doubt.
-fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
-    let claimed: HashSet<String> = items(dir)
+fn only_started_sends_are_ambiguous(engine: &EngineUnderTest, running: &[String]) {
+    let claimed: HashSet<String> = items(engine)
         .into_iter()
         .filter(|(_, i)| i.dispatch_claimed())
         .map(|(k, _)| k)
@@ -242,7 +198,7 @@ fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
         claimed, running,
         "crash-sized ambiguity: claims = started sends"
     );
-    let outbox = open(dir).expect("reopen");
+    let outbox = open(engine).expect("reopen");
     let report = outbox
         .process_due(|item| {
             assert!(
@@ -253,7 +209,7 @@ fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
         })
         .expect("drain");
     assert_eq!(report.failed, running.len());
-    for (key, item) in items(dir) {
+    for (key, item) in items(engine) {
         if running.contains(&key) {
             assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART), "{key}");
         } else {
@@ -266,178 +222,242 @@ fn only_started_sends_are_ambiguous(dir: &Path, running: &[String]) {
     }
 }
 
-#[test]
-fn sigkill_of_a_worker_leaves_only_its_started_sends_ambiguous() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    twelve(dir.path());
-    let mut child = serve(dir.path(), &log, 3, 600_000, 20_000);
-    wait_until("crash-sized ambiguity: three sends running", || {
-        started(&log).len() >= 3
-    });
-    child.kill().expect("SIGKILL");
-    child.wait().expect("reap");
-    only_started_sends_are_ambiguous(dir.path(), &started(&log));
-}
-
-#[test]
-fn sigkill_in_process_due_leaves_only_the_started_send_ambiguous() {
-    let dir = tempfile::tempdir().unwrap();
-    twelve(dir.path());
-    let mut child = Command::new(WORKER)
-        .arg("drain-hang")
-        .arg(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn");
-    let line = crate::processes::wait_for_line(&mut child, "sending ");
-    child.kill().expect("SIGKILL");
-    child.wait().expect("reap");
-    let key = line.trim_start_matches("sending ").to_owned();
-    only_started_sends_are_ambiguous(dir.path(), &[key]);
-}
-
-#[test]
-fn two_worker_processes_deliver_each_destination_in_enqueue_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    open(dir.path()).expect("create");
-    let mut workers = vec![
-        serve(dir.path(), &log, 4, 15, 20_000),
-        serve(dir.path(), &log, 4, 15, 20_000),
-    ];
-    let outbox = open(dir.path()).expect("open");
-    // Interleaved across three chats, from this (third) process; some fail
-    // retryably first, which must hold their followers back until they go.
-    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for i in 0..8 {
-        for chat in ["chat-a", "chat-b", "chat-c"] {
-            let key = if i % 3 == 1 {
-                format!("{chat}-{i}-retry")
-            } else {
-                format!("{chat}-{i}")
-            };
-            outbox.enqueue(message(&key, chat)).expect("enqueue");
-            expected.entry(chat.to_owned()).or_default().push(key);
-        }
-    }
-    wait_until("order across processes: everything sent", || {
-        outbox
-            .list_items()
-            .unwrap()
-            .iter()
-            .all(|i| i.state() == ItemState::Sent)
-    });
-    for worker in &workers {
-        sigterm(worker);
-    }
-    for worker in &mut workers {
-        wait_exit(worker, "order across processes: shutdown");
-    }
-    // Per chat: starts in enqueue order (a retried key starts twice in a row),
-    // and nothing starts before the previous message to that chat ended.
-    let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut open_send: BTreeMap<String, String> = BTreeMap::new();
-    for line in log_lines(&log) {
-        let parts: Vec<&str> = line.split(' ').collect();
-        match parts.as_slice() {
-            ["start", key, chat] => {
-                assert!(
-                    open_send
-                        .insert((*chat).to_owned(), (*key).to_owned())
-                        .is_none(),
-                    "order across processes: {key} started while another send to {chat} ran"
-                );
-                let seen = order.entry((*chat).to_owned()).or_default();
-                if seen.last().map(String::as_str) != Some(*key) {
-                    seen.push((*key).to_owned());
-                }
-            }
-            ["end", key, ..] => {
-                let chat = open_send
-                    .iter()
-                    .find(|(_, k)| k.as_str() == *key)
-                    .map(|(c, _)| c.clone())
-                    .expect("an end matches a start");
-                open_send.remove(&chat);
-            }
-            other => panic!("unexpected log line {other:?}"),
-        }
-    }
-    assert_eq!(
-        order, expected,
-        "order across processes: enqueue order per chat"
-    );
-}
-
-#[test]
-fn another_process_enqueue_wakes_an_idle_worker() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    open(dir.path()).expect("create");
-    let mut child = serve(dir.path(), &log, 2, 0, 20_000);
-    // Nothing is queued or deferred: the worker sleeps with no due time, so
-    // only its journal watcher can notice this enqueue from another process.
-    std::thread::sleep(Duration::from_millis(200));
-    let outbox = open(dir.path()).expect("open");
-    for i in 0..3 {
-        outbox
-            .enqueue(message(&format!("late-{i}"), &format!("chat-{i}")))
-            .expect("enqueue");
-        wait_until("cross-process wake-up: the enqueue is delivered", || {
-            outbox
-                .get(&format!("late-{i}"))
-                .unwrap()
-                .is_some_and(|item| item.state() == ItemState::Sent)
+on_both_engines! {
+    fn sigterm_mid_batch_lets_running_sends_finish_and_leaves_the_rest_untouched(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        twelve(engine);
+        let mut child = serve(&engine.location(), &log, 3, 400, 20_000);
+        wait_until("graceful shutdown: three sends running", || {
+            started(&log).len() >= 3
         });
-        std::thread::sleep(Duration::from_millis(100));
+        sigterm(&child);
+        wait_exit(&mut child, "graceful shutdown");
+        let report = report(&mut child);
+        let running = started(&log);
+        assert_eq!(running.len(), 3, "no new claims after SIGTERM: {running:?}");
+        assert_eq!(
+            report["sent"], 3,
+            "running sends finished and were recorded"
+        );
+        assert_eq!(report["cancelled"], 0);
+        let items = items(engine);
+        for (key, item) in &items {
+            if running.contains(key) {
+                assert_eq!(
+                    item.state(),
+                    ItemState::Sent,
+                    "{key} finished during shutdown"
+                );
+            } else {
+                assert_eq!(
+                    (item.state(), item.attempts(), item.dispatch_claimed()),
+                    (ItemState::Queued, 0, false),
+                    "graceful shutdown: {key} was never handed to send, so it is untouched"
+                );
+            }
+        }
     }
-    sigterm(&child);
-    wait_exit(&mut child, "cross-process wake-up: shutdown");
-    assert_eq!(report(&mut child)["sent"], 3);
-}
 
-#[test]
-fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("transport.log");
-    let outbox = open(dir.path()).expect("open");
-    outbox.enqueue(message("m1", "chat-1")).unwrap();
-    outbox.enqueue(message("m2", "chat-1")).unwrap();
-    // Another process claims m1 and hangs inside its send.
-    let mut claimant = Reaped(
-        Command::new(WORKER)
-            .arg("process")
-            .arg(dir.path())
-            .args(["m1", "hang"])
+    fn sigterm_with_sends_past_the_deadline_cancels_only_those_sends(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        twelve(engine);
+        let mut child = serve(&engine.location(), &log, 3, 600_000, 200);
+        wait_until("shutdown deadline: three sends running", || {
+            started(&log).len() >= 3
+        });
+        sigterm(&child);
+        wait_exit(&mut child, "shutdown deadline");
+        let report = report(&mut child);
+        assert_eq!((report["cancelled"], report["sent"]), (3, 0));
+        let running = started(&log);
+        for (key, item) in items(engine) {
+            if running.contains(&key) {
+                assert_eq!(
+                    (item.state(), item.error_code()),
+                    (ItemState::Failed, Some(SEND_CANCELLED)),
+                    "{key} was still sending at the deadline: cancelled, never resent"
+                );
+            } else {
+                assert_eq!(
+                    (item.state(), item.attempts(), item.dispatch_claimed()),
+                    (ItemState::Queued, 0, false),
+                    "{key} was never handed to send: untouched"
+                );
+            }
+        }
+    }
+
+    fn sigkill_of_a_worker_leaves_only_its_started_sends_ambiguous(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        twelve(engine);
+        let mut child = serve(&engine.child_location("killed"), &log, 3, 600_000, 20_000);
+        wait_until("crash-sized ambiguity: three sends running", || {
+            started(&log).len() >= 3
+        });
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reap");
+        engine.await_child_gone("killed");
+        only_started_sends_are_ambiguous(engine, &started(&log));
+    }
+
+    fn sigkill_in_process_due_leaves_only_the_started_send_ambiguous(engine) {
+        twelve(engine);
+        let mut child = Command::new(WORKER)
+            .arg("drain-hang")
+            .arg(engine.child_location("killed"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("spawn the claimant"),
-    );
-    crate::processes::wait_for_line(&mut claimant, "sending m1");
-    let mut worker = serve(dir.path(), &log, 2, 0, 20_000);
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        started(&log).is_empty(),
-        "order: m2 must wait while m1 is in flight in another process"
-    );
-    // The claimant dies mid-send: nothing is written, yet the worker must
-    // notice, fail m1 as ambiguous (never resent) and deliver m2.
-    claimant.kill().expect("SIGKILL");
-    claimant.wait().expect("reap");
-    wait_until("a dead claim does not block its line forever", || {
-        outbox
-            .get("m2")
-            .unwrap()
-            .is_some_and(|i| i.state() == ItemState::Sent)
-    });
-    assert_eq!(started(&log), ["m2"], "m1 is never resent");
-    let m1 = outbox.get("m1").unwrap().unwrap();
-    assert_eq!(m1.error_code(), Some(AMBIGUOUS_AFTER_RESTART));
-    sigterm(&worker);
-    wait_exit(&mut worker, "shutdown");
+            .expect("spawn");
+        let line = crate::processes::wait_for_line(&mut child, "sending ");
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reap");
+        engine.await_child_gone("killed");
+        let key = line.trim_start_matches("sending ").to_owned();
+        only_started_sends_are_ambiguous(engine, &[key]);
+    }
+
+    fn two_worker_processes_deliver_each_destination_in_enqueue_order(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        open(engine).expect("create");
+        let mut workers = vec![
+            serve(&engine.location(), &log, 4, 15, 20_000),
+            serve(&engine.location(), &log, 4, 15, 20_000),
+        ];
+        let outbox = open(engine).expect("open");
+        // Interleaved across three chats, from this (third) process; some fail
+        // retryably first, which must hold their followers back until they go.
+        let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for i in 0..8 {
+            for chat in ["chat-a", "chat-b", "chat-c"] {
+                let key = if i % 3 == 1 {
+                    format!("{chat}-{i}-retry")
+                } else {
+                    format!("{chat}-{i}")
+                };
+                outbox.enqueue(message(&key, chat)).expect("enqueue");
+                expected.entry(chat.to_owned()).or_default().push(key);
+            }
+        }
+        wait_until("order across processes: everything sent", || {
+            outbox
+                .list_items()
+                .unwrap()
+                .iter()
+                .all(|i| i.state() == ItemState::Sent)
+        });
+        for worker in &workers {
+            sigterm(worker);
+        }
+        for worker in &mut workers {
+            wait_exit(worker, "order across processes: shutdown");
+        }
+        // Per chat: starts in enqueue order (a retried key starts twice in a row),
+        // and nothing starts before the previous message to that chat ended.
+        let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut open_send: BTreeMap<String, String> = BTreeMap::new();
+        for line in log_lines(&log) {
+            let parts: Vec<&str> = line.split(' ').collect();
+            match parts.as_slice() {
+                ["start", key, chat] => {
+                    assert!(
+                        open_send
+                            .insert((*chat).to_owned(), (*key).to_owned())
+                            .is_none(),
+                        "order across processes: {key} started while another send to {chat} ran"
+                    );
+                    let seen = order.entry((*chat).to_owned()).or_default();
+                    if seen.last().map(String::as_str) != Some(*key) {
+                        seen.push((*key).to_owned());
+                    }
+                }
+                ["end", key, ..] => {
+                    let chat = open_send
+                        .iter()
+                        .find(|(_, k)| k.as_str() == *key)
+                        .map(|(c, _)| c.clone())
+                        .expect("an end matches a start");
+                    open_send.remove(&chat);
+                }
+                other => panic!("unexpected log line {other:?}"),
+            }
+        }
+        assert_eq!(
+            order, expected,
+            "order across processes: enqueue order per chat"
+        );
+    }
+
+    fn another_process_enqueue_wakes_an_idle_worker(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        open(engine).expect("create");
+        let mut child = serve(&engine.location(), &log, 2, 0, 20_000);
+        // Nothing is queued or deferred: the worker sleeps with no due time, so
+        // only its journal watcher can notice this enqueue from another process.
+        std::thread::sleep(Duration::from_millis(200));
+        let outbox = open(engine).expect("open");
+        for i in 0..3 {
+            outbox
+                .enqueue(message(&format!("late-{i}"), &format!("chat-{i}")))
+                .expect("enqueue");
+            wait_until("cross-process wake-up: the enqueue is delivered", || {
+                outbox
+                    .get(&format!("late-{i}"))
+                    .unwrap()
+                    .is_some_and(|item| item.state() == ItemState::Sent)
+            });
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        sigterm(&child);
+        wait_exit(&mut child, "cross-process wake-up: shutdown");
+        assert_eq!(report(&mut child)["sent"], 3);
+    }
+
+    fn a_worker_waiting_behind_a_crashed_process_claim_resolves_it_and_carries_on(engine) {
+        let logs = tempfile::tempdir().unwrap();
+        let log = logs.path().join("transport.log");
+        let outbox = open(engine).expect("open");
+        outbox.enqueue(message("m1", "chat-1")).unwrap();
+        outbox.enqueue(message("m2", "chat-1")).unwrap();
+        // Another process claims m1 and hangs inside its send.
+        let mut claimant = Reaped(
+            Command::new(WORKER)
+                .arg("process")
+                .arg(engine.location())
+                .args(["m1", "hang"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn the claimant"),
+        );
+        crate::processes::wait_for_line(&mut claimant, "sending m1");
+        let mut worker = serve(&engine.location(), &log, 2, 0, 20_000);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            started(&log).is_empty(),
+            "order: m2 must wait while m1 is in flight in another process"
+        );
+        // The claimant dies mid-send: nothing is written, yet the worker must
+        // notice, fail m1 as ambiguous (never resent) and deliver m2.
+        claimant.kill().expect("SIGKILL");
+        claimant.wait().expect("reap");
+        wait_until("a dead claim does not block its line forever", || {
+            outbox
+                .get("m2")
+                .unwrap()
+                .is_some_and(|i| i.state() == ItemState::Sent)
+        });
+        assert_eq!(started(&log), ["m2"], "m1 is never resent");
+        let m1 = outbox.get("m1").unwrap().unwrap();
+        assert_eq!(m1.error_code(), Some(AMBIGUOUS_AFTER_RESTART));
+        sigterm(&worker);
+        wait_exit(&mut worker, "shutdown");
+    }
 }
 
 /// A worker whose slots share commit groups, `SIGKILL`ed at its k-th fdatasync
@@ -489,7 +509,7 @@ fn sigkill_at_a_sync_shared_by_worker_slots_resends_nothing() {
         };
         assert!(!status.success(), "sync {hit}: the worker was not killed");
         let started: HashSet<String> = started(&log).into_iter().collect();
-        let before = items(dir.path());
+        let before = dir_items(dir.path());
         for key in &started {
             let item = &before[key];
             assert!(
@@ -518,7 +538,7 @@ fn sigkill_at_a_sync_shared_by_worker_slots_resends_nothing() {
                 Ok(Some(format!("tr-{}", item.idempotency_key())))
             })
             .expect("drain");
-        for (key, item) in items(dir.path()) {
+        for (key, item) in dir_items(dir.path()) {
             let was_claimed = before[&key].dispatch_claimed();
             if was_claimed {
                 assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART), "{key}");
