@@ -2,14 +2,16 @@
 //! by key, by transport ref, for idempotent enqueue, for requeue.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s are about
-//! segment files (moves, damaged index, `MaxSegments`, failpoints mid-move).
+//! (`name::file`, `name::postgres`); "settling" history is a compaction on the
+//! file engine and an open on PostgreSQL. File-only here: the `#[test]`s are
+//! about segment files (moves, damaged index, `MaxSegments`, failpoints
+//! mid-move).
 
 use std::time::Duration;
 
 use durable_outbox::{Error, ItemState, Outbox, Outcome, SendError};
 
-use crate::engines::on_both_engines;
+use crate::engines::{EngineUnderTest, Kind, on_both_engines};
 use crate::harness::{Harness, builder, msg, secs, uncapped};
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
@@ -17,7 +19,12 @@ const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 /// An outbox with `n` sent items (refs `tr-i`) and one failed one, a day old.
 /// Uncapped: chats receive several items at one instant.
 fn with_old_traffic(n: usize) -> Harness {
-    let h = Harness::with(uncapped);
+    with_old_traffic_on(&EngineUnderTest::file(), n)
+}
+
+/// [`with_old_traffic`] on the engine under test.
+fn with_old_traffic_on(engine: &EngineUnderTest, n: usize) -> Harness {
+    let h = engine.harness_with(uncapped);
     for i in 0..n {
         let key = format!("old-{i}");
         h.enqueue(&key, &format!("chat-{}", i % 3));
@@ -39,114 +46,114 @@ fn with_old_traffic(n: usize) -> Harness {
     h
 }
 
-#[test]
-fn old_terminal_items_move_to_history_and_stay_findable() {
-    let h = with_old_traffic(5);
-    h.enqueue("fresh", "chat-1");
-    h.outbox.compact().unwrap();
-    assert_eq!(h.outbox.history_len().unwrap(), 6);
-    let live: Vec<_> = h
-        .outbox
-        .list_items()
-        .unwrap()
-        .iter()
-        .map(|i| i.idempotency_key().to_owned())
-        .collect();
-    assert_eq!(live, ["fresh"], "only live items are listed");
-    let item = h.outbox.get("old-3").unwrap().expect("found in history");
-    assert_eq!(
-        (item.state(), item.transport_ref()),
-        (ItemState::Sent, Some("tr-3"))
-    );
-    assert_eq!(
+on_both_engines! {
+    fn old_terminal_items_move_to_history_and_stay_findable(engine) {
+        let h = with_old_traffic_on(engine, 5);
+        h.enqueue("fresh", "chat-1");
+        h.settle_history();
+        assert_eq!(h.outbox.history_len().unwrap(), 6);
+        let live: Vec<_> = h
+            .outbox
+            .list_items()
+            .unwrap()
+            .iter()
+            .map(|i| i.idempotency_key().to_owned())
+            .collect();
+        assert_eq!(live, ["fresh"], "only live items are listed");
+        let item = h.outbox.get("old-3").unwrap().expect("found in history");
+        assert_eq!(
+            (item.state(), item.transport_ref()),
+            (ItemState::Sent, Some("tr-3"))
+        );
+        assert_eq!(
+            h.outbox
+                .find_by_transport_ref("tr-4")
+                .unwrap()
+                .unwrap()
+                .idempotency_key(),
+            "old-4"
+        );
+        assert!(h.outbox.find_by_transport_ref("tr-99").unwrap().is_none());
+        if engine.kind == Kind::File {
+            assert!(
+                std::fs::read_to_string(h.path("outbox.json"))
+                    .unwrap()
+                    .matches("idempotency_key")
+                    .count()
+                    == 1
+            );
+        }
+        // Another handle, and a reopened one, see the same.
+        assert_eq!(
+            h.reopen().get("old-0").unwrap().unwrap().transport_ref(),
+            Some("tr-0")
+        );
+    }
+
+    fn history_items_lists_every_moved_item_from_disk(engine) {
+        let h = with_old_traffic_on(engine, 4);
+        h.settle_history();
+        let mut keys: Vec<String> = h
+            .outbox
+            .history_items()
+            .unwrap()
+            .map(|item| item.unwrap().idempotency_key().to_owned())
+            .collect();
+        keys.sort();
+        assert_eq!(keys, ["old-0", "old-1", "old-2", "old-3", "old-failed"]);
+    }
+
+    fn a_history_item_is_never_sent_again_and_its_key_stays_taken(engine) {
+        let h = with_old_traffic_on(engine, 2);
+        h.settle_history();
+        let receipt = h
+            .outbox
+            .process("old-1", |_| panic!("resent from history"))
+            .unwrap();
+        assert_eq!(
+            (receipt.outcome, receipt.transport_ref.as_deref()),
+            (Outcome::Sent, Some("tr-1"))
+        );
+        assert!(receipt.audit_id.is_some());
+        // Enqueueing the same message again is the idempotent no-op it always was…
+        let again = h.outbox.enqueue(msg("old-1", "chat-1")).unwrap();
+        assert_eq!(again.state(), ItemState::Sent);
+        assert_eq!(
+            h.outbox.list_items().unwrap().len(),
+            0,
+            "nothing was requeued"
+        );
+        // …and a different message under the key is still a conflict.
+        let mut other = msg("old-1", "chat-1");
+        other.content = "something else".into();
+        assert!(matches!(
+            h.outbox.enqueue(other),
+            Err(Error::IdempotencyConflict { .. })
+        ));
+    }
+
+    fn a_failed_item_in_history_can_still_be_requeued(engine) {
+        let h = with_old_traffic_on(engine, 1);
+        h.settle_history();
+        assert!(h.outbox.list_items().unwrap().is_empty());
         h.outbox
-            .find_by_transport_ref("tr-4")
-            .unwrap()
-            .unwrap()
-            .idempotency_key(),
-        "old-4"
-    );
-    assert!(h.outbox.find_by_transport_ref("tr-99").unwrap().is_none());
-    assert!(
-        std::fs::read_to_string(h.path("outbox.json"))
-            .unwrap()
-            .matches("idempotency_key")
-            .count()
-            == 1
-    );
-    // Another handle, and a reopened one, see the same.
-    assert_eq!(
-        h.reopen().get("old-0").unwrap().unwrap().transport_ref(),
-        Some("tr-0")
-    );
-}
-
-#[test]
-fn history_items_lists_every_moved_item_from_disk() {
-    let h = with_old_traffic(4);
-    h.outbox.compact().unwrap();
-    let mut keys: Vec<String> = h
-        .outbox
-        .history_items()
-        .unwrap()
-        .map(|item| item.unwrap().idempotency_key().to_owned())
-        .collect();
-    keys.sort();
-    assert_eq!(keys, ["old-0", "old-1", "old-2", "old-3", "old-failed"]);
-}
-
-#[test]
-fn a_history_item_is_never_sent_again_and_its_key_stays_taken() {
-    let h = with_old_traffic(2);
-    h.outbox.compact().unwrap();
-    let receipt = h
-        .outbox
-        .process("old-1", |_| panic!("resent from history"))
-        .unwrap();
-    assert_eq!(
-        (receipt.outcome, receipt.transport_ref.as_deref()),
-        (Outcome::Sent, Some("tr-1"))
-    );
-    assert!(receipt.audit_id.is_some());
-    // Enqueueing the same message again is the idempotent no-op it always was…
-    let again = h.outbox.enqueue(msg("old-1", "chat-1")).unwrap();
-    assert_eq!(again.state(), ItemState::Sent);
-    assert_eq!(
-        h.outbox.list_items().unwrap().len(),
-        0,
-        "nothing was requeued"
-    );
-    // …and a different message under the key is still a conflict.
-    let mut other = msg("old-1", "chat-1");
-    other.content = "something else".into();
-    assert!(matches!(
-        h.outbox.enqueue(other),
-        Err(Error::IdempotencyConflict { .. })
-    ));
-}
-
-#[test]
-fn a_failed_item_in_history_can_still_be_requeued() {
-    let h = with_old_traffic(1);
-    h.outbox.compact().unwrap();
-    assert!(h.outbox.list_items().unwrap().is_empty());
-    h.outbox
-        .requeue("old-failed", "ops", "the chat exists again")
-        .unwrap();
-    assert_eq!(
-        h.outbox
-            .process("old-failed", |_| Ok(None))
-            .unwrap()
-            .outcome,
-        Outcome::Sent
-    );
-    assert_eq!(
-        h.outbox.get("old-failed").unwrap().unwrap().state(),
-        ItemState::Sent,
-        "the live copy wins"
-    );
-    let err = h.outbox.requeue("old-0", "ops", "resend").unwrap_err();
-    assert!(matches!(err, Error::InvalidTransition { .. }), "{err}");
+            .requeue("old-failed", "ops", "the chat exists again")
+            .unwrap();
+        assert_eq!(
+            h.outbox
+                .process("old-failed", |_| Ok(None))
+                .unwrap()
+                .outcome,
+            Outcome::Sent
+        );
+        assert_eq!(
+            h.outbox.get("old-failed").unwrap().unwrap().state(),
+            ItemState::Sent,
+            "the live copy wins"
+        );
+        let err = h.outbox.requeue("old-0", "ops", "resend").unwrap_err();
+        assert!(matches!(err, Error::InvalidTransition { .. }), "{err}");
+    }
 }
 
 on_both_engines! {
