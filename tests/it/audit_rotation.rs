@@ -1,6 +1,9 @@
 //! A long-lived handle keeps a whole chain while other processes rotate the
 //! audit log and an operator removes old segments, and a crash in the middle of
 //! a removal leaves an outbox that verifies and opens.
+//!
+//! File-only by design: audit segments and their removal are files
+//! (PostgreSQL's audit is one table).
 
 use std::fs;
 use std::path::{Path, PathBuf};

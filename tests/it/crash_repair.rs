@@ -1,5 +1,9 @@
 //! A crash between the journal commit and the audit append loses no audit record:
 //! the journal holds the sealed records, and the next touch appends them exactly.
+//!
+//! File-only by design: the crash is a failpoint between the journal commit and
+//! the `audit.jsonl` append (on PostgreSQL both are one transaction;
+//! `deferred_sealing` covers its own gap).
 
 use durable_outbox::{AuditLog, Error, FailAction, Outbox};
 

@@ -1,8 +1,8 @@
 //! The happy path a bot relies on: enqueue, deliver, correlate, never resend.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s check the
-//! bytes of `outbox.json`/the journal or use file-engine failpoints.
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]` counts the
+//! journal's entries (one per drain step).
 
 use std::cell::Cell;
 

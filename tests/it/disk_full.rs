@@ -9,6 +9,8 @@
 //! otherwise it re-runs itself inside `unshare -rm` (a user and mount namespace).
 //! When neither works it prints why and passes without running.
 //! `OUTBOX_DISK_FULL_VIA_UNSHARE=1` forces the `unshare` path.
+//!
+//! File-only by design: ENOSPC on the outbox's filesystem.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{ErrorKind, Write};

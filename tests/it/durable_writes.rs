@@ -1,7 +1,11 @@
 //! Files are private, complete JSON after every call, and crash leftovers are cleaned up.
+//!
+//! File-only by design, except `data_survives_reopening` (on both engines,
+//! `on_both_engines!`): the rest reads or damages the directory's files.
 
 use durable_outbox::Outbox;
 
+use crate::engines::on_both_engines;
 use crate::harness::{Harness, msg};
 
 #[cfg(unix)]
@@ -206,21 +210,22 @@ fn a_symlink_planted_at_the_lock_path_is_not_followed() {
     }
 }
 
-#[test]
-fn data_survives_reopening() {
-    let h = Harness::new();
-    h.outbox.enqueue(msg("k", "chat-1")).unwrap();
-    h.outbox.process("k", |_| Ok(Some("tg-1".into()))).unwrap();
-    let again = Outbox::open(h.dir.path()).unwrap();
-    assert_eq!(
-        again
-            .find_by_transport_ref("tg-1")
-            .unwrap()
-            .unwrap()
-            .idempotency_key(),
-        "k"
-    );
-    again.verify_audit().unwrap();
+on_both_engines! {
+    fn data_survives_reopening(engine) {
+        let h = engine.harness();
+        h.outbox.enqueue(msg("k", "chat-1")).unwrap();
+        h.outbox.process("k", |_| Ok(Some("tg-1".into()))).unwrap();
+        let again = engine.open_real_clock_with(|b| b);
+        assert_eq!(
+            again
+                .find_by_transport_ref("tg-1")
+                .unwrap()
+                .unwrap()
+                .idempotency_key(),
+            "k"
+        );
+        again.verify_audit().unwrap();
+    }
 }
 
 #[test]

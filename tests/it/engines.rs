@@ -58,6 +58,10 @@ impl EngineUnderTest {
     }
 
     /// A fresh, empty outbox on the same engine (a campaign's next round).
+    #[cfg_attr(
+        not(feature = "test-failpoints"),
+        allow(dead_code, reason = "the process tests need test-failpoints")
+    )]
     pub fn fresh(&self) -> Self {
         match self.kind {
             Kind::File => Self::file(),
@@ -116,6 +120,10 @@ impl EngineUnderTest {
 
     /// Where a child process (`outbox-test-worker`, the CLI) finds this
     /// outbox: the directory, or the PostgreSQL URL.
+    #[cfg_attr(
+        not(feature = "test-failpoints"),
+        allow(dead_code, reason = "the process tests need test-failpoints")
+    )]
     pub fn location(&self) -> String {
         match self.kind {
             Kind::File => self.dir.path().to_str().expect("a UTF-8 path").to_owned(),
@@ -127,9 +135,17 @@ impl EngineUnderTest {
     /// Like [`location`](Self::location) for a child the test may kill: on
     /// PostgreSQL its sessions carry `name` as their application name, so
     /// [`await_child_gone`](Self::await_child_gone) can see them end.
+    #[cfg_attr(
+        not(feature = "test-failpoints"),
+        allow(dead_code, reason = "the process tests need test-failpoints")
+    )]
     pub fn child_location(&self, name: &str) -> String {
         match self.kind {
-            Kind::File => self.location(),
+            // The directory names no process.
+            Kind::File => {
+                let _ = name;
+                self.location()
+            }
             #[cfg(feature = "postgres")]
             Kind::Postgres => format!("{}?application_name={name}", self.url()),
         }
@@ -140,6 +156,10 @@ impl EngineUnderTest {
     /// releases the owner file's lock when the process dies, nothing to wait
     /// for. PostgreSQL: the server ends the child's sessions, and with them
     /// its owner lock, only once it notices the closed sockets.
+    #[cfg_attr(
+        not(feature = "test-failpoints"),
+        allow(dead_code, reason = "the process tests need test-failpoints")
+    )]
     pub fn await_child_gone(&self, name: &str) {
         match self.kind {
             Kind::File => {

@@ -4,6 +4,8 @@
 //! group and everything after it, and none of them is reported durable; a
 //! SIGKILL in the middle of a group loses nothing acknowledged and sends nothing
 //! twice; two processes with many threads each interleave safely.
+//!
+//! File-only by design: the journal's shared fdatasync and its failpoints.
 
 use std::collections::HashSet;
 use std::path::Path;

@@ -18,6 +18,9 @@
 //! - Symlinks planted in the outbox directory are never written through.
 //!
 //! Cases: `OUTBOX_PROPTEST_CASES` (default 128 per property); replay: `OUTBOX_PROPTEST_SEED`.
+//!
+//! File-only by design for the loaders and symlinks (damaged files); the
+//! caller-text bounds are checked on both engines in `bad_input`.
 
 use std::any::Any;
 use std::collections::BTreeSet;

@@ -1,5 +1,8 @@
 //! Injected I/O faults at every durable step: a typed error, the old or the new
 //! state (never a mix), no fsync retried as if nothing happened, never a resend.
+//!
+//! File-only by design: the faults are file-engine failpoints (write, fsync,
+//! rename).
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, FailAction, ItemState, Outcome};
 

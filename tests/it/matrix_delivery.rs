@@ -5,6 +5,11 @@
 //! test); the outage test starts its own so it can stop it. The shared server's
 //! message limiter is the one the issue measured (0.5/s after a burst of 3);
 //! tests that are not about the limiter lift it for their bot user.
+//!
+//! File engine only (`postgres:` not run there): what is under test is the
+//! Matrix transport against a real homeserver's limiter, and every run costs
+//! that limiter's real time; the worker and the pacing it drives run on both
+//! engines in `worker`, `worker_processes` and `adaptive_pacing`.
 
 #[path = "../support/synapse.rs"]
 mod synapse;

@@ -15,6 +15,10 @@
 //! no key reaches `send` again unless its previous attempt failed as retryable.
 //!
 //! Cases: `OUTBOX_PROPTEST_CASES` (default 64); replay: `OUTBOX_PROPTEST_SEED`.
+//!
+//! File-only by design: each step's "writes nothing" is checked on the files'
+//! bytes, and crashes are forged in the snapshot; the same lifecycle runs on
+//! both engines in the guarantee modules.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};

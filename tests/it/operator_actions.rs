@@ -2,8 +2,7 @@
 //! resent) and cancel a queued one, both refused where unsafe, both audited.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]` forges a
-//! crash in the snapshot.
+//! (`name::file`, `name::postgres`); every body here runs on both.
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, CANCELLED, Error, ItemState, Outcome, SendError};
 

@@ -4,8 +4,8 @@
 //! `Ordering::Unordered` opts out.
 //!
 //! Bodies in `on_both_engines!` run on the file engine and on PostgreSQL
-//! (`name::file`, `name::postgres`). File-only here: the `#[test]`s race
-//! handles on one directory under failpoints or load a seed-format state file.
+//! (`name::file`, `name::postgres`). File-only here: the `#[test]` loads a
+//! seed-format state file.
 
 use std::sync::{Arc, Mutex};
 

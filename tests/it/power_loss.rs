@@ -28,6 +28,8 @@
 //! [`DEFAULT_STATES`]), `OUTBOX_POWERLOSS_SEED` (replay a sample). Needs
 //! `/dev/fuse` and the right to mount (root, or `fusermount3` from Debian's
 //! `fuse3`); without them it fails when `CI` is set and skips otherwise.
+//!
+//! File-only by design: what a power cut leaves of the files.
 
 mod crash_states;
 mod recorder;

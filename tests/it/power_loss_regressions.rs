@@ -2,6 +2,8 @@
 //! unopenable for good. Everything past a file's last durable point is a crash
 //! remnant, whatever its shape; it is set aside byte for byte and rebuilt from
 //! the journal. Damage before the durable point is still refused.
+//!
+//! File-only by design: hand-written crash states of the files.
 
 use std::fs;
 use std::path::Path;

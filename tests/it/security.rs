@@ -2,6 +2,9 @@
 //! user prepared or can write, never follows a planted link, and a keyed audit
 //! log protects its own starting point (`audit.anchor`) and end (the head
 //! `outbox.json` records) against someone without the key.
+//!
+//! File-only by design: ownership and modes of the directory and its files,
+//! planted links, the keyed log's anchor file.
 
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};

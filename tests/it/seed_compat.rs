@@ -1,5 +1,7 @@
 //! An outbox.json written by the Python reference design opens and keeps working.
 //! The fixture is produced by `fixtures/seed-v1/make_fixture.py`, which drives the reference itself.
+//!
+//! File-only by design: a state file written by the Python reference.
 
 use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState, Outcome};
 

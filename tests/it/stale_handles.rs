@@ -1,6 +1,9 @@
 //! Several handles on one directory, each with its own cached view: no handle
 //! may act on a stale view in a way that loses or duplicates a message. Each test
 //! reproduces a defect found in review, with the scenario that showed it.
+//!
+//! File-only by design: each defect was in one handle's cached view of the
+//! journal or history segments, reproduced with file failpoints.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;

@@ -56,10 +56,7 @@ pub fn run(dir: &Path) {
         .open()
         .unwrap_or_else(|e| panic!("golden workload: open: {e}"));
     let enqueue = |key: &str, chat: &str| {
-        outbox
-            .enqueue(message(key, chat))
-            .map(drop)
-            .unwrap_or_else(fail::<()>(key));
+        outbox.enqueue(message(key, chat)).unwrap_or_else(fail(key));
     };
 
     // A plain send, a retry then a send, a platform's retry_after.
@@ -99,7 +96,6 @@ pub fn run(dir: &Path) {
     enqueue("unwanted", "chat-g");
     outbox
         .cancel("unwanted", "alice", "sent by mistake")
-        .map(drop)
         .unwrap_or_else(fail("cancel"));
     outbox
         .process_due(|item| match item.idempotency_key() {
@@ -118,7 +114,6 @@ pub fn run(dir: &Path) {
     // An operator requeues the ambiguous item; a bulk action over an outage.
     outbox
         .requeue("maybe", "bob", "checked: not delivered")
-        .map(drop)
         .unwrap_or_else(fail("requeue"));
     enqueue_many(&outbox, &["down-1", "down-2"], "chat-h");
     outbox
@@ -148,6 +143,5 @@ pub fn run(dir: &Path) {
 fn enqueue_many(outbox: &Outbox, keys: &[&str], chat: &str) {
     outbox
         .enqueue_many(keys.iter().map(|k| message(k, chat)).collect())
-        .map(drop)
         .unwrap_or_else(fail("enqueue_many"));
 }
