@@ -243,6 +243,9 @@ on_both_engines! {
             );
         }
         assert!(engine.is_untouched(), "a refused open wrote nothing");
+        // The check sees what an open that succeeds writes.
+        drop(engine.open());
+        assert!(!engine.is_untouched(), "an open wrote something");
     }
 
     fn give_up_after_must_be_positive(engine) {
