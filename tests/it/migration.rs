@@ -2,8 +2,8 @@
 //! migrate`): nothing acknowledged is lost or resent, the audit chain arrives
 //! byte for byte, the source directory is never written, a directory in use
 //! or a non-empty target is refused, and a failure half-way leaves the target
-//! empty. Every test runs against the throwaway server of
-//! `tests/support/postgres.rs`.
+//! as it was (no schema when it had none, empty tables when it had them).
+//! Every test runs against the throwaway server of `tests/support/postgres.rs`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -344,6 +344,48 @@ fn a_failure_half_way_leaves_the_target_empty() {
     }
     assert_eq!(db.psql("SELECT seq FROM durable_outbox.audit_head"), "0");
     db.psql("DROP TRIGGER fail_third ON durable_outbox.audit");
+    let report = Migration::new(dir.path(), &db.url()).run().unwrap();
+    assert_eq!(report.live_items + report.history_items, 10);
+}
+
+/// A migration into a database that has no outbox yet creates the schema and
+/// its tables in the same transaction as the copy: when the copy fails, the
+/// server is left exactly as it was, with no empty tables to trip the next
+/// attempt or a bot that opens the URL.
+#[test]
+fn a_failure_half_way_into_a_fresh_database_leaves_no_schema_behind() {
+    let Some(db) = database() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::at(START).unwrap();
+    busy_file_outbox(dir.path(), &clock);
+    // Nothing exists yet to put a trigger on: an event trigger puts one on
+    // the audit table the moment the migration creates it, and that one
+    // fails the third audit insert (after every item went in).
+    db.psql(
+        "CREATE FUNCTION public.fail_third() RETURNS trigger LANGUAGE plpgsql AS
+         $$ BEGIN IF NEW.seq = 3 THEN RAISE EXCEPTION 'injected failure'; END IF; RETURN NEW; END $$",
+    );
+    db.psql(
+        "CREATE FUNCTION public.arm_failure() RETURNS event_trigger LANGUAGE plpgsql AS
+         $$ DECLARE c record; BEGIN
+              FOR c IN SELECT * FROM pg_event_trigger_ddl_commands()
+                       WHERE command_tag = 'CREATE TABLE'
+                         AND object_identity = 'durable_outbox.audit' LOOP
+                EXECUTE 'CREATE TRIGGER fail_third BEFORE INSERT ON durable_outbox.audit
+                         FOR EACH ROW EXECUTE FUNCTION public.fail_third()';
+              END LOOP;
+            END $$",
+    );
+    db.psql(
+        "CREATE EVENT TRIGGER arm_failure ON ddl_command_end WHEN TAG IN ('CREATE TABLE')
+         EXECUTE FUNCTION public.arm_failure()",
+    );
+    match Migration::new(dir.path(), &db.url()).run() {
+        Err(Error::Database { .. }) => {}
+        other => panic!("the injected failure must surface: {other:?}"),
+    }
+    assert_untouched(&db);
+    db.psql("DROP EVENT TRIGGER arm_failure");
     let report = Migration::new(dir.path(), &db.url()).run().unwrap();
     assert_eq!(report.live_items + report.history_items, 10);
 }

@@ -2,8 +2,9 @@
 //! `crate::migrate`) into an empty schema, in one transaction that is
 //! checked before it commits.
 //!
-//! The tables are created (or migrated) first, as opening would: an empty
-//! schema is what a failed import leaves. Then one transaction passes the
+//! One transaction does all of it, so a failed import leaves the server as
+//! it was (DDL is transactional in PostgreSQL): it creates (or migrates) the
+//! tables, as opening would, then passes the
 //! writers' gate (exclusive) and locks the audit head, refuses a schema that
 //! holds items or audit records (sealed or pending), writes the items
 //! with their send times and the destinations' cooldowns, the stored settings
@@ -16,12 +17,13 @@ use std::path::PathBuf;
 use chrono::{DateTime, Utc};
 use postgres::Transaction;
 
+use super::rows::{NewRow, insert_item_sql};
 use super::{Connector, check_schema, db, lock_key, quoted, schema};
 use crate::audit::{Hasher, Head};
 use crate::error::{Error, Result};
 use crate::item::OutboxItem;
 use crate::settings::Stored;
-use crate::store::{item_from_json, item_to_json, rate_times, settings_to_json};
+use crate::store::{item_from_json, rate_times, settings_to_json};
 
 /// What to write: a whole outbox.
 pub(crate) struct Import<'a> {
@@ -52,9 +54,11 @@ pub(crate) fn import(url: &str, schema_name: &str, import: &Import<'_>) -> Resul
     check_schema(schema_name)?;
     let connector = Connector::parse(url)?;
     let mut client = connector.connect()?;
-    schema::migrate(&mut client, schema_name)?;
     let s = quoted(schema_name);
     let mut tx = client.transaction().map_err(db("begin the migration"))?;
+    // The tables are created in this transaction: a failure below takes
+    // them back with everything else.
+    schema::migrate_in(&mut tx, schema_name, schema::SCHEMA_VERSION)?;
     // The writers' gate, exclusive, as every writer that may touch many rows
     // takes it, then the head, as every sealer takes it: nobody writes to
     // this schema or seals onto its chain while the import runs.
@@ -101,29 +105,11 @@ fn write(tx: &mut Transaction<'_>, s: &str, import: &Import<'_>) -> Result<()> {
     for item in import.items {
         let seq = i64::try_from(item.seq.unwrap_or(0)).unwrap_or(i64::MAX);
         max_seq = max_seq.max(seq);
-        let doc = String::from_utf8_lossy(&item_to_json(item)).into_owned();
-        tx.execute(
-            &format!(
-                "INSERT INTO {s}.items (idempotency_key, revision, destination, state,
-                   claimed, claim_owner, next_attempt_at, transport_ref, doc, seq,
-                   created_at, updated_at)
-                 VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-            ),
-            &[
-                &item.idempotency_key,
-                &item.destination,
-                &item.state.as_str(),
-                &item.claim.is_some(),
-                &item.claim_owner(),
-                &item.next_attempt_at,
-                &item.transport_ref,
-                &doc,
-                &seq,
-                &item.created_at,
-                &item.updated_at,
-            ],
-        )
-        .map_err(db("insert an item"))?;
+        // The rules' own INSERT (see `rows`); a key the source holds twice
+        // writes no second row, which the read-back check reports.
+        let row = NewRow::of(item);
+        tx.execute(&insert_item_sql(s), &row.params())
+            .map_err(db("insert an item"))?;
         for at in rate_times(item) {
             tx.execute(
                 &format!(

@@ -70,6 +70,7 @@ mod conn;
 mod import;
 mod liveness;
 mod notify;
+mod rows;
 mod schema;
 mod txn;
 
@@ -93,7 +94,7 @@ use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
 use crate::settings::{Settings, Stored};
 use crate::store::{
-    item_from_json, item_to_json, rate_times, settings_from_json, settings_to_json,
+    item_from_json, rate_times, settings_from_json, settings_to_json,
 };
 
 #[cfg(test)]
@@ -626,62 +627,16 @@ impl PgEngine {
         before: Option<&OutboxItem>,
     ) -> Result<bool> {
         let s = &self.s;
-        let doc = String::from_utf8_lossy(&item_to_json(item)).into_owned();
-        let claimed = item.claim.is_some();
-        let owner = item.claim_owner();
-        let state = item.state.as_str();
-        let seq = item.seq.and_then(|seq| i64::try_from(seq).ok());
+        let row = rows::NewRow::of(item);
         let written = match expect {
             Expect::Absent => tx
-                .execute(
-                    &format!(
-                        "INSERT INTO {s}.items (idempotency_key, revision, destination, state,
-                           claimed, claim_owner, next_attempt_at, transport_ref, doc, seq,
-                           created_at, updated_at)
-                         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8,
-                           COALESCE($9, nextval('{s}.enqueue_seq')), $10, $11)
-                         ON CONFLICT (idempotency_key) DO NOTHING"
-                    ),
-                    &[
-                        &item.idempotency_key,
-                        &item.destination,
-                        &state,
-                        &claimed,
-                        &owner,
-                        &item.next_attempt_at,
-                        &item.transport_ref,
-                        &doc,
-                        &seq,
-                        &item.created_at,
-                        &item.updated_at,
-                    ],
-                )
+                .execute(&rows::insert_item_sql(s), &row.params())
                 .map_err(db("insert an item"))?,
-            Expect::Revision(revision) => tx
-                .execute(
-                    &format!(
-                        "UPDATE {s}.items SET revision = revision + 1, destination = $2,
-                           state = $3, claimed = $4, claim_owner = $5, next_attempt_at = $6,
-                           transport_ref = $7, doc = $8, seq = COALESCE($10, seq),
-                           created_at = $11, updated_at = $12
-                         WHERE idempotency_key = $1 AND revision = $9"
-                    ),
-                    &[
-                        &item.idempotency_key,
-                        &item.destination,
-                        &state,
-                        &claimed,
-                        &owner,
-                        &item.next_attempt_at,
-                        &item.transport_ref,
-                        &doc,
-                        &(revision as i64),
-                        &seq,
-                        &item.created_at,
-                        &item.updated_at,
-                    ],
-                )
-                .map_err(db("update an item"))?,
+            Expect::Revision(revision) => {
+                let revision = i64::try_from(revision).unwrap_or(i64::MAX);
+                tx.execute(&rows::update_item_sql(s), &row.update_params(&revision))
+                    .map_err(db("update an item"))?
+            }
         };
         if written != 1 {
             return Ok(false);

@@ -7,7 +7,7 @@
 //! refuses a version newer than this release knows: an older binary must not
 //! write to tables a newer one shaped.
 
-use postgres::Client;
+use postgres::{Client, Transaction};
 
 use super::{db, lock_key, quoted};
 use crate::audit::GENESIS_HASH;
@@ -105,10 +105,22 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
 }
 
 /// Creates or migrates the tables of `schema` up to version `target` (tests
-/// build an older schema with it); refuses a version newer than this release.
+/// build an older schema with it), in a transaction of its own; refuses a
+/// version newer than this release.
 pub(crate) fn migrate_to(client: &mut Client, schema: &str, target: i64) -> Result<()> {
-    let s = quoted(schema);
     let mut tx = client.transaction().map_err(db("begin migration"))?;
+    migrate_in(&mut tx, schema, target)?;
+    tx.commit().map_err(db("commit the migration"))
+}
+
+/// Creates or migrates the tables of `schema` up to version `target` inside
+/// `tx`, which the caller commits: DDL is transactional in PostgreSQL, so a
+/// caller that fails later in the same transaction (the import of a
+/// migration) leaves the server as it was, without a schema or tables it
+/// created. Holds the schema's migration lock until `tx` ends, so concurrent
+/// opens wait for each other. Refuses a version newer than this release.
+pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) -> Result<()> {
+    let s = quoted(schema);
     tx.execute(
         "SELECT pg_advisory_xact_lock($1)",
         &[&lock_key(schema, "migrate")],
@@ -156,5 +168,5 @@ pub(crate) fn migrate_to(client: &mut Client, schema: &str, target: i64) -> Resu
         &[&(target as i64).max(found)],
     )
     .map_err(db("record the schema version"))?;
-    tx.commit().map_err(db("commit the migration"))
+    Ok(())
 }
