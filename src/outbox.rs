@@ -173,12 +173,13 @@ impl Outbox {
     /// transaction-mode pooler ([`Error::SessionLocksUnavailable`]), because
     /// each handle's liveness is a session-level advisory lock.
     ///
-    /// On PostgreSQL, [`dir`](Self::dir), [`compact`](Self::compact) and
-    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) return
-    /// [`Error::NotSupported`];
-    /// terminal items stay in the table (history is those past
-    /// `history_after`); `history_retention` `MaxAge` deletes them on open,
-    /// audited, and `MaxSegments` keeps everything.
+    /// On PostgreSQL, [`dir`](Self::dir) is `None` and
+    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) returns
+    /// [`Error::NotSupported`] (the audit chain is one table, with no
+    /// segments); terminal items stay in the table (history is those past
+    /// `history_after`); `history_retention` `MaxAge` deletes them on open
+    /// and on [`compact`](Self::compact), audited, and `MaxSegments` keeps
+    /// everything.
     ///
     /// ```no_run
     /// use durable_outbox::{NewMessage, Outbox};
@@ -882,11 +883,17 @@ impl Outbox {
     /// Verification then starts at `audit.anchor`, the last removed record.
     /// Returns how many segments were removed.
     ///
+    /// **Not on PostgreSQL.** There the audit chain is one table, never cut
+    /// into sealed segments, so there is nothing this call could remove: it
+    /// returns [`Error::NotSupported`] and writes nothing, and the chain in the
+    /// table always verifies from its first record.
+    /// [`compact`](Self::compact) (on either engine) never removes audit records.
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidField`] for a blank operator or reason; the load and write
-    /// errors of every operation; [`Error::NotSupported`] on PostgreSQL, whose
-    /// audit chain is one table.
+    /// errors of every operation; [`Error::NotSupported`] on PostgreSQL (see
+    /// above).
     pub fn remove_old_audit_segments(
         &self,
         keep: usize,
@@ -913,20 +920,37 @@ impl Outbox {
         on_engine!(self, engine => engine.verify_audit())
     }
 
-    /// Writes a fresh `outbox.json` snapshot now and starts an empty journal.
+    /// Housekeeping now: the same pass every open runs, at a moment of your
+    /// choosing. A bot that stays up for weeks calls it now and then (say,
+    /// daily) to apply `history_retention` without reopening.
     ///
-    /// The outbox compacts by itself when the journal outgrows the snapshot and on
-    /// open; call this to checkpoint at a moment of your choosing (e.g. before
-    /// copying `outbox.json` for a backup).
+    /// In a directory it writes a fresh `outbox.json` snapshot and starts an
+    /// empty journal (the outbox also does this by itself when the journal
+    /// outgrows the snapshot; call it before copying `outbox.json` for a
+    /// backup), moves terminal items past `history_after` to a history
+    /// segment, seals a large audit log into a segment, and prunes history
+    /// segments `history_retention` no longer keeps, each prune on record.
+    ///
+    /// On PostgreSQL (no journal or snapshot; history is a view of old
+    /// terminal rows, so nothing moves) it seals every audit event committed
+    /// and not yet on the chain, and applies `history_retention` `MaxAge`:
+    /// terminal items changed longer ago than that age (and outside every
+    /// rate window) are deleted, with one `pruned` audit record.
+    ///
+    /// Neither engine removes audit records here: that is an operator's
+    /// decision ([`remove_old_audit_segments`](Self::remove_old_audit_segments),
+    /// files only).
     ///
     /// # Errors
     ///
-    /// The load and write errors of every operation; [`Error::NotSupported`] on
-    /// PostgreSQL, which has no journal or snapshot.
+    /// The load and write errors of every operation; on PostgreSQL
+    /// [`Error::Database`] (each step is one transaction: a failed one wrote
+    /// nothing, and the steps before it stand).
     ///
     /// # Durability
     ///
-    /// Returns after the audit log, the new snapshot and the new journal are fsynced.
+    /// In a directory, returns after the audit log, the new snapshot and the
+    /// new journal are fsynced; on PostgreSQL, after each step's `COMMIT`.
     pub fn compact(&self) -> Result<()> {
         on_engine!(self, engine => engine.compact())
     }

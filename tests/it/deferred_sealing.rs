@@ -183,7 +183,8 @@ fn each_items_records_in_order(outbox: &Outbox, keys: &[String], returned: Vec<S
 
 /// A handle whose sealing after the commit fails (as if it died right
 /// there) leaves the committed events pending, not lost; the next handle
-/// opening seals them, and a reader of the chain seals what it finds first.
+/// opening seals them, a reader of the chain seals what it finds first, and
+/// so does `compact`.
 #[cfg(feature = "test-failpoints")]
 #[test]
 fn events_committed_and_never_sealed_are_sealed_by_the_next_handle_or_reader() {
@@ -249,8 +250,15 @@ fn events_committed_and_never_sealed_are_sealed_by_the_next_handle_or_reader() {
     );
     assert_eq!(records[1].audit_id, receipt.audit_id.unwrap());
     assert_eq!(count(&engine, "audit_pending"), 0);
+
+    // `compact` seals what is pending (a bot's periodic housekeeping).
+    dying.cancel("a", "ops", "done with it").unwrap();
+    assert_eq!(count(&engine, "audit_pending"), 1);
+    dying.compact().unwrap();
+    assert_eq!(count(&engine, "audit_pending"), 0, "sealed by compact");
+    assert_eq!(count(&engine, "audit"), 8);
     let file = export(&engine);
-    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 7);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 8);
 }
 
 /// A host process `SIGKILL`ed right after a commit, before its sealing: the

@@ -64,4 +64,34 @@ on_both_engines! {
         let report = reader.verify_audit().unwrap();
         assert_eq!(report.records, 5, "two queued, two sent, one pruned");
     }
+
+    /// A bot that stays up applies retention by calling `compact` now and
+    /// then: on the handle it runs on, without reopening, the same pass as an
+    /// open (history past its retention age goes, with a `pruned` record;
+    /// nothing younger), and the chain still verifies from its start.
+    fn compact_applies_retention_on_a_long_lived_handle(engine) {
+        use durable_outbox::Retention;
+        let outbox = engine.open_with(|b| {
+            b.history_after(secs(60))
+                .history_retention(Retention::MaxAge(secs(3600)))
+        });
+        outbox.enqueue(msg("old", "chat-1")).unwrap();
+        outbox.process("old", |_| Ok(None)).unwrap();
+        engine.clock.advance(secs(120));
+        outbox.compact().unwrap(); // the file engine moves "old" to history
+        assert_eq!(outbox.history_len().unwrap(), 1);
+        engine.clock.advance(secs(2 * 3600));
+        outbox.enqueue(msg("recent", "chat-1")).unwrap();
+        outbox.process("recent", |_| Ok(None)).unwrap();
+        engine.clock.advance(secs(120));
+        outbox.compact().unwrap();
+        assert!(outbox.get("old").unwrap().is_none(), "older than the retention age: gone");
+        assert_eq!(outbox.get("recent").unwrap().unwrap().state(), ItemState::Sent);
+        assert_eq!(outbox.history_len().unwrap(), 1, "only the recent item is history");
+        let report = outbox.verify_audit().unwrap();
+        assert_eq!(report.records, 5, "two queued, two sent, one pruned");
+        // Nothing left to prune: a second pass writes nothing.
+        outbox.compact().unwrap();
+        assert_eq!(outbox.verify_audit().unwrap().records, 5);
+    }
 }

@@ -9,10 +9,11 @@
 //! changed more than `history_after` ago and outside every rate window
 //! (`Settings::history_cutoff`, the file engine's rule; `list_items` leaves them out,
 //! `history_items` lists them, `get` and the transport-ref lookups find both).
-//! Retention applies on open (as the file engine's compaction on open):
-//! under `history_retention` `MaxAge(age)` the terminal items last changed
-//! longer ago than `age` are deleted, with one `pruned` audit record;
-//! `MaxSegments` has no segments to count here and keeps everything (logged).
+//! Retention applies on open and on `compact` (as the file engine's
+//! compaction, which runs on open too): under `history_retention`
+//! `MaxAge(age)` the terminal items last changed longer ago than `age` are
+//! deleted, with one `pruned` audit record; `MaxSegments` has no segments to
+//! count here and keeps everything (logged).
 
 use std::sync::Arc;
 
@@ -266,14 +267,19 @@ impl PgBackend {
         blocking(|| self.engine().verify_audit())
     }
 
-    /// Not offered: there is no journal to fold into a snapshot.
-    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
+    /// Housekeeping now (see `retention`): seals pending audit events and
+    /// applies `history_retention` under the stored settings.
     pub(crate) fn compact(&self) -> Result<()> {
-        Err(Error::NotSupported {
-            engine: ENGINE,
-            operation: "compact",
-            why: "there is no journal or snapshot: every commit is a database transaction",
-        })
+        let settings = self.settings()?;
+        let now = self.clock.now();
+        let done = blocking(|| self.engine().compact(&settings, now))?;
+        tracing::debug!(
+            schema = %self.schema(),
+            sealed = done.sealed,
+            pruned = done.pruned,
+            "compacted"
+        );
+        Ok(())
     }
 
     /// The audit chain's head.

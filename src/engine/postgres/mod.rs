@@ -70,6 +70,7 @@ mod conn;
 mod import;
 mod liveness;
 mod notify;
+mod retention;
 mod rows;
 mod schema;
 mod txn;
