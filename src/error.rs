@@ -139,6 +139,11 @@ pub enum Error {
     /// login, or a statement failed. A failed commit wrote nothing, except
     /// when the connection was lost while the server committed: then read the
     /// item again before acting on it.
+    ///
+    /// A transaction the server aborted to break a deadlock (SQLSTATE
+    /// `40P01`) or a serialization conflict (`40001`) is run again first, up
+    /// to 5 times in all, with a short pause between; this error is returned
+    /// only when the last run failed too (the source carries the code).
     #[error("postgres: {op} failed")]
     Database {
         /// What was being done, e.g. `connect`, `commit`.

@@ -305,6 +305,22 @@ pub(crate) struct Picker {
     seen: Option<HashSet<String>>,
     /// A drain pass takes only the items that were due when it started.
     only: Option<HashSet<String>>,
+    /// What the current attempt of a transaction noted, to undo if the
+    /// transaction is rolled back and run again (see [`Picker::undo_attempt`]).
+    attempt: Vec<Noted>,
+}
+
+/// One note of an attempt, as [`Picker::undo_attempt`] takes it back.
+#[derive(Debug)]
+enum Noted {
+    /// The key was added to `seen`.
+    Seen(String),
+    /// The destination was served at `tick`; before, at `before`.
+    Served {
+        destination: String,
+        tick: u64,
+        before: Option<u64>,
+    },
 }
 
 /// Past this many remembered destinations, forget those with nothing queued.
@@ -334,15 +350,56 @@ impl Picker {
 
     /// Notes that `key` was looked at (decided, whatever the outcome).
     pub(crate) fn looked_at(&mut self, key: &str) {
-        if let Some(seen) = &mut self.seen {
-            seen.insert(key.to_owned());
+        if let Some(seen) = &mut self.seen
+            && seen.insert(key.to_owned())
+        {
+            self.attempt.push(Noted::Seen(key.to_owned()));
         }
     }
 
     /// Notes that an item to `destination` was claimed.
     pub(crate) fn served(&mut self, destination: &str) {
         self.tick += 1;
-        self.served.insert(destination.to_owned(), self.tick);
+        let before = self.served.insert(destination.to_owned(), self.tick);
+        self.attempt.push(Noted::Served {
+            destination: destination.to_owned(),
+            tick: self.tick,
+            before,
+        });
+    }
+
+    /// Starts an attempt of a transaction: what is noted from now on can be
+    /// taken back with [`undo_attempt`](Self::undo_attempt).
+    pub(crate) fn begin_attempt(&mut self) {
+        self.attempt.clear();
+    }
+
+    /// Takes back what the attempt begun last noted (its transaction was
+    /// rolled back, so nothing it looked at or claimed happened): its keys
+    /// may be looked at again, and its destinations' turns are restored,
+    /// unless another step served one since.
+    pub(crate) fn undo_attempt(&mut self) {
+        for noted in std::mem::take(&mut self.attempt).into_iter().rev() {
+            match noted {
+                Noted::Seen(key) => {
+                    if let Some(seen) = &mut self.seen {
+                        seen.remove(&key);
+                    }
+                }
+                Noted::Served {
+                    destination,
+                    tick,
+                    before,
+                } => {
+                    if self.served.get(&destination) == Some(&tick) {
+                        match before {
+                            Some(before) => self.served.insert(destination, before),
+                            None => self.served.remove(&destination),
+                        };
+                    }
+                }
+            }
+        }
     }
 
     /// Orders candidates `(destination, place)`: least recently served
@@ -414,6 +471,41 @@ mod tests {
             failure_class: None,
             seq: Some(seq),
         }
+    }
+
+    #[test]
+    fn an_undone_attempt_leaves_the_picker_as_it_was_before_it() {
+        let mut picker = Picker::pass(["a".to_owned(), "b".to_owned(), "c".to_owned()]);
+        picker.begin_attempt();
+        picker.looked_at("a");
+        picker.served("chat-1");
+        picker.begin_attempt();
+        picker.looked_at("b");
+        picker.looked_at("c");
+        picker.served("chat-1");
+        picker.served("chat-2");
+        picker.undo_attempt();
+        assert!(!picker.admits("a"), "an earlier attempt's look stands");
+        assert!(
+            picker.admits("b") && picker.admits("c"),
+            "the undone looks are gone"
+        );
+        assert_eq!(picker.unseen(), ["b", "c"]);
+        let mut ranked = vec![
+            ("chat-1".to_owned(), key(1, 1, "x")),
+            ("chat-2".to_owned(), key(2, 2, "y")),
+            ("chat-3".to_owned(), key(3, 3, "z")),
+        ];
+        picker.rank(&mut ranked);
+        let order: Vec<&str> = ranked.iter().map(|(d, _)| d.as_str()).collect();
+        assert_eq!(
+            order,
+            ["chat-2", "chat-3", "chat-1"],
+            "chat-1 keeps the earlier attempt's turn, chat-2 none"
+        );
+        // Undoing again takes back nothing more.
+        picker.undo_attempt();
+        assert!(!picker.admits("a"));
     }
 
     fn front_keys(lines: &Lines, ordering: Ordering) -> Vec<String> {

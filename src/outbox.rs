@@ -293,6 +293,10 @@ impl Outbox {
     /// Returns only after the journal entry holding the item and its sealed
     /// `queued` audit record is fsynced (the record is then in `audit.jsonl`, or is
     /// re-appended from the journal, byte for byte, after a crash).
+    #[expect(
+        clippy::needless_pass_by_value,
+        reason = "the message is the caller's to give away (a stable signature);                   the transaction borrows it, since PostgreSQL may run it again"
+    )]
     pub fn enqueue(&self, message: NewMessage) -> Result<OutboxItem> {
         let span = tracing::info_span!(
             "outbox.enqueue",
@@ -304,9 +308,8 @@ impl Outbox {
         message.validate()?;
         let hash = content_hash(&message.content);
         let key = message.idempotency_key.clone();
-        let item = self.transact_one(&key, move |_, txn| {
-            enqueue::insert_message(txn, message, hash)
-        })?;
+        let item =
+            self.transact_one(&key, |_, txn| enqueue::insert_message(txn, &message, &hash))?;
         span.record("outcome", item.state.as_str());
         self.inner.wakers.wake();
         Ok(item)
@@ -333,9 +336,9 @@ impl Outbox {
             let hash = content_hash(&message.content);
             prepared.push((message, hash));
         }
-        let items = self.transact(move |_, txn| {
+        let items = self.transact(|_, txn| {
             prepared
-                .into_iter()
+                .iter()
                 .map(|(message, hash)| enqueue::insert_message(txn, message, hash))
                 .collect()
         })?;
@@ -583,10 +586,24 @@ impl Outbox {
             })?;
         }
         let mut claimed_here: Option<String> = None;
+        let mut rerun = false;
         let stepped = self.transact(|actor, txn| {
             // Locked here, inside the transaction, never across its sync: a
             // worker's slots then share one commit group.
             let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
+            if std::mem::replace(&mut rerun, true) {
+                // The server rolled back the previous attempt: so is what it
+                // did outside the database.
+                if let Some(key) = claimed_here.take() {
+                    actor.in_flight().remove(&key);
+                }
+                if let Some(picker) = picker.as_deref_mut() {
+                    picker.undo_attempt();
+                }
+            }
+            if let Some(picker) = picker.as_deref_mut() {
+                picker.begin_attempt();
+            }
             let stepped = drain::step(actor, txn, finished, picker.as_deref_mut())?;
             claimed_here = stepped
                 .claimed
@@ -1057,7 +1074,15 @@ impl Outbox {
     /// Runs `f` (a rule, given this handle as its [`Actor`]) inside one
     /// transaction of the engine: everything it changes and every record it
     /// seals commit together, durably, or not at all.
-    fn transact<T>(&self, f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>) -> Result<T> {
+    ///
+    /// `f` may run more than once: PostgreSQL reruns a transaction it aborted
+    /// to break a deadlock (`engine::postgres::retry`). What `f` does outside
+    /// the transaction must be undone by its next run or be repeatable:
+    /// `send` never runs inside it; a claim's mark in the in-flight set and a
+    /// picker's notes are undone by [`step`](Self::step) and
+    /// [`claim`](Self::claim); what pacing learns from a refusal is a
+    /// maximum, the same when learnt twice at the same moment.
+    fn transact<T>(&self, f: impl FnMut(&Actor<'_>, &mut dyn Txn) -> Result<T>) -> Result<T> {
         self.transact_in(Scope::Any, f)
     }
 
@@ -1066,7 +1091,7 @@ impl Outbox {
     fn transact_one<T>(
         &self,
         key: &str,
-        f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>,
+        f: impl FnMut(&Actor<'_>, &mut dyn Txn) -> Result<T>,
     ) -> Result<T> {
         self.transact_in(Scope::OneItem(key), f)
     }
@@ -1074,7 +1099,7 @@ impl Outbox {
     fn transact_in<T>(
         &self,
         #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] scope: Scope<'_>,
-        f: impl FnOnce(&Actor<'_>, &mut dyn Txn) -> Result<T>,
+        mut f: impl FnMut(&Actor<'_>, &mut dyn Txn) -> Result<T>,
     ) -> Result<T> {
         let inner = &*self.inner;
         match &inner.backend {
@@ -1142,6 +1167,11 @@ impl Outbox {
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
         let mut claimed_here = false;
         let decided = self.transact_one(key, |actor, txn| {
+            if std::mem::take(&mut claimed_here) {
+                // A rerun: the server rolled back the claim the previous
+                // attempt marked in flight.
+                actor.in_flight().remove(key);
+            }
             let decision = lifecycle::decide(actor, txn, key)?;
             claimed_here = matches!(decision, Decision::Send(..));
             Ok(decision)

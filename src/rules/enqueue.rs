@@ -9,33 +9,34 @@ use crate::rules::txn::Txn;
 
 /// Adds one validated message (whose content hashes to `hash`) to the
 /// transaction, with its `queued` audit record, or returns its existing twin
-/// (live or in history: a key stays taken) and writes nothing.
+/// (live or in history: a key stays taken) and writes nothing. Borrows the
+/// message: a transaction that is run again reads it again.
 ///
 /// # Errors
 /// [`Error::IdempotencyConflict`] when the key names a different message; the
 /// engine's errors.
 pub(crate) fn insert_message<T: Txn + ?Sized>(
     txn: &mut T,
-    message: NewMessage,
-    hash: String,
+    message: &NewMessage,
+    hash: &str,
 ) -> Result<OutboxItem> {
     if let Some(existing) = txn.item(&message.idempotency_key)? {
-        return same_message(existing, &message, &hash).map(|()| existing.clone());
+        return same_message(existing, message, hash).map(|()| existing.clone());
     }
     // A key whose item moved to history is still taken: same answer.
     if let Some(old) = txn.archived(&message.idempotency_key)? {
-        return same_message(&old, &message, &hash).map(|()| old);
+        return same_message(&old, message, hash).map(|()| old);
     }
     let now = txn.now();
-    let key = message.idempotency_key;
+    let key = message.idempotency_key.clone();
     let seq = txn.next_seq(&message.destination)?;
     txn.insert(OutboxItem {
         idempotency_key: key.clone(),
-        connector: message.connector,
-        grant_id: message.grant_id,
-        destination: message.destination,
-        content: message.content,
-        content_hash: hash,
+        connector: message.connector.clone(),
+        grant_id: message.grant_id.clone(),
+        destination: message.destination.clone(),
+        content: message.content.clone(),
+        content_hash: hash.to_owned(),
         state: ItemState::Queued,
         attempts: 0,
         claim: None,
@@ -44,11 +45,15 @@ pub(crate) fn insert_message<T: Txn + ?Sized>(
         next_attempt_at: None,
         sent_at: None,
         error_code: None,
-        lane: message.lane.unwrap_or_else(|| DEFAULT_LANE.to_owned()),
+        lane: message
+            .lane
+            .clone()
+            .unwrap_or_else(|| DEFAULT_LANE.to_owned()),
         direction: message
             .direction
+            .clone()
             .unwrap_or_else(|| DEFAULT_DIRECTION.to_owned()),
-        risk_class: message.risk_class,
+        risk_class: message.risk_class.clone(),
         transport_ref: None,
         last_audit_id: None,
         cooldown_until: None,

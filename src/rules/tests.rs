@@ -216,7 +216,7 @@ fn enqueue(txn: &mut MemTxn, key: &str, destination: &str) -> OutboxItem {
         ..Default::default()
     };
     let hash = crate::message::content_hash(&message.content);
-    crate::rules::enqueue::insert_message(txn, message, hash).unwrap()
+    crate::rules::enqueue::insert_message(txn, &message, &hash).unwrap()
 }
 
 fn claimed(decision: Decision) -> OutboxItem {

@@ -380,3 +380,189 @@ fn a_dropped_connection_is_a_typed_error_with_nothing_half_written_then_reconnec
     );
     assert_eq!(outbox.verify_audit().unwrap().records, 5);
 }
+
+/// Runs `sql` on the outbox's database, behind the library's back.
+fn psql(engine: &EngineUnderTest, sql: &str) -> String {
+    let url = engine.url();
+    let db = url.rsplit('/').next().unwrap().to_owned();
+    crate::pg_server::PgServer::shared().unwrap().psql(&db, sql)
+}
+
+/// A transaction the server aborts to break a real deadlock is run again:
+/// the caller gets its item, written once, with one audit record. The cycle
+/// is closed by locks taken outside the crate's lock order, as an operator's
+/// trigger or another program on the same tables can: inserting `victim`
+/// takes advisory locks 1001 then 1002, and a session of the test holds 1002
+/// and asks for 1001 once the insert waits for it.
+#[test]
+fn a_transaction_the_server_aborts_in_a_deadlock_is_run_again_and_writes_once() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    psql(&engine, "CREATE SEQUENCE public.victim_inserts");
+    psql(
+        &engine,
+        "CREATE FUNCTION public.lock_two() RETURNS trigger LANGUAGE plpgsql AS
+         $$ BEGIN
+              PERFORM nextval('public.victim_inserts');
+              PERFORM pg_advisory_xact_lock(1001);
+              PERFORM pg_advisory_xact_lock(1002);
+              RETURN NEW;
+            END $$",
+    );
+    psql(
+        &engine,
+        "CREATE TRIGGER lock_two BEFORE INSERT ON durable_outbox.items FOR EACH ROW
+         WHEN (NEW.idempotency_key = 'victim') EXECUTE FUNCTION public.lock_two()",
+    );
+    let mut other = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    // This session waits long before it looks for a deadlock: the outbox's
+    // session (1 s, the default) finds the cycle and is the one aborted.
+    other
+        .batch_execute("SET deadlock_timeout = '10min'")
+        .unwrap();
+    let enqueued = within(
+        "a deadlocked transaction is rerun, not waited on forever",
+        DEADLOCK_LIMIT,
+        || {
+            let mut tx = other.transaction().unwrap();
+            tx.execute("SELECT pg_advisory_xact_lock(1002)", &[])
+                .unwrap();
+            std::thread::scope(|scope| {
+                let enqueuing = scope.spawn(|| outbox.enqueue(msg("victim", "chat-1")));
+                // Once the insert holds 1001 and waits for 1002, close the cycle.
+                loop {
+                    let waiting: i64 = tx
+                        .query_one(
+                            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+                               AND objid = 1002 AND NOT granted",
+                            &[],
+                        )
+                        .unwrap()
+                        .get(0);
+                    if waiting > 0 {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                tx.execute("SELECT pg_advisory_xact_lock(1001)", &[])
+                    .unwrap();
+                tx.commit().unwrap();
+                enqueuing.join().unwrap()
+            })
+        },
+    );
+    let item = enqueued.expect("the deadlocked enqueue is run again and succeeds");
+    assert_eq!(item.state(), ItemState::Queued);
+    assert_eq!(
+        psql(&engine, "SELECT last_value FROM public.victim_inserts"),
+        "2",
+        "the first insert was aborted by the deadlock, the second committed"
+    );
+    assert_eq!(
+        psql(&engine, "SELECT count(*) FROM durable_outbox.items"),
+        "1"
+    );
+    let records = outbox.history("victim").unwrap();
+    assert_eq!(records.len(), 1, "one enqueue on record: {records:?}");
+    assert_eq!(outbox.verify_audit().unwrap().records, 1);
+    assert_eq!(outbox.get("victim").unwrap().unwrap(), item);
+}
+
+/// The rerun is bounded: a transaction the server keeps aborting
+/// (serialization failures, SQLSTATE 40001, injected by a trigger) runs 5
+/// times, then the caller gets `Error::Database` carrying the server's code,
+/// and nothing of it is written.
+#[test]
+fn a_transaction_aborted_every_time_is_run_five_times_then_fails_writing_nothing() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    psql(&engine, "CREATE SEQUENCE public.tries");
+    psql(
+        &engine,
+        "CREATE FUNCTION public.always_conflict() RETURNS trigger LANGUAGE plpgsql AS
+         $$ BEGIN
+              PERFORM nextval('public.tries');
+              RAISE EXCEPTION 'injected conflict' USING ERRCODE = 'serialization_failure';
+            END $$",
+    );
+    psql(
+        &engine,
+        "CREATE TRIGGER always_conflict BEFORE INSERT ON durable_outbox.items FOR EACH ROW
+         EXECUTE FUNCTION public.always_conflict()",
+    );
+    match outbox.enqueue(msg("never", "chat-1")) {
+        Err(Error::Database { source, .. }) => {
+            let code = source
+                .downcast_ref::<postgres::Error>()
+                .and_then(postgres::Error::code)
+                .cloned();
+            assert_eq!(
+                code,
+                Some(postgres::error::SqlState::T_R_SERIALIZATION_FAILURE)
+            );
+        }
+        other => panic!("the last abort must surface as Error::Database: {other:?}"),
+    }
+    assert_eq!(psql(&engine, "SELECT last_value FROM public.tries"), "5");
+    for table in ["items", "audit", "audit_pending"] {
+        assert_eq!(
+            psql(
+                &engine,
+                &format!("SELECT count(*) FROM durable_outbox.{table}")
+            ),
+            "0",
+            "nothing in {table}"
+        );
+    }
+}
+
+/// A drain step the server aborts (its claim's write fails once with a
+/// serialization failure) is run again with the picker and the in-flight
+/// set as they were before it: the pass still sends every due item once.
+/// Without the undo, the pass would count the rolled-back look as done and
+/// skip that item.
+#[test]
+fn a_drain_step_run_again_after_an_abort_still_sends_every_item_once() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| b.rate_limit(u32::MAX, std::time::Duration::from_secs(60)));
+    for (key, chat) in [("a", "chat-1"), ("b", "chat-2"), ("c", "chat-3")] {
+        outbox.enqueue(msg(key, chat)).unwrap();
+    }
+    psql(&engine, "CREATE SEQUENCE public.claims");
+    psql(
+        &engine,
+        "CREATE FUNCTION public.first_claim_conflicts() RETURNS trigger LANGUAGE plpgsql AS
+         $$ BEGIN
+              IF NEW.claimed THEN
+                IF nextval('public.claims') = 1 THEN
+                  RAISE EXCEPTION 'injected conflict' USING ERRCODE = 'serialization_failure';
+                END IF;
+              END IF;
+              RETURN NEW;
+            END $$",
+    );
+    psql(
+        &engine,
+        "CREATE TRIGGER first_claim_conflicts BEFORE UPDATE ON durable_outbox.items
+         FOR EACH ROW EXECUTE FUNCTION public.first_claim_conflicts()",
+    );
+    let mut sent = Vec::new();
+    let report = outbox
+        .process_due(|item| {
+            sent.push(item.idempotency_key().to_owned());
+            Ok(None)
+        })
+        .unwrap();
+    sent.sort();
+    assert_eq!(sent, ["a", "b", "c"], "each item sent once");
+    assert_eq!(report.sent, 3, "{report:?}");
+    assert_eq!(
+        psql(&engine, "SELECT last_value FROM public.claims"),
+        "4",
+        "one claim aborted, three committed"
+    );
+    for key in ["a", "b", "c"] {
+        assert_eq!(outbox.get(key).unwrap().unwrap().state(), ItemState::Sent);
+    }
+    assert_eq!(outbox.verify_audit().unwrap().records, 6);
+}

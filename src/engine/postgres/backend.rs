@@ -63,12 +63,18 @@ impl PgBackend {
         let defaults = builder.handle_settings();
         let now = builder.clock.now();
         blocking(|| {
-            engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
+            super::retry::retrying("storing the settings", |_| {
+                engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
+            })
         })?;
         // Like the file engine's compaction on open: history past
         // `history_retention` goes now.
         let settings = defaults.with_stored(&blocking(|| engine.stored_settings())?);
-        blocking(|| engine.apply_retention(&settings, now))?;
+        blocking(|| {
+            super::retry::retrying("a retention prune", |_| {
+                engine.apply_retention(&settings, now)
+            })
+        })?;
         Ok(Self {
             engine: Some(engine),
             defaults,
@@ -109,11 +115,12 @@ impl PgBackend {
         Ok(())
     }
 
-    /// Runs one transaction of the rules.
+    /// Runs one transaction of the rules (again, from the start, when the
+    /// server aborted it to break a deadlock: see `PgEngine::transact`).
     pub(crate) fn transact<T>(
         &self,
         scope: Scope<'_>,
-        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+        f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         blocking(|| {
             self.engine()

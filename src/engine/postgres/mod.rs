@@ -71,6 +71,7 @@ mod import;
 mod liveness;
 mod notify;
 mod retention;
+mod retry;
 mod rows;
 mod schema;
 mod txn;
@@ -94,9 +95,7 @@ use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, Hasher, H
 use crate::error::{Error, Result};
 use crate::item::{ItemState, OutboxItem};
 use crate::settings::{Settings, Stored};
-use crate::store::{
-    item_from_json, rate_times, settings_from_json, settings_to_json,
-};
+use crate::store::{item_from_json, rate_times, settings_from_json, settings_to_json};
 
 #[cfg(test)]
 use schema::SCHEMA_VERSION;
@@ -808,6 +807,11 @@ impl PgEngine {
     /// Returns `f`'s value once the commit is durable; on any error nothing
     /// of it is visible.
     ///
+    /// A transaction the server aborts to break a deadlock or a serialization
+    /// conflict is run again from the start, `f` included, up to
+    /// [`retry::ATTEMPTS`] times, at the same `now` (see [`retry`]): `f` must
+    /// undo, or be able to repeat, whatever it does outside the transaction.
+    ///
     /// Then, best effort (a failure is logged: the next reader seals), it
     /// seals the events it committed, unless another sealer holds the head,
     /// and wakes waiting workers when an item became claimable.
@@ -816,7 +820,20 @@ impl PgEngine {
         now: DateTime<Utc>,
         defaults: &Settings,
         scope: txn::Scope<'_>,
-        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+        mut f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        retry::retrying("the rules' transaction", |_| {
+            self.transact_once(now, defaults, scope, &mut f)
+        })
+    }
+
+    /// One attempt of [`transact`](Self::transact).
+    fn transact_once<T>(
+        &self,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;
         // A claim must name an owner whose lock is held (after a cut or a

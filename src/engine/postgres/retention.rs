@@ -51,7 +51,8 @@ impl PgEngine {
             let mut client = self.client()?;
             self.seal_pending(&mut client, Seal::Wait)?.len()
         };
-        let pruned = self.apply_retention(settings, now)?;
+        let pruned =
+            super::retry::retrying("a retention prune", |_| self.apply_retention(settings, now))?;
         Ok(Compacted { sealed, pruned })
     }
 }

@@ -71,12 +71,10 @@ impl<'a> NewRow<'a> {
 
     /// The parameters of [`update_item_sql`]: those of the insert, then the
     /// revision the writer read.
-    pub(super) fn update_params<'p>(
-        &'p self,
-        revision: &'p i64,
-    ) -> [&'p (dyn ToSql + Sync); 12] {
-        let [a, b, c, d, e, f, g, h, i, j, k] = self.params();
-        [a, b, c, d, e, f, g, h, i, j, k, revision]
+    pub(super) fn update_params<'p>(&'p self, revision: &'p i64) -> [&'p (dyn ToSql + Sync); 12] {
+        let mut params: [&(dyn ToSql + Sync); 12] = [revision; 12];
+        params[..11].copy_from_slice(&self.params());
+        params
     }
 
     /// The parameters of [`insert_item_sql`], in its order.
