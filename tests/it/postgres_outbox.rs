@@ -566,3 +566,68 @@ fn a_drain_step_run_again_after_an_abort_still_sends_every_item_once() {
     }
     assert_eq!(outbox.verify_audit().unwrap().records, 6);
 }
+
+/// The keys of rows whose filter columns (what claims, lookups and history
+/// read) do not say what the row's document says.
+fn rows_disagreeing_with_their_document(engine: &EngineUnderTest) -> String {
+    psql(
+        engine,
+        "SELECT string_agg(idempotency_key, ',') FROM durable_outbox.items, LATERAL
+           (SELECT doc::jsonb AS d) AS j
+         WHERE destination IS DISTINCT FROM d ->> 'destination'
+            OR state IS DISTINCT FROM d ->> 'state'
+            OR claimed IS DISTINCT FROM (d ->> 'dispatch_claimed')::boolean
+            OR claim_owner IS DISTINCT FROM d ->> 'claim_owner'
+            OR next_attempt_at IS DISTINCT FROM (d ->> 'next_attempt_at_utc')::timestamptz
+            OR transport_ref IS DISTINCT FROM d ->> 'transport_ref'
+            OR created_at IS DISTINCT FROM (d ->> 'created_at_utc')::timestamptz
+            OR updated_at IS DISTINCT FROM (d ->> 'updated_at_utc')::timestamptz
+            OR seq IS DISTINCT FROM (d ->> 'enqueue_seq')::bigint",
+    )
+}
+
+/// Every writer keeps a row's columns in step with its document, whatever
+/// the lifecycle did to it: enqueued, claimed (checked while its send runs),
+/// sent, retried after a `retry_after`, cancelled and requeued, each at a
+/// later moment than the last.
+#[test]
+fn every_rows_columns_say_what_its_document_says() {
+    use durable_outbox::SendError;
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| {
+        b.rate_limit(u32::MAX, std::time::Duration::from_secs(60))
+            .max_inline_wait(std::time::Duration::ZERO)
+    });
+    for (key, chat) in [("a", "chat-1"), ("b", "chat-2"), ("c", "chat-3")] {
+        outbox.enqueue(msg(key, chat)).unwrap();
+    }
+    assert_eq!(rows_disagreeing_with_their_document(&engine), "");
+    engine.clock.advance(crate::harness::secs(10));
+    outbox
+        .process("a", |_| {
+            // Claimed and committed: the row says so too.
+            assert_eq!(rows_disagreeing_with_their_document(&engine), "");
+            Ok(Some("ref-a".into()))
+        })
+        .unwrap();
+    engine.clock.advance(crate::harness::secs(10));
+    outbox
+        .process("b", |_| {
+            Err(SendError::retryable("rate_limited").retry_after(crate::harness::secs(30)))
+        })
+        .unwrap();
+    engine.clock.advance(crate::harness::secs(10));
+    outbox.cancel("c", "ops", "not needed").unwrap();
+    engine.clock.advance(crate::harness::secs(10));
+    outbox.requeue("c", "ops", "needed after all").unwrap();
+    assert_eq!(outbox.get("a").unwrap().unwrap().state(), ItemState::Sent);
+    assert!(
+        outbox
+            .get("b")
+            .unwrap()
+            .unwrap()
+            .next_attempt_at()
+            .is_some()
+    );
+    assert_eq!(rows_disagreeing_with_their_document(&engine), "");
+}

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use chrono::{DateTime, Utc};
 use postgres::Transaction;
 
-use super::rows::{NewRow, insert_item_sql};
+use super::rows::{COLUMNS, NewRow, column_disagreeing, insert_item_sql};
 use super::{Connector, check_schema, db, lock_key, quoted, schema};
 use crate::audit::{Hasher, Head};
 use crate::error::{Error, Result};
@@ -173,14 +173,15 @@ fn write(tx: &mut Transaction<'_>, s: &str, import: &Import<'_>) -> Result<()> {
 }
 
 /// Reads back what `write` wrote, inside the same transaction, and compares:
-/// every item equal to its source, the audit lines byte for byte, the chain
+/// every item equal to its source (its document, its place in line and the
+/// columns claims, lookups and history filter on), the audit lines byte for byte, the chain
 /// verified by the file verifier and its head the source's.
 fn check(tx: &mut Transaction<'_>, s: &str, schema_name: &str, import: &Import<'_>) -> Result<()> {
     let mismatch = |what: String| Error::MigrationMismatch { what };
     let place = PathBuf::from(format!("postgres:{schema_name}.items"));
     let rows = tx
         .query(
-            &format!("SELECT idempotency_key, doc, seq FROM {s}.items"),
+            &format!("SELECT idempotency_key, doc, seq, {COLUMNS} FROM {s}.items"),
             &[],
         )
         .map_err(db("read the migrated items"))?;
@@ -191,6 +192,12 @@ fn check(tx: &mut Transaction<'_>, s: &str, schema_name: &str, import: &Import<'
         let seq: i64 = row.get(2);
         let mut item = item_from_json(&place, &format!("row {key:?}"), doc.as_bytes())?;
         item.seq = u64::try_from(seq).ok();
+        // The columns the rules filter on, not only the document.
+        if let Some(column) = column_disagreeing(row, &item) {
+            return Err(mismatch(format!(
+                "item {key:?} reads back with its {column} column not saying what its document says"
+            )));
+        }
         written.insert(key, item);
     }
     if written.len() != import.items.len() {

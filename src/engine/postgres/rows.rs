@@ -4,6 +4,7 @@
 //! added to the table is written by all of them or by none.
 
 use chrono::{DateTime, Utc};
+use postgres::Row;
 use postgres::types::ToSql;
 
 use crate::item::OutboxItem;
@@ -92,5 +93,36 @@ impl<'a> NewRow<'a> {
             &self.created_at,
             &self.updated_at,
         ]
+    }
+}
+
+/// The columns of `items` a row holds besides its document, read back by
+/// [`column_disagreeing`].
+pub(super) const COLUMNS: &str = "destination, state, claimed, claim_owner, next_attempt_at, \
+     transport_ref, created_at, updated_at";
+
+/// The first column of `row` (selected with [`COLUMNS`], by name) that is not
+/// what [`NewRow::of`] writes for `item`, if any: the columns claims, lookups
+/// and history filter on must say what the document says.
+pub(super) fn column_disagreeing(row: &Row, item: &OutboxItem) -> Option<&'static str> {
+    let expected = NewRow::of(item);
+    if row.get::<_, &str>("destination") != item.destination {
+        Some("destination")
+    } else if row.get::<_, &str>("state") != expected.state {
+        Some("state")
+    } else if row.get::<_, bool>("claimed") != expected.claimed {
+        Some("claimed")
+    } else if row.get::<_, Option<&str>>("claim_owner") != expected.owner {
+        Some("claim_owner")
+    } else if row.get::<_, Option<DateTime<Utc>>>("next_attempt_at") != item.next_attempt_at {
+        Some("next_attempt_at")
+    } else if row.get::<_, Option<&str>>("transport_ref") != item.transport_ref.as_deref() {
+        Some("transport_ref")
+    } else if row.get::<_, DateTime<Utc>>("created_at") != expected.created_at {
+        Some("created_at")
+    } else if row.get::<_, DateTime<Utc>>("updated_at") != expected.updated_at {
+        Some("updated_at")
+    } else {
+        None
     }
 }
