@@ -1064,7 +1064,6 @@ impl Outbox {
     pub fn audit_records(&self) -> Result<crate::audit::AuditChainRecords> {
         #[cfg(feature = "postgres")]
         if let Backend::Postgres(engine) = &self.inner.backend {
-            use crate::engine::Engine;
             let records = crate::engine::postgres::blocking(|| engine.engine().audit_records(0))?;
             return Ok(crate::audit::AuditChainRecords::of(records));
         }

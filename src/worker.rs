@@ -687,7 +687,6 @@ impl Watcher {
         let stop = Arc::new(AtomicBool::new(false));
         #[cfg(feature = "postgres")]
         {
-            use crate::engine::Engine as _;
             let flag = Arc::clone(&stop);
             let interval = max_interval.max(Duration::from_millis(50));
             let spawned = std::thread::Builder::new()

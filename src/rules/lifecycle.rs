@@ -2,50 +2,44 @@
 //! its send's outcome is recorded: decide (and claim), finish, release,
 //! abandon, fail — written once, for every engine.
 //!
-//! The transaction rules ([`decide`], [`finish`], [`release`], [`abandon`])
-//! run inside one [`Txn`]. The first pieces written against
-//! [`Engine`](crate::engine::Engine) for the PostgreSQL engine's batch drains
-//! ([`claim_due`], [`finish_claimed`]) share their item transitions
-//! ([`claim`], [`mark_sent`], [`mark_failed`], [`mark_maybe_sent`]) and their
-//! cap rule (`rules::rate::capped`).
+//! The rules ([`decide`], [`finish`], [`release`], [`abandon`]) run inside
+//! one [`Txn`], on either engine: the one way an item changes. They share
+//! their item transitions ([`claim`], [`mark_sent`], [`mark_failed`],
+//! [`mark_maybe_sent`]).
 //!
 //! # A claim lost while its send ran
 //!
 //! With session locks as liveness, a network cut or a server restart makes a
 //! live send look dead: another handle fails its claim as
 //! [`AMBIGUOUS_AFTER_RESTART`] (never resending it). When the send then
-//! finishes, its commit finds the item changed ([`CommitError::Conflict`]);
-//! [`finish_claimed`] reads the item again and records what really happened as
-//! an audited correction:
+//! finishes, [`finish`] finds the claim gone and records what really happened
+//! as an audited correction ([`CORRECTION_NOTE`]):
 //!
-//! * still failed as ambiguous at the same attempt: a delivered send makes the
-//!   item `sent` (with its transport ref, so replies correlate); a send that
+//! * still failed as ambiguous and unclaimed: a delivered send makes the item
+//!   `sent` (with its transport ref, so replies correlate); a send that
 //!   certainly did not deliver keeps the item failed with the real error code
 //!   and no longer counts it as a possible send;
-//! * anything else (an operator requeued or cancelled it meanwhile): the item
-//!   is left alone, and a delivered send is still put on record.
+//! * anything else (an operator requeued or cancelled it meanwhile, or the
+//!   send is ambiguous again): the item is left alone (logged).
 //!
 //! Nothing is ever resent by a correction.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sha2::{Digest, Sha256};
 
-use crate::audit::{AuditEvent, AuditOutcome};
-use crate::clock::{format_timestamp, later};
-use crate::engine::{ChangeSet, CommitError, Engine, Expect, Put, Versioned};
+use crate::audit::AuditOutcome;
+use crate::clock::later;
 use crate::error::{Error, Result};
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::limits;
 use crate::order;
-use crate::rate::RatePolicy;
 use crate::receipt::{DeliveryReceipt, Outcome};
 use crate::rules::Actor;
 use crate::rules::codes::{
     AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, GAVE_UP, SEND_PANICKED, sanitize,
 };
-use crate::rules::rate::{capped, learn_pace, rate_capped};
+use crate::rules::rate::{learn_pace, rate_capped};
 use crate::rules::record::record;
 use crate::rules::repair::{claim_is_live, may_resend, resend_later, settle_dead_claim};
 use crate::rules::txn::Txn;
@@ -563,271 +557,6 @@ fn audit_outcome_of(state: ItemState) -> AuditOutcome {
     }
 }
 
-// ----- the rules written against `engine::Engine` (batch drains) ----------
-
 /// The note on a correction's audit record.
 pub(crate) const CORRECTION_NOTE: &str = "correction: this attempt's claim was declared \
      ambiguous after its owner's session ended; the send itself finished";
-
-/// Claims up to `limit` due items for this handle, oldest first, one per
-/// destination at a time, skipping those a cap holds back (they stay queued
-/// and are tried again later). Caps hold across every handle of the outbox.
-///
-/// # Errors
-/// The engine's errors.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn claim_due(
-    engine: &dyn Engine,
-    policy: &RatePolicy,
-    now: DateTime<Utc>,
-    limit: usize,
-) -> Result<Vec<Versioned>> {
-    let owner = engine.owner().to_owned();
-    engine.claim_batch(now, limit, policy.longest_window(), &mut |item, view| {
-        if capped(policy, &item.destination, view, now).is_some() {
-            return None;
-        }
-        Some(claim(item, &owner, now))
-    })
-}
-
-/// A claimed item failed as ambiguous at `now`, as a new version (see
-/// [`mark_maybe_sent`]).
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn failed_ambiguous(item: &OutboxItem, code: &str, now: DateTime<Utc>) -> OutboxItem {
-    let mut failed = item.clone();
-    mark_maybe_sent(&mut failed);
-    mark_failed(&mut failed, code, FailureClass::Ambiguous);
-    failed.updated_at = now;
-    failed
-}
-
-/// The audit event reporting `item` as it now is, for an engine that seals
-/// events itself. The id does not depend on the chain's head (which only the
-/// engine knows when it seals): it hashes the owner, the key, the attempt, the
-/// outcome and the moment.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn event(
-    item: &mut OutboxItem,
-    owner: &str,
-    outcome: AuditOutcome,
-    note: Option<&str>,
-    now: DateTime<Utc>,
-) -> AuditEvent {
-    let recorded_at_utc = format_timestamp(now);
-    let audit_id = hex::encode(
-        &Sha256::new()
-            .chain_update(owner.as_bytes())
-            .chain_update([0])
-            .chain_update(item.idempotency_key.as_bytes())
-            .chain_update(item.attempts.to_le_bytes())
-            .chain_update(outcome.as_str().as_bytes())
-            .chain_update(recorded_at_utc.as_bytes())
-            .finalize()[..16],
-    );
-    item.last_audit_id = Some(audit_id.clone());
-    AuditEvent::for_item(item, outcome, audit_id, note, false, recorded_at_utc)
-}
-
-/// Commits one item write with its audit record; returns the item as written.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn commit_one(
-    engine: &dyn Engine,
-    mut item: OutboxItem,
-    revision: u64,
-    outcome: AuditOutcome,
-    note: Option<&str>,
-    now: DateTime<Utc>,
-) -> Result<OutboxItem, CommitError> {
-    let event = event(&mut item, engine.owner(), outcome, note, now);
-    engine.commit(ChangeSet {
-        puts: vec![Put {
-            item: item.clone(),
-            expect: Expect::Revision(revision),
-        }],
-        audit: vec![event],
-        wake: false,
-    })?;
-    Ok(item)
-}
-
-/// What [`finish_claimed`] did.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Finished {
-    /// The outcome was recorded on the claim as usual.
-    Recorded(OutboxItem),
-    /// The claim had been declared ambiguous; the item now says what really happened.
-    Corrected(OutboxItem),
-    /// The item had moved on (an operator acted); it was left alone, and the
-    /// outcome, if it was a delivery, was put on record.
-    LeftAlone(OutboxItem),
-}
-
-/// Records a send's result on the item `claimed` (as this handle claimed it
-/// through [`claim_due`]). A retryable failure is retried at `retry_at` (the
-/// caller's backoff and caps decide it; `None`: no attempts left, the item
-/// fails). Handles a lost claim as described in the module docs.
-///
-/// # Errors
-/// The engine's errors; [`Error::NotFound`] if the item vanished.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn finish_claimed(
-    engine: &dyn Engine,
-    claimed: &Versioned,
-    result: &Result<Option<String>, SendError>,
-    retry_at: Option<DateTime<Utc>>,
-    now: DateTime<Utc>,
-) -> Result<Finished> {
-    let mut item = claimed.item.clone();
-    item.claim = None;
-    item.updated_at = now;
-    let outcome = match result {
-        Ok(reference) => {
-            mark_sent(&mut item, now, reference.as_deref());
-            AuditOutcome::Sent
-        }
-        Err(error) => {
-            let code = sanitize(error.code(), limits::TRANSPORT_REF);
-            match (error.class(), retry_at) {
-                (FailureClass::Ambiguous, _) => {
-                    item = failed_ambiguous(&claimed.item, &code, now);
-                    AuditOutcome::Failed
-                }
-                (FailureClass::Retryable, Some(at)) => {
-                    item.error_code = Some(code);
-                    item.failure_class = Some(FailureClass::Retryable);
-                    item.next_attempt_at = Some(at);
-                    // The platform's wait covers the whole destination.
-                    item.cooldown_until = error.retry_after_hint().map(|hint| later(now, hint));
-                    AuditOutcome::Retrying
-                }
-                (class, _) => {
-                    mark_failed(&mut item, &code, class);
-                    AuditOutcome::Failed
-                }
-            }
-        }
-    };
-    match commit_one(engine, item, claimed.revision, outcome, None, now) {
-        Ok(item) => return Ok(Finished::Recorded(item)),
-        Err(CommitError::Failed(e)) => return Err(e),
-        Err(CommitError::Conflict { .. }) => {}
-    }
-    let current = engine
-        .get(&claimed.item.idempotency_key)?
-        .ok_or_else(|| Error::NotFound {
-            key: claimed.item.idempotency_key.clone(),
-        })?;
-    let declared_ambiguous = current.item.state == ItemState::Failed
-        && current.item.error_code.as_deref() == Some(AMBIGUOUS_AFTER_RESTART)
-        && current.item.attempts == claimed.item.attempts
-        && current.item.claim.is_none();
-    tracing::warn!(
-        key = %claimed.item.idempotency_key,
-        declared_ambiguous,
-        "this send's claim was lost while it ran; recording its real outcome"
-    );
-    let ambiguous_again = matches!(result, Err(e) if e.class() == FailureClass::Ambiguous);
-    if declared_ambiguous && !ambiguous_again {
-        let mut corrected = current.item.clone();
-        corrected.updated_at = now;
-        let outcome = match result {
-            Ok(reference) => {
-                mark_sent(&mut corrected, now, reference.as_deref());
-                AuditOutcome::Sent
-            }
-            Err(error) => {
-                // Certainly not delivered: no longer a possible send.
-                corrected.error_code = Some(sanitize(error.code(), limits::TRANSPORT_REF));
-                corrected.failure_class = Some(error.class());
-                corrected.maybe_sent_at = None;
-                AuditOutcome::Failed
-            }
-        };
-        return match commit_one(
-            engine,
-            corrected,
-            current.revision,
-            outcome,
-            Some(CORRECTION_NOTE),
-            now,
-        ) {
-            Ok(corrected) => Ok(Finished::Corrected(corrected)),
-            Err(CommitError::Failed(e)) => Err(e),
-            // Changed again in between: read once more and leave it alone.
-            Err(CommitError::Conflict { .. }) => left_alone(engine, claimed, result, now),
-        };
-    }
-    left_alone(engine, claimed, result, now)
-}
-
-/// The item moved on: a delivery is still put on record, the item untouched.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-fn left_alone(
-    engine: &dyn Engine,
-    claimed: &Versioned,
-    result: &Result<Option<String>, SendError>,
-    now: DateTime<Utc>,
-) -> Result<Finished> {
-    loop {
-        let current =
-            engine
-                .get(&claimed.item.idempotency_key)?
-                .ok_or_else(|| Error::NotFound {
-                    key: claimed.item.idempotency_key.clone(),
-                })?;
-        if result.is_err() {
-            return Ok(Finished::LeftAlone(current.item));
-        }
-        // Only the audit record changes; the write re-asserts the same item so
-        // the record is sealed against the state it describes.
-        let mut on_record = claimed.item.clone();
-        on_record.transport_ref = result
-            .as_ref()
-            .ok()
-            .and_then(|r| r.as_deref().map(|r| sanitize(r, limits::TRANSPORT_REF)));
-        let event = event(
-            &mut on_record,
-            engine.owner(),
-            AuditOutcome::Sent,
-            Some(
-                "late outcome: this attempt's claim was lost and the item has moved on; the item was left as it is",
-            ),
-            now,
-        );
-        match engine.commit(ChangeSet {
-            puts: vec![Put {
-                item: current.item.clone(),
-                expect: Expect::Revision(current.revision),
-            }],
-            audit: vec![event],
-            wake: false,
-        }) {
-            Ok(_) => return Ok(Finished::LeftAlone(current.item)),
-            Err(CommitError::Failed(e)) => return Err(e),
-            Err(CommitError::Conflict { .. }) => {}
-        }
-    }
-}

@@ -5,11 +5,6 @@
 //! that report its changes; the engine commits it all in one durable step.
 //! What a rule needs from the handle that runs it (its owner id, its sends in
 //! flight, its learned pacing, its idempotent connectors) is an [`Actor`].
-//!
-//! The first pieces written against `engine::Engine` (claims for the
-//! PostgreSQL engine's batch drains, orphan repair, the audited correction of
-//! a lost claim) live in `lifecycle` beside the transaction rules and share
-//! their item transitions.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Mutex, MutexGuard, PoisonError};

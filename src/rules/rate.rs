@@ -11,7 +11,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::clock::{earlier, later};
-use crate::engine::RateView;
 use crate::error::Result;
 use crate::pacing;
 use crate::rate::RatePolicy;
@@ -20,6 +19,20 @@ use crate::rules::codes::{
     DESTINATION_COOLDOWN, DESTINATION_PACED, GLOBAL_RATE_CAPPED, RATE_CAPPED,
 };
 use crate::rules::txn::Txn;
+
+/// What a cap decision looks at besides the item: the times that count
+/// against caps (sends, sends in progress, possible sends; see
+/// `store::rate_times`) and the destination's cooldown, as the transaction
+/// sees them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RateView {
+    /// The candidate's destination's times.
+    pub(crate) destination_times: Vec<DateTime<Utc>>,
+    /// Every destination's times (for the global cap).
+    pub(crate) all_times: Vec<DateTime<Utc>>,
+    /// Until when the platform asked not to send to the destination, if ever.
+    pub(crate) cooldown_until: Option<DateTime<Utc>>,
+}
 
 /// When a send to `destination` at `now` would break a cap (the
 /// destination's, the global one, a platform's cooldown) given the times in

@@ -5,14 +5,11 @@
 use chrono::{DateTime, Utc};
 
 use crate::audit::AuditOutcome;
-use crate::engine::{CommitError, Engine};
 use crate::error::Result;
 use crate::item::{Claim, OutboxItem};
 use crate::rules::Actor;
 use crate::rules::codes::AMBIGUOUS_AFTER_RESTART;
-use crate::rules::lifecycle::{
-    Decision, commit_one, fail_ambiguous, failed_ambiguous, mark_maybe_sent,
-};
+use crate::rules::lifecycle::{Decision, fail_ambiguous, mark_maybe_sent};
 use crate::rules::record::record;
 use crate::rules::txn::Txn;
 use crate::send::FailureClass;
@@ -102,34 +99,4 @@ pub(crate) fn resend_later<T: Txn + ?Sized>(
     item.next_attempt_at = Some(at);
     let note = format!("idempotent transport: {code}; resending with the same transaction id");
     record(txn, key, AuditOutcome::Retrying, Some(&note), false)
-}
-
-/// Fails every orphaned claim an [`Engine`] reports (its owner is dead) as
-/// ambiguous, each with its audit record. A claim another handle repaired
-/// first is skipped. Returns the keys this call failed.
-///
-/// # Errors
-/// The engine's errors.
-#[allow(
-    dead_code,
-    reason = "an Engine-based rule: used by the PostgreSQL engine's tests until `Outbox` runs on PostgreSQL"
-)]
-pub(crate) fn repair_orphans(engine: &dyn Engine, now: DateTime<Utc>) -> Result<Vec<String>> {
-    let mut repaired = Vec::new();
-    for orphan in engine.orphaned_claims()? {
-        let failed = failed_ambiguous(&orphan.item, AMBIGUOUS_AFTER_RESTART, now);
-        match commit_one(
-            engine,
-            failed,
-            orphan.revision,
-            AuditOutcome::Failed,
-            None,
-            now,
-        ) {
-            Ok(_) => repaired.push(orphan.item.idempotency_key),
-            Err(CommitError::Conflict { .. }) => {}
-            Err(CommitError::Failed(e)) => return Err(e),
-        }
-    }
-    Ok(repaired)
 }

@@ -631,3 +631,149 @@ fn every_rows_columns_say_what_its_document_says() {
     );
     assert_eq!(rows_disagreeing_with_their_document(&engine), "");
 }
+
+/// Runs `worker.process(key, send)` on a thread, waits until `send` has
+/// started, runs `meanwhile` (which makes the claim look dead), then lets
+/// `send` return `outcome`. Returns what `process` returned and how often
+/// `send` ran. Under a watchdog: `send` is held on a channel.
+fn lose_the_claim_while_sending(
+    worker: &Outbox,
+    key: &str,
+    outcome: Result<Option<String>, durable_outbox::SendError>,
+    meanwhile: impl FnOnce(),
+) -> (Result<durable_outbox::DeliveryReceipt, Error>, usize) {
+    let sends = AtomicUsize::new(0);
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let finished = within(
+        "a send outlives its owner's session",
+        DEADLOCK_LIMIT,
+        || {
+            std::thread::scope(|scope| {
+                let sends = &sends;
+                let sending = scope.spawn(move || {
+                    worker.process(key, |_| {
+                        sends.fetch_add(1, Ordering::SeqCst);
+                        entered_tx.send(()).unwrap();
+                        release_rx.recv().unwrap();
+                        outcome.clone()
+                    })
+                });
+                entered_rx.recv().unwrap();
+                meanwhile();
+                release_tx.send(()).unwrap();
+                sending.join().unwrap()
+            })
+        },
+    );
+    (finished, sends.load(Ordering::SeqCst))
+}
+
+/// A send that certainly did not deliver, finishing after its claim was
+/// declared ambiguous (its owner's session cut): the correction keeps the
+/// item failed, with the platform's real code, no longer a possible send;
+/// nothing is resent.
+#[test]
+fn a_failed_send_after_its_claim_was_lost_keeps_the_item_failed_with_its_real_code() {
+    let Some(engine) = engine() else { return };
+    let worker = engine.open();
+    let other = engine.open();
+    worker.enqueue(msg("k", "chat-1")).unwrap();
+    let (late, sends) = lose_the_claim_while_sending(
+        &worker,
+        "k",
+        Err(durable_outbox::SendError::permanent("chat_not_found")),
+        || {
+            cut_owner_sessions(&engine);
+            let receipt = other.process("k", |_| panic!("never resent")).unwrap();
+            assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+        },
+    );
+    assert_eq!(sends, 1);
+    let late = late.unwrap();
+    assert_eq!(late.outcome, Outcome::Failed, "{late:?}");
+    let item = other.get("k").unwrap().unwrap();
+    assert_eq!(item.state(), ItemState::Failed);
+    assert_eq!(item.error_code(), Some("chat_not_found"));
+    assert_eq!(
+        item.maybe_sent_at(),
+        None,
+        "certainly not delivered: no longer counted as a possible send"
+    );
+    let records = other.history("k").unwrap();
+    let outcomes: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["queued", "failed", "failed"]);
+    let note = records
+        .last()
+        .and_then(|r| r.note.clone())
+        .unwrap_or_default();
+    assert!(note.starts_with("correction:"), "{note}");
+    assert_eq!(
+        other.process_due(|_| panic!("never resent")).unwrap().sent,
+        0
+    );
+    other.verify_audit().unwrap();
+}
+
+/// The whole server restarts (crash, immediate stop) while a handle is inside
+/// `send`: every session lock died with it, so another handle fails the claim
+/// as ambiguous and never resends it; when the send returns, the worker
+/// takes its owner lock again and records the delivery as a correction. A
+/// call that meets a connection the restart closed is a typed error that
+/// wrote nothing; the handle reconnects on the next.
+#[test]
+fn a_server_restart_mid_send_makes_the_claim_ambiguous_then_the_finish_corrects_it() {
+    let Some(server) = crate::pg_server::PgServer::start() else {
+        return;
+    };
+    let db = server.database();
+    let worker = Outbox::postgres(&db.url()).open().unwrap();
+    worker.enqueue(msg("k1", "chat-1")).unwrap();
+    let (late, sends) =
+        lose_the_claim_while_sending(&worker, "k1", Ok(Some("tg-7".into())), || {
+            server.crash();
+            server.restart();
+            let observer = Outbox::postgres(&db.url()).open().unwrap();
+            let receipt = observer.process("k1", |_| panic!("never resent")).unwrap();
+            assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+            // The worker's idle connection died with the server: the next
+            // call on it fails, typed, and the handle then opens a fresh one.
+            for _ in 0..STALE_CONNECTIONS {
+                if worker.get("k1").is_ok() {
+                    break;
+                }
+            }
+        });
+    assert_eq!(sends, 1, "sent exactly once");
+    let late = late.unwrap();
+    assert_eq!(late.outcome, Outcome::Sent, "{late:?}");
+    let observer = Outbox::postgres(&db.url()).open().unwrap();
+    let item = observer.get("k1").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.transport_ref(), item.attempts()),
+        (ItemState::Sent, Some("tg-7"), 1)
+    );
+    let records = observer.history("k1").unwrap();
+    let outcomes: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["queued", "failed", "sent"]);
+    assert!(
+        records[2]
+            .note
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("correction:"),
+        "{records:?}"
+    );
+    assert_eq!(
+        observer
+            .process_due(|_| panic!("never resent"))
+            .unwrap()
+            .sent,
+        0
+    );
+    assert_eq!(observer.verify_audit().unwrap().records, 3);
+}
+
+/// More than the idle connections a handle keeps (`IDLE_CONNECTIONS`, 8):
+/// enough calls to meet every connection a restart closed.
+const STALE_CONNECTIONS: usize = 9;

@@ -106,11 +106,6 @@ impl Tx<'_> {
         self.tx.execute(&statement, params)
     }
 
-    /// Runs `sql` (no parameters, possibly several statements) unprepared.
-    pub(crate) fn batch_execute(&mut self, sql: &str) -> Result<(), postgres::Error> {
-        self.tx.batch_execute(sql)
-    }
-
     pub(crate) fn commit(self) -> Result<(), postgres::Error> {
         self.tx.commit()
     }

@@ -163,19 +163,3 @@ pub(crate) fn refuse_transaction_pooling(first: &mut Client, second: &mut Client
     }
     Ok(())
 }
-
-/// Whether `owner`'s lock is free, probed through `client` without keeping it.
-pub(crate) fn is_dead(client: &mut Client, schema: &str, owner: &str) -> Result<bool> {
-    let mut tx = client.transaction().map_err(db("begin a liveness probe"))?;
-    // A transaction-level lock: released at the end of the probe, so a probe
-    // never keeps a dead owner's id locked.
-    let free: bool = tx
-        .query_one(
-            "SELECT pg_try_advisory_xact_lock($1)",
-            &[&lock_key(schema, owner)],
-        )
-        .map_err(db("probe an owner lock"))?
-        .get(0);
-    tx.commit().map_err(db("end a liveness probe"))?;
-    Ok(free)
-}

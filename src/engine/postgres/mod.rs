@@ -90,10 +90,10 @@ use chrono::{DateTime, Utc};
 use postgres::{Client, NoTls, Row};
 use sha2::{Digest, Sha256};
 
-use super::{ChangeSet, ClaimDecision, CommitError, Engine, Expect, RateView, Versioned};
+use super::{Expect, Versioned};
 use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, AuditReport, Hasher, Head};
 use crate::error::{Error, Result};
-use crate::item::{ItemState, OutboxItem};
+use crate::item::OutboxItem;
 use crate::settings::{Settings, Stored};
 use crate::store::{item_from_json, rate_times, settings_from_json, settings_to_json};
 
@@ -612,10 +612,6 @@ impl PgEngine {
         })
     }
 
-    fn rows(&self, rows: &[Row]) -> Result<Vec<Versioned>> {
-        rows.iter().map(|row| self.versioned(row)).collect()
-    }
-
     /// Writes one item conditionally; `false` when the expectation failed.
     /// `before`: the version the writer read (its send times and cooldown
     /// are indexed already), when it has one.
@@ -693,38 +689,6 @@ impl PgEngine {
             .map_err(db("record a destination cooldown"))?;
         }
         Ok(())
-    }
-
-    /// The cap view of `destination` inside `tx`, since `since`.
-    fn rate_view(
-        &self,
-        tx: &mut Tx<'_>,
-        destination: &str,
-        since: DateTime<Utc>,
-        all_times: &[DateTime<Utc>],
-    ) -> Result<RateView> {
-        let s = &self.s;
-        let destination_times = tx
-            .query(
-                &format!("SELECT at FROM {s}.rate_times WHERE destination = $1 AND at > $2"),
-                &[&destination, &since],
-            )
-            .map_err(db("read a destination's send times"))?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        let cooldown_until = tx
-            .query_opt(
-                &format!("SELECT until FROM {s}.cooldowns WHERE destination = $1"),
-                &[&destination],
-            )
-            .map_err(db("read a destination's cooldown"))?
-            .map(|row| row.get(0));
-        Ok(RateView {
-            destination_times,
-            all_times: all_times.to_vec(),
-            cooldown_until,
-        })
     }
 
     /// Whether this handle's own owner lock is still held.
@@ -1321,250 +1285,16 @@ impl PgEngine {
             .map_err(db("lock the audit head"))?;
         Ok(head_of_row(&row))
     }
-
-    /// Every audit line in `seq` order, newline-terminated: the same bytes a
-    /// file outbox's `audit.jsonl` would hold, for the offline verifier.
-    pub(crate) fn export_audit(&self) -> Result<Vec<u8>> {
-        let mut client = self.client()?;
-        self.seal_before_reading(&mut client)?;
-        let rows = client
-            .query(
-                &format!("SELECT line FROM {}.audit ORDER BY seq", self.s),
-                &[],
-            )
-            .map_err(db("read the audit log"))?;
-        let mut out = Vec::new();
-        for row in rows {
-            out.extend_from_slice(row.get::<_, &str>(0).as_bytes());
-            out.push(b'\n');
-        }
-        Ok(out)
-    }
 }
 
-impl Engine for PgEngine {
-    fn owner(&self) -> &str {
-        &self.owner
-    }
-
-    fn get(&self, key: &str) -> Result<Option<Versioned>> {
-        let row = self
-            .client()?
-            .query_opt(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items WHERE idempotency_key = $1",
-                    self.s
-                ),
-                &[&key],
-            )
-            .map_err(db("read an item"))?;
-        row.map(|row| self.versioned(&row)).transpose()
-    }
-
-    fn list(&self) -> Result<Vec<Versioned>> {
-        let rows = self
-            .client()?
-            .query(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items ORDER BY enqueue_order",
-                    self.s
-                ),
-                &[],
-            )
-            .map_err(db("list items"))?;
-        self.rows(&rows)
-    }
-
-    fn find_by_transport_ref(&self, transport_ref: &str) -> Result<Option<Versioned>> {
-        let row = self
-            .client()?
-            .query_opt(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
-                     WHERE transport_ref = $1 ORDER BY enqueue_order LIMIT 1",
-                    self.s
-                ),
-                &[&transport_ref],
-            )
-            .map_err(db("find an item by transport_ref"))?;
-        row.map(|row| self.versioned(&row)).transpose()
-    }
-
-    fn commit(&self, change: ChangeSet) -> Result<Vec<AuditRecord>, CommitError> {
-        let mut client = self.client()?;
-        let mut tx = client.begin().map_err(db("begin a commit"))?;
-        // The lock order of every writer (see `txn`): the gate before any row.
-        self.pass_gate(&mut tx, txn::Scope::Any)?;
-        for put in &change.puts {
-            if !self.put(&mut tx, &put.item, put.expect, None)? {
-                // Dropping `tx` rolls everything back.
-                return Err(CommitError::Conflict {
-                    key: put.item.idempotency_key.clone(),
-                });
-            }
-        }
-        let ids = self.write_pending(&mut tx, &change.audit)?;
-        tx.commit().map_err(db("commit"))?;
-        // Sealed now, waiting for the head, so the records can be returned;
-        // if sealing fails the change is durable all the same (the next
-        // reader seals): nothing is returned then.
-        let sealed = if ids.is_empty() {
-            Vec::new()
-        } else {
-            match self.seal_pending(&mut client, Seal::Wait) {
-                Ok(sealed) => sealed
-                    .into_iter()
-                    .filter(|(id, _)| ids.binary_search(id).is_ok())
-                    .map(|(_, record)| record)
-                    .collect(),
-                Err(e) => {
-                    tracing::warn!(schema = %self.schema, error = %e,
-                        "could not seal committed audit events now; the next reader seals them");
-                    Vec::new()
-                }
-            }
-        };
-        self.after_commit(&mut client, false, change.wake);
-        Ok(sealed)
-    }
-
-    fn claim_batch(
-        &self,
-        now: DateTime<Utc>,
-        limit: usize,
-        lookback: Duration,
-        decide: &mut dyn FnMut(&OutboxItem, &RateView) -> ClaimDecision,
-    ) -> Result<Vec<Versioned>> {
-        let mut client = self.client()?;
-        self.ensure_owner(&mut client)?;
-        let s = &self.s;
-        let mut tx = client.begin().map_err(db("begin a claim"))?;
-        // The lock order of every writer (see `txn`): the gate (exclusive:
-        // this claim may lock many rows), then rows, then the caps lock, so
-        // a batch claim never waits in a cycle with a transaction of the rules.
-        self.pass_gate(&mut tx, txn::Scope::Any)?;
-        // Rows another claimer is deciding about are skipped, not waited for;
-        // an earlier queued item of the same destination (claimed or not,
-        // locked or not) keeps a later one out: per-destination order.
-        let rows = tx
-            .query(
-                &format!(
-                    "SELECT i.idempotency_key, i.revision, i.doc, i.seq FROM {s}.items i
-                     WHERE i.state = 'queued' AND NOT i.claimed
-                       AND (i.next_attempt_at IS NULL OR i.next_attempt_at <= $1)
-                       AND NOT EXISTS (
-                         SELECT 1 FROM {s}.items e
-                         WHERE e.destination = i.destination AND e.state = 'queued'
-                           AND e.enqueue_order < i.enqueue_order)
-                     ORDER BY i.enqueue_order
-                     LIMIT $2
-                     FOR UPDATE OF i SKIP LOCKED"
-                ),
-                &[&now, &(limit as i64)],
-            )
-            .map_err(db("select items to claim"))?;
-        let candidates = self.rows(&rows)?;
-        if candidates.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Cap decisions are serialised across hosts: the times read below
-        // include every claim committed before this lock was granted, and no
-        // other claimer decides until this transaction ends.
-        tx.execute(
-            "SELECT pg_advisory_xact_lock($1)",
-            &[&lock_key(&self.schema, "caps")],
-        )
-        .map_err(db("lock the caps"))?;
-        let since = crate::clock::earlier(now, lookback);
-        let mut all_times: Vec<DateTime<Utc>> = tx
-            .query(
-                &format!("SELECT at FROM {s}.rate_times WHERE at > $1"),
-                &[&since],
-            )
-            .map_err(db("read send times"))?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        let mut claimed = Vec::new();
-        for candidate in candidates {
-            // This batch's claims so far are in `rate_times` already (written
-            // in this transaction); the global list is kept up to date here.
-            let view = self.rate_view(&mut tx, &candidate.item.destination, since, &all_times)?;
-            let Some(item) = decide(&candidate.item, &view) else {
-                continue;
-            };
-            if item.state != ItemState::Queued || item.claim_owner() != Some(self.owner.as_str()) {
-                return Err(Error::invalid_config(
-                    "claim",
-                    "a claim must keep the item queued and name this handle's owner",
-                ));
-            }
-            // The row is locked by this transaction: the write cannot conflict.
-            if !self.put(
-                &mut tx,
-                &item,
-                Expect::Revision(candidate.revision),
-                Some(&candidate.item),
-            )? {
-                return Err(Error::Database {
-                    op: "claim a locked item",
-                    source: "a row locked FOR UPDATE changed under its lock".into(),
-                });
-            }
-            all_times.extend(rate_times(&item).filter(|at| *at > since));
-            claimed.push(Versioned {
-                item,
-                revision: candidate.revision + 1,
-            });
-        }
-        tx.commit().map_err(db("commit a claim"))?;
-        Ok(claimed)
-    }
-
-    fn owner_is_alive(&self, owner: &str) -> Result<bool> {
-        if owner == self.owner {
-            return Ok(lock(&self.liveness).is_held());
-        }
-        let mut client = self.client()?;
-        Ok(!liveness::is_dead(&mut client, &self.schema, owner)?)
-    }
-
-    fn orphaned_claims(&self) -> Result<Vec<Versioned>> {
-        let rows = self
-            .client()?
-            .query(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq, claim_owner FROM {}.items
-                     WHERE claimed ORDER BY enqueue_order",
-                    self.s
-                ),
-                &[],
-            )
-            .map_err(db("list claims"))?;
-        let mut verdicts: Vec<(String, bool)> = Vec::new();
-        let mut orphans = Vec::new();
-        for row in rows {
-            let owner: Option<String> = row.get(4);
-            let dead = match owner {
-                None => true,
-                Some(owner) => {
-                    if let Some((_, dead)) = verdicts.iter().find(|(o, _)| *o == owner) {
-                        *dead
-                    } else {
-                        let dead = !self.owner_is_alive(&owner)?;
-                        verdicts.push((owner, dead));
-                        dead
-                    }
-                }
-            };
-            if dead {
-                orphans.push(self.versioned(&row)?);
-            }
-        }
-        Ok(orphans)
-    }
-
-    fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
+/// What a worker and a chain reader ask of the engine besides the rules'
+/// transactions.
+impl PgEngine {
+    /// Blocks until a commit that made work due lands (on any handle of any
+    /// host: `NOTIFY`) or `timeout` passes; `true` when woken. Waking is only
+    /// a hint: a waiter reads again after it. A worker's tick also seals what
+    /// a crashed handle or a skipped best-effort sealing left pending.
+    pub(crate) fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
         // A worker's tick: events a crashed handle or a skipped best-effort
         // sealing left pending go on the chain.
         {
@@ -1581,7 +1311,9 @@ impl Engine for PgEngine {
         }
     }
 
-    fn audit_records(&self, after: u64) -> Result<Vec<AuditRecord>> {
+    /// The audit chain's records with `seq` above `after`, in order (sealing
+    /// what is pending first).
+    pub(crate) fn audit_records(&self, after: u64) -> Result<Vec<AuditRecord>> {
         let mut client = self.client()?;
         self.seal_before_reading(&mut client)?;
         let rows = client

@@ -8,8 +8,8 @@
 //!    key), first. A transaction about one item ([`Scope::OneItem`]: enqueue,
 //!    decide, finish, release, abandon, requeue or cancel of one key) takes it
 //!    *shared*, so any number of them run at once; every other writer (a drain
-//!    step, `enqueue_many`, a bulk action, [`Engine::commit`] and
-//!    [`Engine::claim_batch`], retention and stored settings) takes it
+//!    step, `enqueue_many`, a bulk action, retention and stored settings)
+//!    takes it
 //!    *exclusive* and runs alone, so it may lock many rows in any order.
 //! 2. **The item**: its row `FOR UPDATE` on first touch; for a key with no row
 //!    yet (an enqueue), first a transaction advisory lock on the key, so two
@@ -20,9 +20,8 @@
 //!    times and cooldown are read: a sequence taken but not yet committed is
 //!    never passed over by a decision that reads the line, and the
 //!    destination's cap holds across hosts.
-//! 4. **The caps lock** (`caps`, exclusive, shared with
-//!    [`Engine::claim_batch`](crate::engine::Engine::claim_batch)), before the
-//!    send times of every destination are read (a global cap).
+//! 4. **The caps lock** (`caps`, exclusive), before the send times of every
+//!    destination are read (a global cap).
 //! 5. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
 //!    a dead owner's key locked until the transaction ends (never waits).
 //!
@@ -118,21 +117,6 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 Scope::Any => HashSet::new(),
             },
         })
-    }
-
-    /// The moment this transaction decides at.
-    pub(crate) fn now(&self) -> DateTime<Utc> {
-        self.now
-    }
-
-    /// The settings in force.
-    pub(crate) fn settings(&self) -> &Settings {
-        &self.settings
-    }
-
-    /// The owner id this handle's claims carry.
-    pub(crate) fn owner(&self) -> &str {
-        &self.engine.owner
     }
 
     /// Reads (and locks) the committed row of `key`, once per transaction.
@@ -607,8 +591,8 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 .get(key)
                 .and_then(|b| b.as_ref().map(|(item, _)| item));
             if !self.engine.put(&mut self.tx, item, expect, before)? {
-                // Only a writer outside the rules (an `Engine::commit`) can get
-                // here: the rows read were locked.
+                // Cannot happen: the rows read were locked, and every writer
+                // of `items` runs the rules.
                 return Err(Error::Database {
                     op: "write an item",
                     source: format!("item {key:?} changed under this transaction").into(),
