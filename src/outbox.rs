@@ -1048,13 +1048,28 @@ impl Outbox {
         }
     }
 
+    /// The PostgreSQL audit records after `after`, one page.
+    #[cfg(feature = "postgres")]
+    fn audit_page(&self, after: u64) -> Result<Vec<AuditRecord>> {
+        match &self.inner.backend {
+            Backend::Postgres(engine) => crate::engine::postgres::blocking(|| {
+                engine
+                    .engine()
+                    .audit_page(after, crate::engine::postgres::AUDIT_PAGE)
+            }),
+            Backend::File(_) => Ok(Vec::new()),
+        }
+    }
+
     /// Every audit record, in chain order: on a directory, streamed from its
     /// audit files (sealed segments, then `audit.jsonl`, as
     /// [`AuditLog::records_dir`](crate::AuditLog::records_dir)); on
-    /// PostgreSQL, read from the `audit` table at once. For tools that read
-    /// the whole log (the CLI's `verify` and `export --audit`) without knowing
-    /// the engine. Records past [`audit_head`](Self::audit_head) may appear
-    /// while a bot writes.
+    /// PostgreSQL, read from the `audit` table a page of 1,000 records at a
+    /// time, by seq (each page after sealing what is pending), so a long
+    /// chain is streamed in bounded memory. For tools that read the whole log
+    /// (the CLI's `verify` and `export --audit`) without knowing the engine.
+    /// Records past [`audit_head`](Self::audit_head) may appear while a bot
+    /// writes.
     ///
     /// # Errors
     ///
@@ -1063,9 +1078,11 @@ impl Outbox {
     /// [`AuditLog::records`](crate::AuditLog::records).
     pub fn audit_records(&self) -> Result<crate::audit::AuditChainRecords> {
         #[cfg(feature = "postgres")]
-        if let Backend::Postgres(engine) = &self.inner.backend {
-            let records = crate::engine::postgres::blocking(|| engine.engine().audit_records(0))?;
-            return Ok(crate::audit::AuditChainRecords::of(records));
+        if let Backend::Postgres(_) = &self.inner.backend {
+            let outbox = self.clone();
+            return Ok(crate::audit::AuditChainRecords::paged(Box::new(
+                move |after| outbox.audit_page(after),
+            )));
         }
         crate::audit::AuditLog::records_dir(self.file_dir("audit_records")?)
     }

@@ -187,6 +187,8 @@ impl AuditLog {
             ready: VecDeque::new(),
             files: chain_files(dir, &anchor)?.into(),
             current: None,
+            #[cfg(feature = "postgres")]
+            pages: None,
         })
     }
 
@@ -244,24 +246,82 @@ impl AuditLog {
     }
 }
 
-/// An iterator over every record of an outbox directory's audit log, sealed
-/// segments first; see [`AuditLog::records_dir`].
+/// An iterator over every record of an outbox's audit chain, in chain order:
+/// a directory's sealed segments, then its active log (see
+/// [`AuditLog::records_dir`]); or a PostgreSQL outbox's `audit` table, read a
+/// page at a time (see `Outbox::audit_records`). Either way a long chain is
+/// never held in memory whole.
 #[derive(Debug)]
 pub struct AuditChainRecords {
-    /// Records read already (a PostgreSQL outbox's), handed out first.
+    /// Records read already (the current page of a table), handed out first.
     ready: VecDeque<AuditRecord>,
     files: VecDeque<PathBuf>,
     current: Option<AuditRecords>,
+    /// Where the next page comes from, for a chain that is not in files.
+    #[cfg(feature = "postgres")]
+    pages: Option<Pages>,
+}
+
+/// Reads the page of records after a seq (empty: the chain ends there).
+#[cfg(feature = "postgres")]
+type NextPage = Box<dyn FnMut(u64) -> Result<Vec<AuditRecord>> + Send + Sync>;
+
+/// A chain read page by page, keyed by seq.
+#[cfg(feature = "postgres")]
+struct Pages {
+    next: NextPage,
+    /// The seq of the last record handed out.
+    after: u64,
+    /// No page is left (the last was empty, or failed).
+    done: bool,
+}
+
+#[cfg(feature = "postgres")]
+impl std::fmt::Debug for Pages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pages")
+            .field("after", &self.after)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
 }
 
 impl AuditChainRecords {
-    /// These records, in this order (a chain that is not in files).
+    /// The records `next` returns page by page: `next(after)` reads those with
+    /// a seq above `after`, in order, up to a page; an empty page ends the
+    /// chain, an error is handed out once and ends it too.
     #[cfg(feature = "postgres")]
-    pub(crate) fn of(records: Vec<AuditRecord>) -> Self {
+    pub(crate) fn paged(next: NextPage) -> Self {
         Self {
-            ready: records.into(),
+            ready: VecDeque::new(),
             files: VecDeque::new(),
             current: None,
+            pages: Some(Pages {
+                next,
+                after: 0,
+                done: false,
+            }),
+        }
+    }
+
+    /// The next page, when the chain is read by pages and one is left.
+    #[cfg(feature = "postgres")]
+    fn next_page(&mut self) -> Option<Result<()>> {
+        let pages = self.pages.as_mut().filter(|pages| !pages.done)?;
+        match (pages.next)(pages.after) {
+            Ok(page) if page.is_empty() => {
+                pages.done = true;
+                None
+            }
+            Ok(page) => {
+                pages.after = page.last().map_or(pages.after, |record| record.seq);
+                self.ready = page.into();
+                Some(Ok(()))
+            }
+            Err(e) => {
+                pages.done = true;
+                Some(Err(e))
+            }
         }
     }
 }
@@ -272,6 +332,13 @@ impl Iterator for AuditChainRecords {
     fn next(&mut self) -> Option<Self::Item> {
         if let Some(record) = self.ready.pop_front() {
             return Some(Ok(record));
+        }
+        #[cfg(feature = "postgres")]
+        if self.pages.is_some() {
+            return match self.next_page()? {
+                Ok(()) => self.ready.pop_front().map(Ok),
+                Err(e) => Some(Err(e)),
+            };
         }
         loop {
             if let Some(record) = self.current.as_mut().and_then(Iterator::next) {

@@ -777,3 +777,49 @@ fn a_server_restart_mid_send_makes_the_claim_ambiguous_then_the_finish_corrects_
 /// More than the idle connections a handle keeps (`IDLE_CONNECTIONS`, 8):
 /// enough calls to meet every connection a restart closed.
 const STALE_CONNECTIONS: usize = 9;
+
+/// `audit_records` streams a PostgreSQL chain a page (1,000 records) at a
+/// time, by seq, so an export of a long chain never holds it whole: a chain
+/// of 2,500 records comes out whole, in order, each linked to the one before; and the
+/// stream reads the table as it goes, so records sealed after it started,
+/// beyond the page it holds, still come out (a stream that read everything
+/// at the start would end at 2,500).
+#[test]
+fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open();
+    for batch in 0..5 {
+        outbox
+            .enqueue_many(
+                (0..500)
+                    .map(|n| msg(&format!("k-{batch}-{n}"), &format!("chat-{n}")))
+                    .collect(),
+            )
+            .unwrap();
+    }
+    assert_eq!(outbox.audit_head().unwrap().seq, 2_500);
+    let mut records = outbox.audit_records().unwrap();
+    let first = records.next().unwrap().unwrap();
+    assert_eq!(first.seq, 1);
+    // Sealed while the stream holds its first page.
+    outbox.enqueue(msg("late", "chat-late")).unwrap();
+    let mut seqs = vec![first.seq];
+    let mut previous = first.hash.clone();
+    for record in records {
+        let record = record.unwrap();
+        assert_eq!(
+            record.prev_hash, previous,
+            "seq {} links to the one before",
+            record.seq
+        );
+        previous.clone_from(&record.hash);
+        seqs.push(record.seq);
+    }
+    assert_eq!(
+        seqs,
+        (1..=2_501).collect::<Vec<u64>>(),
+        "whole, in order, once each"
+    );
+    assert_eq!(previous, outbox.audit_head().unwrap().hash);
+    assert_eq!(outbox.verify_audit().unwrap().records, 2_501);
+}

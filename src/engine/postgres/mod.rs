@@ -106,6 +106,9 @@ pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
 /// How many idle reads/commits connections a handle keeps open between calls.
 pub(crate) const IDLE_CONNECTIONS: usize = 8;
 
+/// How many audit records one page of `Outbox::audit_records` reads.
+pub(crate) const AUDIT_PAGE: i64 = 1_000;
+
 /// How many pending events one sealing transaction moves at most.
 const SEAL_BATCH: i64 = 1_000;
 
@@ -1311,18 +1314,19 @@ impl PgEngine {
         }
     }
 
-    /// The audit chain's records with `seq` above `after`, in order (sealing
-    /// what is pending first).
-    pub(crate) fn audit_records(&self, after: u64) -> Result<Vec<AuditRecord>> {
+    /// Up to `limit` of the audit chain's records with `seq` above `after`,
+    /// in order (sealing what is pending first): one page of a chain read in
+    /// bounded memory, keyed by seq.
+    pub(crate) fn audit_page(&self, after: u64, limit: i64) -> Result<Vec<AuditRecord>> {
         let mut client = self.client()?;
         self.seal_before_reading(&mut client)?;
         let rows = client
             .query(
                 &format!(
-                    "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq",
+                    "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq LIMIT $2",
                     self.s
                 ),
-                &[&(after as i64)],
+                &[&i64::try_from(after).unwrap_or(i64::MAX), &limit],
             )
             .map_err(db("read the audit log"))?;
         rows.iter()

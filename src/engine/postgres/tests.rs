@@ -107,7 +107,7 @@ fn enqueue(engine: &PgEngine, item: OutboxItem) {
 fn export_to_file(engine: &PgEngine) -> tempfile::NamedTempFile {
     let file = tempfile::NamedTempFile::new().unwrap();
     let lines: Vec<u8> = engine
-        .audit_records(0)
+        .audit_page(0, super::AUDIT_PAGE)
         .unwrap()
         .iter()
         .flat_map(crate::audit::AuditRecord::to_line)
@@ -142,9 +142,16 @@ fn the_audit_table_holds_one_chain_the_file_verifier_accepts_and_edits_break_it(
     let file = export_to_file(&engine);
     let report = crate::AuditLog::verify(file.path()).expect("the export verifies offline");
     assert_eq!(report.records, 30);
-    let records = engine.audit_records(0).unwrap();
+    let records = engine.audit_page(0, super::AUDIT_PAGE).unwrap();
     assert_eq!(records.len(), 30);
-    assert_eq!(engine.audit_records(28).unwrap().len(), 2);
+    assert_eq!(engine.audit_page(28, super::AUDIT_PAGE).unwrap().len(), 2);
+    // Pages by seq: each starts after the last one read, and holds `limit`.
+    let first = engine.audit_page(0, 10).unwrap();
+    let second = engine.audit_page(first.last().unwrap().seq, 10).unwrap();
+    assert_eq!(
+        (first.len(), first[0].seq, second.len(), second[0].seq),
+        (10, 1, 10, 11)
+    );
     assert_eq!(records, crate::AuditLog::read(file.path()).unwrap());
     // Someone edits a record in the table: the exported chain no longer verifies.
     db.psql(&format!(
@@ -232,7 +239,7 @@ fn schemas_keep_outboxes_apart_in_one_database() {
     enqueue(&b, item("same-key", "chat-b"));
     assert_eq!(a.item("same-key").unwrap().unwrap().destination, "chat-a");
     assert_eq!(b.item("same-key").unwrap().unwrap().destination, "chat-b");
-    assert_eq!(a.audit_records(0).unwrap().len(), 1);
+    assert_eq!(a.audit_page(0, super::AUDIT_PAGE).unwrap().len(), 1);
 }
 
 #[test]
