@@ -781,10 +781,9 @@ const STALE_CONNECTIONS: usize = 9;
 /// `audit_records` streams a PostgreSQL chain a page (1,000 records) at a
 /// time, by seq, so an export of a long chain never holds it whole: a chain
 /// of 2,500 records comes out whole, in order, each linked to the one
-/// before; and the
-/// stream reads the table as it goes, so records sealed after it started,
-/// beyond the page it holds, still come out (a stream that read everything
-/// at the start would end at 2,500).
+/// before; and the stream reads the table as it goes, so records sealed
+/// after it started, beyond the page it holds, still come out (a stream that
+/// read everything at the start would end at 2,500).
 #[test]
 fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
     let Some(engine) = engine() else { return };
