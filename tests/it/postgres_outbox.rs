@@ -93,9 +93,11 @@ fn outboxes_in_two_schemas_of_one_database_are_apart() {
     assert_eq!(second.get("a").unwrap().unwrap().state(), ItemState::Queued);
 }
 
-/// Kills every owner session (each handle's advisory-lock connection) as a
-/// network cut or a server restart would; handles take their lock again on
-/// their next call.
+/// Kills every owner session (each handle's advisory-lock connection) of
+/// this test's database as a network cut or a server restart would; handles
+/// take their lock again on their next call. Only this database's: the
+/// server is shared by tests running at the same time, each in its own
+/// database, and theirs must not be cut.
 fn cut_owner_sessions(engine: &EngineUnderTest) {
     let url = engine.url();
     let db = url.rsplit('/').next().unwrap().to_owned();
@@ -103,7 +105,8 @@ fn cut_owner_sessions(engine: &EngineUnderTest) {
     server.psql(
         &db,
         "SELECT count(pg_terminate_backend(pid)) FROM pg_locks
-         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
+         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     );
 }
 
