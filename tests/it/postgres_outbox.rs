@@ -437,7 +437,9 @@ fn a_transaction_the_server_aborts_in_a_deadlock_is_run_again_and_writes_once() 
                     let waiting: i64 = tx
                         .query_one(
                             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
-                               AND objid = 1002 AND NOT granted",
+                               AND classid = 0 AND objid = 1002 AND NOT granted
+                               AND database = (SELECT oid FROM pg_database
+                                               WHERE datname = current_database())",
                             &[],
                         )
                         .unwrap()
