@@ -106,18 +106,30 @@ fn writers_on_two_handles_give_one_chain_in_each_items_order() {
                                     returned.lock().unwrap().extend(receipt.audit_id);
                                     true
                                 }
-                                ItemState::Failed if turn.load(Ordering::SeqCst) >= ROUNDS => false,
                                 ItemState::Failed => {
+                                    // A turn is taken before the requeue, so two
+                                    // threads that both saw the item failed cannot
+                                    // requeue it past ROUNDS between them.
+                                    if turn
+                                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |t| {
+                                            (t < ROUNDS).then_some(t + 1)
+                                        })
+                                        .is_err()
+                                    {
+                                        return false;
+                                    }
                                     match outbox.requeue(key, "ops", "again") {
                                         Ok(item) => {
-                                            turn.fetch_add(1, Ordering::SeqCst);
                                             returned
                                                 .lock()
                                                 .unwrap()
                                                 .extend(item.last_audit_id().map(str::to_owned));
                                         }
-                                        // Another thread requeued it first.
-                                        Err(Error::InvalidTransition { .. }) => {}
+                                        // Another thread requeued it first: the
+                                        // turn is given back.
+                                        Err(Error::InvalidTransition { .. }) => {
+                                            turn.fetch_sub(1, Ordering::SeqCst);
+                                        }
                                         Err(e) => panic!("{key}: requeue: {e}"),
                                     }
                                     true
