@@ -110,6 +110,55 @@ fn cut_owner_sessions(engine: &EngineUnderTest) {
     );
 }
 
+/// A handle whose owner session was cut takes its owner lock again before
+/// its next claim names it (the transaction's first statement finds the lock
+/// free): a send it starts afterwards is live to every other handle, which
+/// answers `InFlight` and never declares it dead.
+#[test]
+fn after_a_cut_a_handle_takes_its_owner_lock_again_before_its_next_claim() {
+    let Some(engine) = engine() else { return };
+    let worker = engine.open();
+    let other = engine.open();
+    worker.enqueue(msg("k", "chat-1")).unwrap();
+    cut_owner_sessions(&engine);
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let receipt = within(
+        "a send after its owner's lock was taken again",
+        DEADLOCK_LIMIT,
+        || {
+            std::thread::scope(|scope| {
+                let worker = &worker;
+                let sending = scope.spawn(move || {
+                    worker
+                        .process("k", |_| {
+                            entered_tx.send(()).unwrap();
+                            release_rx.recv().unwrap();
+                            Ok(Some("tr-k".into()))
+                        })
+                        .unwrap()
+                });
+                entered_rx.recv().unwrap();
+                let seen = other.process("k", |_| panic!("never resent"));
+                release_tx.send(()).unwrap();
+                (seen.unwrap(), sending.join().unwrap())
+            })
+        },
+    );
+    let (seen, receipt) = receipt;
+    assert_eq!(
+        seen.outcome,
+        Outcome::InFlight,
+        "a send whose owner holds its lock again is live: {seen:?}"
+    );
+    assert_eq!(receipt.outcome, Outcome::Sent);
+    assert_eq!(
+        other.get("k").unwrap().unwrap().state(),
+        ItemState::Sent,
+        "sent once, on record"
+    );
+}
+
 #[test]
 fn a_cut_owner_session_mid_send_is_ambiguous_never_resent_then_corrected_when_the_send_ends() {
     let Some(engine) = engine() else { return };

@@ -77,7 +77,7 @@ mod schema;
 mod txn;
 
 pub(crate) use backend::{ENGINE, PgBackend};
-use conn::{Conn, Tx};
+use conn::{Conn, Step, Tx};
 pub(crate) use import::{Import, import};
 pub(crate) use txn::PgTxn;
 
@@ -194,14 +194,14 @@ fn system_event(
 
 /// Opens connections to one server.
 pub(crate) struct Connector {
-    config: postgres::Config,
+    config: tokio_postgres::Config,
 }
 
 impl Connector {
     /// Parses a `postgres://` URL (or `key=value` string). The error never
     /// repeats the URL: it may hold a password.
     pub(crate) fn parse(url: &str) -> Result<Self> {
-        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid_config(
                 "url",
                 format!("not a PostgreSQL connection URL ({e}); expected postgres://user@host:port/database"),
@@ -216,8 +216,22 @@ impl Connector {
         Ok(Self { config })
     }
 
+    /// A synchronous client (owner lock, `LISTEN`, migrations).
     pub(crate) fn connect(&self) -> Result<Client> {
-        self.config.connect(NoTls).map_err(db("connect"))
+        postgres::Config::from(self.config.clone())
+            .connect(NoTls)
+            .map_err(db("connect"))
+    }
+
+    /// A reads/commits connection (see [`conn`]).
+    fn conn(&self) -> Result<Conn> {
+        Conn::connect(&self.config).map_err(|e| match e {
+            conn::ConnectError::Postgres(e) => db("connect")(e),
+            conn::ConnectError::Runtime(e) => Error::Database {
+                op: "connect",
+                source: Box::new(e),
+            },
+        })
     }
 }
 
@@ -322,7 +336,8 @@ impl PgEngine {
             listener: Mutex::new(None),
         };
         // Events a crashed handle committed and never sealed go on the chain now.
-        let mut conn = Conn::new(client);
+        drop(client);
+        let mut conn = engine.connector.conn()?;
         engine.seal_pending(&mut conn, Seal::Wait)?;
         engine.give_back(conn);
         Ok(engine)
@@ -344,7 +359,7 @@ impl PgEngine {
         };
         let client = match idle {
             Some(client) => client,
-            None => Conn::new(self.connector.connect()?),
+            None => self.connector.conn()?,
         };
         Ok(Pooled {
             engine: self,
@@ -395,36 +410,15 @@ impl PgEngine {
         )
     }
 
-    /// Writes `events` to `audit_pending` in `tx`, in order (one statement);
-    /// returns their pending ids. Their ids come from the table's sequence,
-    /// taken now: after every row lock `tx` holds.
-    fn write_pending(&self, tx: &mut Tx<'_>, events: &[AuditEvent]) -> Result<Vec<i64>> {
-        if events.is_empty() {
-            return Ok(Vec::new());
-        }
-        let docs: Vec<String> = events
-            .iter()
-            .map(|event| {
-                serde_json::to_string(event).map_err(|e| Error::Database {
-                    op: "write a pending audit event",
-                    source: Box::new(e),
-                })
-            })
-            .collect::<Result<_>>()?;
-        let rows = tx
-            .query(
-                &format!(
-                    "INSERT INTO {}.audit_pending (event)
-                     SELECT doc FROM unnest($1::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n
-                     RETURNING id",
-                    self.s
-                ),
-                &[&docs],
-            )
-            .map_err(db("write pending audit events"))?;
-        let mut ids: Vec<i64> = rows.iter().map(|row| row.get(0)).collect();
-        ids.sort_unstable();
-        Ok(ids)
+    /// Inserts pending events (parameter: their documents, from
+    /// [`pending_docs`]) in order, returning their ids.
+    fn pending_sql(&self) -> String {
+        format!(
+            "INSERT INTO {}.audit_pending (event)
+             SELECT doc FROM unnest($1::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n
+             RETURNING id",
+            self.s
+        )
     }
 
     /// Seals the pending events onto the chain (see "Deferred sealing"), in
@@ -443,7 +437,8 @@ impl PgEngine {
     ) -> Result<Vec<(i64, AuditRecord)>> {
         let mut sealed = Vec::new();
         loop {
-            let mut tx = client.begin().map_err(db("begin sealing"))?;
+            // `BEGIN` goes with the head's statement: one round trip.
+            let mut tx = client.begin();
             // The committing handle's sealing does not wait for its WAL
             // flush (see "Deferred sealing": a sealing lost in a crash is
             // undone whole, its events pending again, and no reader has seen
@@ -462,8 +457,8 @@ impl PgEngine {
                 return Ok(sealed);
             };
             let head = head_of_row(&row);
-            let (batch, _) = self.seal_pending_in(&mut tx, head)?;
-            if batch.is_empty() {
+            let rows = self.take_pending(&mut tx)?;
+            if rows.is_empty() {
                 if how == Seal::Wait && !Self::wal_flushed(&mut tx)? {
                     // A reader: a sealing committed without waiting for its
                     // WAL flush may be what it is about to read. This commit
@@ -474,8 +469,14 @@ impl PgEngine {
                 // Otherwise nothing written: rolled back, no WAL flush.
                 return Ok(sealed);
             }
-            tx.commit().map_err(db("commit sealed audit records"))?;
-            let full = batch.len() as i64 >= SEAL_BATCH;
+            let full = rows.len() as i64 >= SEAL_BATCH;
+            let (batch, write) = self.seal_rows(rows, head)?;
+            // The records and the head's move go with the `COMMIT`.
+            let params = write.params();
+            let sql = self.append_sealed_sql();
+            tx.pipeline(&[Step::Execute(&sql, &params), Step::Simple("COMMIT")])
+                .map_err(db("commit sealed audit records"))?;
+            tx.ended();
             sealed.extend(batch);
             if !full {
                 return Ok(sealed);
@@ -503,6 +504,19 @@ impl PgEngine {
         tx: &mut Tx<'_>,
         head: Head,
     ) -> Result<(Vec<(i64, AuditRecord)>, Head)> {
+        let rows = self.take_pending(tx)?;
+        if rows.is_empty() {
+            return Ok((Vec::new(), head));
+        }
+        let (sealed, write) = self.seal_rows(rows, head)?;
+        tx.execute(&self.append_sealed_sql(), &write.params())
+            .map_err(db("append sealed audit records"))?;
+        Ok((sealed, write.head))
+    }
+
+    /// Deletes up to [`SEAL_BATCH`] pending events (the oldest) in `tx`,
+    /// which holds the head row; returns them in pending-id order.
+    fn take_pending(&self, tx: &mut Tx<'_>) -> Result<Vec<(i64, String)>> {
         let s = &self.s;
         let mut rows: Vec<(i64, String)> = tx
             .query(
@@ -517,10 +531,17 @@ impl PgEngine {
             .iter()
             .map(|row| (row.get(0), row.get(1)))
             .collect();
-        if rows.is_empty() {
-            return Ok((Vec::new(), head));
-        }
         rows.sort_by_key(|(id, _)| *id);
+        Ok(rows)
+    }
+
+    /// Seals pending events (in the order given) after `head`: the records,
+    /// and what to write.
+    fn seal_rows(
+        &self,
+        rows: Vec<(i64, String)>,
+        head: Head,
+    ) -> Result<(Vec<(i64, AuditRecord)>, SealedWrite)> {
         let mut seq = head.seq;
         let mut prev = head.hash;
         let mut sealed = Vec::with_capacity(rows.len());
@@ -543,23 +564,28 @@ impl PgEngine {
             sealed.push((id, record));
         }
         let head = Head { seq, hash: prev };
-        tx.execute(
-            &format!(
-                "WITH sealed AS (
-                   INSERT INTO {s}.audit (seq, hash, line)
-                   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[]))
-                 UPDATE {s}.audit_head SET seq = $4, hash = $5 WHERE id = 1"
-            ),
-            &[
-                &seqs,
-                &hashes,
-                &lines,
-                &i64::try_from(head.seq).unwrap_or(i64::MAX),
-                &head.hash,
-            ],
+        Ok((
+            sealed,
+            SealedWrite {
+                seqs,
+                hashes,
+                lines,
+                head_seq: i64::try_from(head.seq).unwrap_or(i64::MAX),
+                head,
+            },
+        ))
+    }
+
+    /// Inserts sealed records and moves the head, in one statement
+    /// (parameters: [`SealedWrite::params`]).
+    fn append_sealed_sql(&self) -> String {
+        let s = &self.s;
+        format!(
+            "WITH sealed AS (
+               INSERT INTO {s}.audit (seq, hash, line)
+               SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[]))
+             UPDATE {s}.audit_head SET seq = $4, hash = $5 WHERE id = 1"
         )
-        .map_err(db("append sealed audit records"))?;
-        Ok((sealed, head))
     }
 
     /// Seals what is pending before a read of the chain (waits for the head).
@@ -571,7 +597,7 @@ impl PgEngine {
     /// after a cut or a server restart it is taken again (same owner id: the
     /// handle's sends in progress are alive, whatever other handles concluded
     /// meanwhile) and verified.
-    fn ensure_owner(&self, client: &mut Client) -> Result<()> {
+    fn ensure_owner(&self) -> Result<()> {
         let asked = std::time::Instant::now();
         let mut liveness = lock(&self.liveness);
         if liveness.held_since(asked) {
@@ -591,7 +617,7 @@ impl PgEngine {
                 ),
             });
         };
-        fresh.verify(client)?;
+        fresh.verify(&mut self.connector.connect()?)?;
         *liveness = fresh;
         Ok(())
     }
@@ -613,85 +639,6 @@ impl PgEngine {
             item,
             revision: revision as u64,
         })
-    }
-
-    /// Writes one item conditionally; `false` when the expectation failed.
-    /// `before`: the version the writer read (its send times and cooldown
-    /// are indexed already), when it has one.
-    fn put(
-        &self,
-        tx: &mut Tx<'_>,
-        item: &OutboxItem,
-        expect: Expect,
-        before: Option<&OutboxItem>,
-    ) -> Result<bool> {
-        let s = &self.s;
-        let row = rows::NewRow::of(item);
-        let written = match expect {
-            Expect::Absent => tx
-                .execute(&rows::insert_item_sql(s), &row.params())
-                .map_err(db("insert an item"))?,
-            Expect::Revision(revision) => {
-                let revision = i64::try_from(revision).unwrap_or(i64::MAX);
-                tx.execute(&rows::update_item_sql(s), &row.update_params(&revision))
-                    .map_err(db("update an item"))?
-            }
-        };
-        if written != 1 {
-            return Ok(false);
-        }
-        self.index_rates(tx, item, before, matches!(expect, Expect::Absent))?;
-        Ok(true)
-    }
-
-    /// Keeps `rate_times` and `cooldowns` in step with one written item
-    /// (nothing to write when they are as `before`, the version read, or for
-    /// a `fresh` row without send times).
-    fn index_rates(
-        &self,
-        tx: &mut Tx<'_>,
-        item: &OutboxItem,
-        before: Option<&OutboxItem>,
-        fresh: bool,
-    ) -> Result<()> {
-        let s = &self.s;
-        let times: Vec<DateTime<Utc>> = rate_times(item).collect();
-        let unchanged = before.is_some_and(|before| {
-            before.destination == item.destination
-                && rate_times(before).collect::<Vec<_>>() == times
-        });
-        let nothing_to_write = unchanged || (fresh && times.is_empty());
-        if !nothing_to_write {
-            // One statement: drop the times the item no longer has, add the
-            // new ones (the two never touch the same row).
-            tx.execute(
-                &format!(
-                    "WITH gone AS (
-                       DELETE FROM {s}.rate_times
-                       WHERE idempotency_key = $1 AND NOT (at = ANY($3) AND destination = $2))
-                     INSERT INTO {s}.rate_times (idempotency_key, destination, at)
-                     SELECT $1, $2, t FROM unnest($3::timestamptz[]) AS t
-                     ON CONFLICT DO NOTHING"
-                ),
-                &[&item.idempotency_key, &item.destination, &times],
-            )
-            .map_err(db("index an item's send times"))?;
-        }
-        let cooldown_unchanged =
-            before.is_some_and(|before| before.cooldown_until == item.cooldown_until);
-        if let Some(until) = item.cooldown_until.filter(|_| !cooldown_unchanged) {
-            // The cooldown belongs to the destination: only ever raised.
-            tx.execute(
-                &format!(
-                    "INSERT INTO {s}.cooldowns (destination, until) VALUES ($1, $2)
-                     ON CONFLICT (destination) DO UPDATE
-                     SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until)"
-                ),
-                &[&item.destination, &until],
-            )
-            .map_err(db("record a destination cooldown"))?;
-        }
-        Ok(())
     }
 
     /// Whether this handle's own owner lock is still held.
@@ -727,44 +674,75 @@ impl PgEngine {
         }
     }
 
-    /// Passes the writers' gate in `tx` (see [`pass_gate`](Self::pass_gate))
-    /// and reads the stored settings, in one round trip. The settings are
-    /// read as of the statement's start: a change committed while this
-    /// transaction waited at the gate is seen from its next transaction on.
-    pub(crate) fn pass_gate_reading_settings(
-        &self,
-        tx: &mut Tx<'_>,
-        scope: txn::Scope<'_>,
-    ) -> Result<Stored> {
+    /// Opens a transaction of the rules in `tx`, in one round trip (one
+    /// pipeline: `BEGIN`, then the statements below, each after the one
+    /// before and with its own snapshot):
+    ///
+    /// 1. pass the writers' gate (see [`pass_gate`](Self::pass_gate)); for a
+    ///    one-item transaction also lock the item's key (no enqueue of it can
+    ///    be under way unseen, see `txn`); read the stored settings (as of the
+    ///    statement's start: a change committed while this transaction waited
+    ///    at the gate is seen from its next transaction on); and probe this
+    ///    handle's own owner lock: a shared try-lock on the owner's key fails
+    ///    while the owner session holds it, and succeeds once that session
+    ///    is gone (a cut, a server restart);
+    /// 2. for a one-item transaction, read the item's row `FOR UPDATE`: a
+    ///    statement of its own, so its snapshot is taken once the gate and
+    ///    the key's lock were granted (a row an enqueue of the key committed
+    ///    meanwhile is seen).
+    ///
+    /// Returns the stored settings, the item's row (one-item transactions),
+    /// and whether the owner lock is held.
+    pub(crate) fn open_txn(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<Opened> {
+        let s = &self.s;
         let gate = lock_key(&self.schema, "writers");
-        let row = match scope {
-            // The item's key is locked with the gate: no enqueue of it can
-            // be under way unseen (see `txn`).
-            txn::Scope::OneItem(key) => tx.query_one(
-                &format!(
-                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1)
-                     FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate",
-                    self.s
-                ),
-                &[&gate, &lock_key(&self.schema, &format!("key:{key}"))],
-            ),
-            txn::Scope::Any => tx.query_one(
-                &format!(
-                    "SELECT (SELECT doc FROM {}.settings WHERE id = 1)
-                     FROM (SELECT pg_advisory_xact_lock($1)) gate",
-                    self.s
-                ),
-                &[&gate],
-            ),
+        let owner = lock_key(&self.schema, &self.owner);
+        let results = match scope {
+            txn::Scope::OneItem(key) => {
+                let key_lock = lock_key(&self.schema, &format!("key:{key}"));
+                let gate_sql = format!(
+                    "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+                       pg_try_advisory_xact_lock_shared($3)
+                     FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate"
+                );
+                let row_sql = txn::select_for_update_sql(s);
+                tx.pipeline(&[
+                    Step::QueryOne(&gate_sql, &[&gate, &key_lock, &owner]),
+                    Step::QueryOpt(&row_sql, &[&key]),
+                ])
+            }
+            txn::Scope::Any => {
+                let gate_sql = format!(
+                    "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+                       pg_try_advisory_xact_lock_shared($2)
+                     FROM (SELECT pg_advisory_xact_lock($1)) gate"
+                );
+                tx.pipeline(&[Step::QueryOne(&gate_sql, &[&gate, &owner])])
+            }
         }
         .map_err(db("pass the writers' gate"))?;
-        self.stored_of(row.get(0))
+        let mut results = results.into_iter();
+        let gate_row = results.next().and_then(|mut done| done.rows.pop());
+        let Some(gate_row) = gate_row else {
+            return Err(Error::Database {
+                op: "pass the writers' gate",
+                source: "the gate's statement returned no row".into(),
+            });
+        };
+        let stored = self.stored_of(gate_row.get(0))?;
+        let owner_free: bool = gate_row.get(1);
+        let row = results.next().and_then(|mut done| done.rows.pop());
+        Ok(Opened {
+            stored,
+            row,
+            owner_held: !owner_free,
+        })
     }
 
     /// The stored settings, as last committed.
     pub(crate) fn stored_settings(&self) -> Result<Stored> {
         let mut client = self.client()?;
-        let mut tx = client.begin().map_err(db("begin a read"))?;
+        let mut tx = client.begin();
         let stored = self.read_settings(&mut tx)?;
         tx.commit().map_err(db("end a read"))?;
         Ok(stored)
@@ -803,14 +781,31 @@ impl PgEngine {
         f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;
-        // A claim must name an owner whose lock is held (after a cut or a
-        // restart it is taken again here).
-        self.ensure_owner(&mut client)?;
-        let tx = client.begin().map_err(db("begin a transaction"))?;
-        let mut txn = PgTxn::begin(self, tx, scope, now, defaults)?;
+        // A claim must name an owner whose lock is held: the transaction's
+        // first statement probes it (see `open_txn`); after a cut or a
+        // restart it is taken again here, and the transaction begun anew.
+        let mut retaken = false;
+        let mut txn = loop {
+            match PgTxn::begin(self, client.begin(), scope, now, defaults)? {
+                Some(txn) => break txn,
+                None if !retaken => {
+                    self.ensure_owner()?;
+                    retaken = true;
+                }
+                None => {
+                    return Err(Error::SessionLocksUnavailable {
+                        reason: format!(
+                            "owner lock {} is not held by this handle's owner session after \
+                             taking it again",
+                            self.owner
+                        ),
+                    });
+                }
+            }
+        };
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
-        self.after_commit(&mut client, committed.pending, committed.wake);
+        self.after_commit(&mut client, committed.pending, false);
         Ok(value)
     }
 
@@ -866,7 +861,7 @@ impl PgEngine {
         now: DateTime<Utc>,
     ) -> Result<()> {
         let mut client = self.client()?;
-        let mut tx = client.begin().map_err(db("begin storing settings"))?;
+        let mut tx = client.begin();
         let s = &self.s;
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events go on the chain first: this record comes after them.
@@ -963,7 +958,7 @@ impl PgEngine {
             .max(settings.rates.longest_window());
         let cutoff = crate::clock::earlier(now, keep_for);
         let mut client = self.client()?;
-        let mut tx = client.begin().map_err(db("begin a retention prune"))?;
+        let mut tx = client.begin();
         let s = &self.s;
         self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events (the pruned items' last ones among them) go on the
@@ -1149,12 +1144,7 @@ impl PgEngine {
     )> {
         let s = &self.s;
         let mut client = self.client()?;
-        let mut tx = client
-            .build_transaction()
-            .isolation_level(postgres::IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .map_err(db("begin reading rate windows"))?;
+        let mut tx = client.begin_snapshot();
         let queued = tx
             .query(
                 &format!(
@@ -1243,12 +1233,7 @@ impl PgEngine {
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
         let mut client = self.client()?;
         self.seal_before_reading(&mut client)?;
-        let mut tx = client
-            .build_transaction()
-            .isolation_level(postgres::IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .map_err(db("begin verifying the audit log"))?;
+        let mut tx = client.begin_snapshot();
         let row = tx
             .query_one(
                 &format!("SELECT seq, hash FROM {}.audit_head WHERE id = 1", self.s),
@@ -1340,6 +1325,162 @@ impl PgEngine {
                 })
             })
             .collect()
+    }
+}
+
+/// Sealed records to write and the head they end at.
+struct SealedWrite {
+    seqs: Vec<i64>,
+    hashes: Vec<String>,
+    lines: Vec<String>,
+    head_seq: i64,
+    head: Head,
+}
+
+impl SealedWrite {
+    /// The parameters of [`PgEngine::append_sealed_sql`].
+    fn params(&self) -> [&(dyn postgres::types::ToSql + Sync); 5] {
+        [
+            &self.seqs,
+            &self.hashes,
+            &self.lines,
+            &self.head_seq,
+            &self.head.hash,
+        ]
+    }
+}
+
+/// What [`PgEngine::open_txn`] found.
+pub(crate) struct Opened {
+    /// The stored settings.
+    pub(crate) stored: Stored,
+    /// The item's row, locked (one-item transactions; `None`: no row).
+    pub(crate) row: Option<Row>,
+    /// Whether this handle's owner lock is held.
+    pub(crate) owner_held: bool,
+}
+
+/// The documents `audit_pending` stores for `events`.
+fn pending_docs(events: &[AuditEvent]) -> Result<Vec<String>> {
+    events
+        .iter()
+        .map(|event| {
+            serde_json::to_string(event).map_err(|e| Error::Database {
+                op: "write a pending audit event",
+                source: Box::new(e),
+            })
+        })
+        .collect()
+}
+
+/// Runs `steps` as one pipeline in `tx`; the first error is named by its
+/// step's operation.
+fn run_named(tx: &mut Tx<'_>, steps: &[(Step<'_>, &'static str)]) -> Result<Vec<conn::Done>> {
+    let plain: Vec<Step<'_>> = steps.iter().map(|(step, _)| *step).collect();
+    let results = tx.pipeline_each(&plain).map_err(db("run statements"))?;
+    let mut out = Vec::with_capacity(results.len());
+    for (result, (_, op)) in results.into_iter().zip(steps) {
+        out.push(result.map_err(db(op))?);
+    }
+    Ok(out)
+}
+
+/// One item's write, ready to run: its row (an `INSERT`, or an `UPDATE` of
+/// the revision read; the statements of [`rows`]) and, when they changed since
+/// `before`, its send times (`rate_times`) and its destination's cooldown
+/// (`cooldowns`, only ever raised).
+pub(crate) struct ItemWrite<'i> {
+    item: &'i OutboxItem,
+    row: rows::NewRow<'i>,
+    /// `Some`: update the row at this revision; `None`: insert it.
+    revision: Option<i64>,
+    /// The item's send times, when they are to be written.
+    times: Option<Vec<DateTime<Utc>>>,
+    /// The cooldown to raise the destination's to, if any.
+    cooldown: Option<DateTime<Utc>>,
+}
+
+/// A statement to run, its parameters and the operation it performs.
+type Statement<'a> = (
+    String,
+    Vec<&'a (dyn postgres::types::ToSql + Sync)>,
+    &'static str,
+);
+
+impl<'i> ItemWrite<'i> {
+    pub(crate) fn new(item: &'i OutboxItem, expect: Expect, before: Option<&OutboxItem>) -> Self {
+        let times: Vec<DateTime<Utc>> = rate_times(item).collect();
+        let unchanged = before.is_some_and(|before| {
+            before.destination == item.destination
+                && rate_times(before).collect::<Vec<_>>() == times
+        });
+        let fresh = matches!(expect, Expect::Absent);
+        let nothing_to_write = unchanged || (fresh && times.is_empty());
+        let cooldown_unchanged =
+            before.is_some_and(|before| before.cooldown_until == item.cooldown_until);
+        Self {
+            item,
+            row: rows::NewRow::of(item),
+            revision: match expect {
+                Expect::Absent => None,
+                Expect::Revision(revision) => Some(i64::try_from(revision).unwrap_or(i64::MAX)),
+            },
+            times: (!nothing_to_write).then_some(times),
+            cooldown: item.cooldown_until.filter(|_| !cooldown_unchanged),
+        }
+    }
+
+    /// The statements of this write in schema `s` (quoted), in order. An
+    /// insert of a `strict` write fails on a row that exists (its
+    /// transaction aborts) instead of inserting nothing.
+    pub(crate) fn statements(&self, s: &str, strict: bool) -> Vec<Statement<'_>> {
+        let item = self.item;
+        let mut out: Vec<Statement<'_>> = Vec::with_capacity(3);
+        match &self.revision {
+            None => out.push((
+                if strict {
+                    rows::strict_insert_item_sql(s)
+                } else {
+                    rows::insert_item_sql(s)
+                },
+                self.row.params().to_vec(),
+                "insert an item",
+            )),
+            Some(revision) => out.push((
+                rows::update_item_sql(s),
+                self.row.update_params(revision).to_vec(),
+                "update an item",
+            )),
+        }
+        if let Some(times) = &self.times {
+            // One statement: drop the times the item no longer has, add the
+            // new ones (the two never touch the same row).
+            out.push((
+                format!(
+                    "WITH gone AS (
+                       DELETE FROM {s}.rate_times
+                       WHERE idempotency_key = $1 AND NOT (at = ANY($3) AND destination = $2))
+                     INSERT INTO {s}.rate_times (idempotency_key, destination, at)
+                     SELECT $1, $2, t FROM unnest($3::timestamptz[]) AS t
+                     ON CONFLICT DO NOTHING"
+                ),
+                vec![&item.idempotency_key, &item.destination, times],
+                "index an item's send times",
+            ));
+        }
+        if let Some(until) = &self.cooldown {
+            // The cooldown belongs to the destination: only ever raised.
+            out.push((
+                format!(
+                    "INSERT INTO {s}.cooldowns (destination, until) VALUES ($1, $2)
+                     ON CONFLICT (destination) DO UPDATE
+                     SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until)"
+                ),
+                vec![&item.destination, until],
+                "record a destination cooldown",
+            ));
+        }
+        out
     }
 }
 

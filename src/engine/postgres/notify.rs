@@ -18,16 +18,19 @@ use super::{Connector, db};
 use crate::error::Result;
 
 /// The channel of `schema`'s outbox.
-fn channel(schema: &str) -> String {
+pub(crate) fn channel(schema: &str) -> String {
     format!("durable_outbox_{schema}")
 }
+
+/// The statement that sends a wake-up (parameter: the [`channel`]).
+pub(crate) const WAKE_SQL: &str = "SELECT pg_notify($1, '')";
 
 /// Sends a wake-up now, outside any transaction (after the change it
 /// announces committed): one short statement that writes no WAL, so it does
 /// not hold the notify queue's lock through a WAL flush.
-pub(crate) fn wake_now(client: &mut Client, schema: &str) -> Result<()> {
+pub(crate) fn wake_now(client: &mut super::Conn, schema: &str) -> Result<()> {
     client
-        .execute("SELECT pg_notify($1, '')", &[&channel(schema)])
+        .execute(WAKE_SQL, &[&channel(schema)])
         .map_err(db("notify waiting workers"))?;
     Ok(())
 }

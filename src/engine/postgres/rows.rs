@@ -18,12 +18,21 @@ use crate::store::item_to_json;
 /// means (a conflict for `put`, a failed copy for the import).
 pub(super) fn insert_item_sql(s: &str) -> String {
     format!(
+        "{}\n         ON CONFLICT (idempotency_key) DO NOTHING",
+        strict_insert_item_sql(s)
+    )
+}
+
+/// As [`insert_item_sql`], but an existing row with the same key fails the
+/// statement (and so its transaction): for a writer that sends its `COMMIT`
+/// with the insert, before it could see a row count.
+pub(super) fn strict_insert_item_sql(s: &str) -> String {
+    format!(
         "INSERT INTO {s}.items (idempotency_key, revision, destination, state,
            claimed, claim_owner, next_attempt_at, transport_ref, doc, seq,
            created_at, updated_at)
          VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8,
-           COALESCE($9, nextval('{s}.enqueue_seq')), $10, $11)
-         ON CONFLICT (idempotency_key) DO NOTHING"
+           COALESCE($9, nextval('{s}.enqueue_seq')), $10, $11)"
     )
 }
 

@@ -51,7 +51,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 
-use super::{PgEngine, db, lock_key};
+use super::conn::{Done, Step};
+use super::{ItemWrite, PgEngine, db, lock_key, notify, pending_docs, run_named};
 use crate::audit::AuditEvent;
 use crate::engine::Expect;
 use crate::error::{Error, Result};
@@ -63,6 +64,14 @@ use crate::store::rate_times;
 
 /// How many due fronts one look at the candidates takes from the table.
 pub(crate) const CANDIDATE_WINDOW: i64 = 64;
+
+/// Reads and locks one item's row (parameter: its key), in schema `s`.
+pub(crate) fn select_for_update_sql(s: &str) -> String {
+    format!(
+        "SELECT idempotency_key, revision, doc, seq FROM {s}.items
+         WHERE idempotency_key = $1 FOR UPDATE"
+    )
+}
 
 /// A row read by this transaction: the item and its revision (`None`: absent).
 type Base = Option<(OutboxItem, u64)>;
@@ -86,21 +95,45 @@ pub(crate) struct PgTxn<'e, 'c> {
     destinations: HashSet<String>,
     /// Keys this transaction holds the enqueue lock of.
     key_locked: HashSet<String>,
+    /// Keys whose row this transaction locked (`FOR UPDATE`), or whose absent
+    /// row it holds the key's lock for: no one else can change them before
+    /// it ends, so their writes cannot miss (see [`commit`](Self::commit)).
+    locked: HashSet<String>,
+    /// Destinations whose committed send times (with their items' keys)
+    /// since a moment, and cooldown, this transaction read under the
+    /// destination's lock (one-item transactions): no other one-item
+    /// transaction decides there until this one ends, so they are read once.
+    lines: HashMap<String, Line>,
+}
+
+/// What a one-item transaction read about a destination under its lock.
+struct Line {
+    /// Committed send and claim times at or after `since`, with their keys.
+    since: DateTime<Utc>,
+    times: Vec<(String, DateTime<Utc>)>,
+    /// The destination's committed cooldown.
+    cooldown: Option<DateTime<Utc>>,
 }
 
 impl<'e, 'c> PgTxn<'e, 'c> {
-    /// Begins: passes the writers' gate (shared for [`Scope::OneItem`],
-    /// exclusive otherwise) and reads the stored settings (laid over
-    /// `defaults`, this handle's own values).
+    /// Begins, in one round trip ([`PgEngine::open_txn`]): passes the
+    /// writers' gate (shared for [`Scope::OneItem`], exclusive otherwise),
+    /// reads the stored settings (laid over `defaults`, this handle's own
+    /// values) and, for one item, reads and locks its row. `None` (rolled
+    /// back) when this handle's owner lock was found free: take it again
+    /// before anything names the owner.
     pub(crate) fn begin(
         engine: &'e PgEngine,
         mut tx: super::conn::Tx<'c>,
         scope: Scope<'_>,
         now: DateTime<Utc>,
         defaults: &Settings,
-    ) -> Result<Self> {
-        let stored = engine.pass_gate_reading_settings(&mut tx, scope)?;
-        Ok(Self {
+    ) -> Result<Option<Self>> {
+        let opened = engine.open_txn(&mut tx, scope)?;
+        if !opened.owner_held {
+            return Ok(None);
+        }
+        let mut txn = Self {
             engine,
             tx,
             base: HashMap::new(),
@@ -108,15 +141,26 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             events: Vec::new(),
             one_item: matches!(scope, Scope::OneItem(_)),
             now,
-            settings: defaults.with_stored(&stored),
+            settings: defaults.with_stored(&opened.stored),
             caps_locked: false,
             destinations: HashSet::new(),
-            // The gate's statement locked the item's key.
-            key_locked: match scope {
-                Scope::OneItem(key) => HashSet::from([key.to_owned()]),
-                Scope::Any => HashSet::new(),
-            },
-        })
+            key_locked: HashSet::new(),
+            locked: HashSet::new(),
+            lines: HashMap::new(),
+        };
+        if let Scope::OneItem(key) = scope {
+            // The gate's statement locked the item's key, and the next one
+            // read its row `FOR UPDATE`.
+            txn.key_locked.insert(key.to_owned());
+            txn.locked.insert(key.to_owned());
+            let base = opened
+                .row
+                .map(|row| engine.versioned(&row))
+                .transpose()?
+                .map(|v| (v.item, v.revision));
+            txn.base.insert(key.to_owned(), base);
+        }
+        Ok(Some(txn))
     }
 
     /// Reads (and locks) the committed row of `key`, once per transaction.
@@ -128,6 +172,9 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             return Ok(());
         }
         let mut row = self.select_for_update(key)?;
+        if row.is_some() {
+            self.locked.insert(key.to_owned());
+        }
         if row.is_none() && self.one_item && self.key_locked.insert(key.to_owned()) {
             self.tx
                 .execute(
@@ -136,6 +183,8 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 )
                 .map_err(db("lock a new key"))?;
             row = self.select_for_update(key)?;
+            // Locked either way: the row, or the key no row has yet.
+            self.locked.insert(key.to_owned());
         }
         let base = row
             .map(|row| self.engine.versioned(&row))
@@ -148,14 +197,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// The committed row of `key`, locked `FOR UPDATE`.
     fn select_for_update(&mut self, key: &str) -> Result<Option<postgres::Row>> {
         self.tx
-            .query_opt(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
-                     WHERE idempotency_key = $1 FOR UPDATE",
-                    self.engine.s
-                ),
-                &[&key],
-            )
+            .query_opt(&select_for_update_sql(&self.engine.s), &[&key])
             .map_err(db("read an item"))
     }
 
@@ -175,6 +217,116 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             self.destinations.insert(destination.to_owned());
         }
         Ok(())
+    }
+
+    /// Runs `steps` in one round trip, after taking `destination`'s lock
+    /// if this one-item transaction does not hold it yet (a statement of its
+    /// own, in front: the steps' snapshots are taken once it is granted).
+    fn after_destination_lock(
+        &mut self,
+        destination: &str,
+        steps: &[(Step<'_>, &'static str)],
+    ) -> Result<Vec<Done>> {
+        let lock = self.one_item && !self.destinations.contains(destination);
+        let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
+        let params: [&(dyn postgres::types::ToSql + Sync); 1] = [&key];
+        let mut all: Vec<(Step<'_>, &'static str)> = Vec::with_capacity(steps.len() + 1);
+        if lock {
+            all.push((
+                Step::Execute("SELECT pg_advisory_xact_lock($1)", &params),
+                "lock a destination",
+            ));
+        }
+        all.extend_from_slice(steps);
+        let mut done = run_named(&mut self.tx, &all)?;
+        if lock {
+            self.destinations.insert(destination.to_owned());
+            done.remove(0);
+        }
+        Ok(done)
+    }
+
+    /// The window of send times a decision about `destination` reads: its
+    /// cap's (the rules read no further back, except a learned pace longer
+    /// than the window, which reads again).
+    fn line_since(&self, destination: &str) -> DateTime<Utc> {
+        crate::clock::earlier(
+            self.now,
+            self.settings.rates.for_destination(destination).window,
+        )
+    }
+
+    /// Reads `destination`'s line under its lock (one-item transactions), in
+    /// one round trip: with `head`, its head row (as [`head_of`](Self::head_of)
+    /// reads it; returned), and, once per transaction, its committed send
+    /// times in its cap's window and its cooldown, kept for
+    /// [`destination_times`](Self::destination_times) and
+    /// [`destination_cooldown`](Self::destination_cooldown).
+    fn read_line(&mut self, destination: &str, head: bool) -> Result<Vec<postgres::Row>> {
+        let s = self.engine.s.clone();
+        let changed = self.changed_keys();
+        let head_sql = format!(
+            "SELECT idempotency_key, revision, doc, seq FROM {s}.items
+             WHERE destination = $1 AND state = 'queued'
+               AND NOT (idempotency_key = ANY($2))
+             ORDER BY seq, created_at, idempotency_key LIMIT 1"
+        );
+        let times_sql = format!(
+            "SELECT idempotency_key, at FROM {s}.rate_times WHERE destination = $1 AND at >= $2"
+        );
+        let cooldown_sql = format!("SELECT until FROM {s}.cooldowns WHERE destination = $1");
+        let fetch = self.one_item && !self.lines.contains_key(destination);
+        let since = self.line_since(destination);
+        let head_params: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &changed];
+        let times_params: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &since];
+        let cooldown_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&destination];
+        let mut steps: Vec<(Step<'_>, &'static str)> = Vec::with_capacity(3);
+        if head {
+            steps.push((
+                Step::Query(&head_sql, &head_params),
+                "read a destination's head",
+            ));
+        }
+        if fetch {
+            steps.push((Step::Query(&times_sql, &times_params), "read send times"));
+            steps.push((
+                Step::QueryOpt(&cooldown_sql, &cooldown_params),
+                "read a destination's cooldown",
+            ));
+        }
+        if steps.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut done = self
+            .after_destination_lock(destination, &steps)?
+            .into_iter();
+        let head_rows = if head {
+            done.next().map(|d| d.rows).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        if fetch {
+            let times = done
+                .next()
+                .map(|d| d.rows)
+                .unwrap_or_default()
+                .iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect();
+            let cooldown = done
+                .next()
+                .and_then(|mut d| d.rows.pop())
+                .map(|row| row.get(0));
+            self.lines.insert(
+                destination.to_owned(),
+                Line {
+                    since,
+                    times,
+                    cooldown,
+                },
+            );
+        }
+        Ok(head_rows)
     }
 
     /// Remembers rows read by a query of this transaction (not locked: a
@@ -244,15 +396,15 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn next_seq(&mut self, destination: &str) -> Result<u64> {
-        self.lock_destination(destination)?;
-        let seq: i64 = self
-            .tx
-            .query_one(
-                &format!("SELECT nextval('{}.enqueue_seq')", self.engine.s),
-                &[],
-            )
-            .map_err(db("take an enqueue sequence"))?
-            .get(0);
+        let sql = format!("SELECT nextval('{}.enqueue_seq')", self.engine.s);
+        let done = self.after_destination_lock(
+            destination,
+            &[(Step::QueryOne(&sql, &[]), "take an enqueue sequence")],
+        )?;
+        let seq: i64 = done
+            .first()
+            .and_then(|d| d.rows.first())
+            .map_or(0, |row| row.get(0));
         Ok(u64::try_from(seq).unwrap_or(0))
     }
 
@@ -267,21 +419,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
-        self.lock_destination(destination)?;
-        let changed = self.changed_keys();
-        let rows = self
-            .tx
-            .query(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items
-                     WHERE destination = $1 AND state = 'queued'
-                       AND NOT (idempotency_key = ANY($2))
-                     ORDER BY seq, created_at, idempotency_key LIMIT 1",
-                    self.engine.s
-                ),
-                &[&destination, &changed],
-            )
-            .map_err(db("read a destination's head"))?;
+        let rows = self.read_line(destination, true)?;
         let keys = self.remember(&rows)?;
         let committed = keys
             .first()
@@ -459,18 +597,25 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         destination: &str,
     ) -> Result<Option<DateTime<Utc>>> {
         let now = self.now;
+        if self.one_item {
+            // Read with the line, under the destination's lock.
+            self.read_line(destination, false)?;
+        }
         self.lock_caps(Some(destination))?;
-        let committed: Option<DateTime<Utc>> = self
-            .tx
-            .query_opt(
-                &format!(
-                    "SELECT until FROM {}.cooldowns WHERE destination = $1",
-                    self.engine.s
-                ),
-                &[&destination],
-            )
-            .map_err(db("read a destination's cooldown"))?
-            .map(|row| row.get(0));
+        let committed: Option<DateTime<Utc>> = if let Some(line) = self.lines.get(destination) {
+            line.cooldown
+        } else {
+            self.tx
+                .query_opt(
+                    &format!(
+                        "SELECT until FROM {}.cooldowns WHERE destination = $1",
+                        self.engine.s
+                    ),
+                    &[&destination],
+                )
+                .map_err(db("read a destination's cooldown"))?
+                .map(|row| row.get(0))
+        };
         let pending = self
             .overlay
             .values()
@@ -487,6 +632,28 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         destination: Option<&str>,
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>> {
+        if let (true, Some(destination)) = (self.one_item, destination) {
+            // Read with the line, under the destination's lock.
+            self.read_line(destination, false)?;
+            if let Some(line) = self.lines.get(destination)
+                && since >= line.since
+            {
+                let mut times: Vec<DateTime<Utc>> = line
+                    .times
+                    .iter()
+                    .filter(|(key, at)| *at >= since && !self.overlay.contains_key(key))
+                    .map(|(_, at)| *at)
+                    .collect();
+                times.extend(
+                    self.overlay
+                        .values()
+                        .filter(|i| i.destination == destination)
+                        .flat_map(rate_times)
+                        .filter(|at| *at >= since),
+                );
+                return Ok(times);
+            }
+        }
         self.lock_caps(destination)?;
         let changed = self.changed_keys();
         let s = &self.engine.s;
@@ -568,6 +735,16 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// `COMMIT`, then sends a wake-up when an item became claimable. Returns
     /// whether events were written (to be sealed now).
     ///
+    /// One round trip when every row written is one this transaction locked
+    /// (read `FOR UPDATE`, or absent under its key's lock: every rule's
+    /// one-item transaction): no one else can change or add such a row before
+    /// this transaction ends, so its conditional write cannot miss, and the
+    /// writes, the pending events, the `COMMIT` and the wake-up go as one
+    /// pipeline. (An insert then has no `ON CONFLICT` escape: a row that
+    /// exists after all fails the statement, and the whole transaction rolls
+    /// back.) Otherwise the writes go first, their row counts are checked,
+    /// and the `COMMIT` follows.
+    ///
     /// # Errors
     /// [`Error::Database`] (nothing of the transaction is visible, unless the
     /// connection was lost during `COMMIT` itself: then re-read).
@@ -581,26 +758,78 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             .values()
             .any(|item| item.state == ItemState::Queued && item.claim.is_none());
         let overlay = std::mem::take(&mut self.overlay);
-        for (key, item) in &overlay {
-            let expect = match self.base.get(key) {
-                Some(Some((_, revision))) => Expect::Revision(*revision),
-                _ => Expect::Absent,
-            };
-            let before = self
-                .base
-                .get(key)
-                .and_then(|b| b.as_ref().map(|(item, _)| item));
-            if !self.engine.put(&mut self.tx, item, expect, before)? {
-                // Cannot happen: the rows read were locked, and every writer
-                // of `items` runs the rules.
-                return Err(Error::Database {
-                    op: "write an item",
-                    source: format!("item {key:?} changed under this transaction").into(),
-                });
-            }
+        let sure = overlay.keys().all(|key| self.locked.contains(key));
+        let writes: Vec<(&String, ItemWrite<'_>)> = overlay
+            .iter()
+            .map(|(key, item)| {
+                let (expect, before) = match self.base.get(key) {
+                    Some(Some((before, revision))) => (Expect::Revision(*revision), Some(before)),
+                    _ => (Expect::Absent, None),
+                };
+                (key, ItemWrite::new(item, expect, before))
+            })
+            .collect();
+        // Each item's row write, and the statements that follow it.
+        let mut rows_at: Vec<(usize, &String)> = Vec::with_capacity(writes.len());
+        let mut statements = Vec::new();
+        for (key, write) in &writes {
+            rows_at.push((statements.len(), *key));
+            statements.extend(write.statements(&self.engine.s, sure));
         }
-        let pending = self.engine.write_pending(&mut self.tx, &self.events)?;
-        self.tx.commit().map_err(db("commit"))?;
+        let docs = pending_docs(&self.events)?;
+        let pending_sql = self.engine.pending_sql();
+        let pending_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&docs];
+        let channel = notify::channel(&self.engine.schema);
+        let wake_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&channel];
+        let mut steps: Vec<(Step<'_>, &'static str)> = statements
+            .iter()
+            .map(|(sql, params, op)| (Step::Execute(sql, params), *op))
+            .collect();
+        if !docs.is_empty() {
+            steps.push((
+                Step::Execute(&pending_sql, &pending_params),
+                "write pending audit events",
+            ));
+        }
+        let written = if sure {
+            steps.push((Step::Simple("COMMIT"), "commit"));
+            let end = steps.len();
+            if wake {
+                // After the `COMMIT`, outside the transaction (see `notify`).
+                steps.push((Step::Query(notify::WAKE_SQL, &wake_params), "wake"));
+            }
+            let plain: Vec<Step<'_>> = steps.iter().map(|(step, _)| *step).collect();
+            let mut results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
+            self.tx.mark_ended();
+            if let Some(Err(e)) = results.get(end) {
+                tracing::warn!(schema = %self.engine.schema, error = %e, "could not wake waiting workers");
+            }
+            results.truncate(end);
+            let mut done = Vec::with_capacity(end);
+            for (result, (_, op)) in results.into_iter().zip(&steps) {
+                done.push(result.map_err(db(op))?);
+            }
+            done
+        } else {
+            let done = run_named(&mut self.tx, &steps)?;
+            Self::check_written(&done, &rows_at)?;
+            let mut end: Vec<(Step<'_>, &'static str)> = vec![(Step::Simple("COMMIT"), "commit")];
+            if wake {
+                end.push((Step::Query(notify::WAKE_SQL, &wake_params), "wake"));
+            }
+            let plain: Vec<Step<'_>> = end.iter().map(|(step, _)| *step).collect();
+            let results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
+            self.tx.mark_ended();
+            let mut results = results.into_iter();
+            if let Some(Err(e)) = results.next() {
+                return Err(db("commit")(e));
+            }
+            if let Some(Err(e)) = results.next() {
+                tracing::warn!(schema = %self.engine.schema, error = %e, "could not wake waiting workers");
+            }
+            done
+        };
+        Self::check_written(&written, &rows_at)?;
         crate::metrics::committed(
             self.events.iter().map(|e| {
                 (
@@ -613,9 +842,23 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             |key| overlay.get(key),
         );
         Ok(Committed {
-            pending: !pending.is_empty(),
-            wake,
+            pending: !docs.is_empty(),
         })
+    }
+
+    /// Checks that each item's row write changed its one row.
+    fn check_written(done: &[Done], rows_at: &[(usize, &String)]) -> Result<()> {
+        for (at, key) in rows_at {
+            if done.get(*at).is_none_or(|d| d.count != 1) {
+                // Cannot happen for rows this transaction locked, and every
+                // writer of `items` runs the rules.
+                return Err(Error::Database {
+                    op: "write an item",
+                    source: format!("item {key:?} changed under this transaction").into(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -624,8 +867,6 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 pub(crate) struct Committed {
     /// It wrote pending audit events: seal them.
     pub(crate) pending: bool,
-    /// An item became claimable: wake waiting workers.
-    pub(crate) wake: bool,
 }
 
 impl crate::rules::txn::Txn for PgTxn<'_, '_> {
