@@ -193,6 +193,40 @@ fn each_items_records_in_order(outbox: &Outbox, keys: &[String], returned: Vec<S
     }
 }
 
+/// A handle's threads that commit side by side leave their events pending
+/// while others are still running (one sealing serves many commits), but the
+/// last call out seals for all: once every call has returned, nothing is left
+/// pending, without any reader of the chain having sealed.
+#[test]
+fn the_last_call_of_a_handle_to_return_leaves_nothing_pending() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let outbox = open(&engine);
+    within("eight threads on one handle finish", DEADLOCK_LIMIT, || {
+        std::thread::scope(|scope| {
+            for t in 0..8 {
+                let outbox = &outbox;
+                scope.spawn(move || {
+                    for i in 0..9 {
+                        let key = format!("t{t}-{i}");
+                        outbox.enqueue(msg(&key, &format!("chat-{t}"))).unwrap();
+                        let receipt = outbox.process(&key, |_| Ok(None)).unwrap();
+                        assert_eq!(receipt.outcome, Outcome::Sent, "{key}");
+                    }
+                });
+            }
+        });
+    });
+    assert_eq!(
+        count(&engine, "audit_pending"),
+        0,
+        "the last call out sealed every commit's events"
+    );
+    assert_eq!(count(&engine, "audit"), 144);
+    assert_eq!(outbox.verify_audit().unwrap().records, 144);
+}
+
 /// A handle whose sealing after the commit fails (as if it died right
 /// there) leaves the committed events pending, not lost; the next handle
 /// opening seals them, a reader of the chain seals what it finds first, and

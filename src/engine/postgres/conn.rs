@@ -241,15 +241,6 @@ impl Conn {
         self.one(Step::QueryOne(sql, params)).map(only_row)
     }
 
-    /// Runs `sql` on its own; the rows it changed.
-    pub(crate) fn execute(
-        &mut self,
-        sql: &str,
-        params: Params<'_>,
-    ) -> Result<u64, postgres::Error> {
-        self.one(Step::Execute(sql, params)).map(|done| done.count)
-    }
-
     /// Runs `sql` (no parameters, possibly several statements) unprepared.
     pub(crate) fn batch_execute(&mut self, sql: &str) -> Result<(), postgres::Error> {
         self.runtime.block_on(self.client.batch_execute(sql))

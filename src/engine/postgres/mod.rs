@@ -25,12 +25,15 @@
 //!
 //! A transaction of the rules ([`PgTxn`]) writes its audit events to
 //! `audit_pending` in its own `COMMIT`, each with an id from the table's
-//! sequence taken at that write, and never touches the head. Right after,
+//! sequence taken at that write, and never touches the head. After it,
 //! [`PgEngine::seal_pending`] runs a short transaction: lock the head row,
 //! take every pending event it can see, seal them in id order onto the chain
 //! (seq, previous hash, hash: the same canonical records as `audit.jsonl`),
 //! insert them into `audit`, move the head, `COMMIT`. The committing handle
-//! does this best effort and skips it when another sealer holds the head
+//! does this best effort: right after the commit when no other call of the
+//! handle is running, otherwise the last of its running calls to end (or the
+//! one that finds [`SEAL_EVERY`] commits waiting) seals for all of them (see
+//! [`PgEngine::after_txn`]); it skips it when another sealer holds the head
 //! (`SKIP LOCKED`); every reader of the chain (`verify_audit`, `history`,
 //! the export, `audit_records`, `audit_head`), a handle opening, and a
 //! waiting worker seal first and wait for the head. A crash between a commit
@@ -108,6 +111,11 @@ pub(crate) const IDLE_CONNECTIONS: usize = 8;
 
 /// How many audit records one page of `Outbox::audit_records` reads.
 pub(crate) const AUDIT_PAGE: i64 = 1_000;
+
+/// How many of a handle's commits may leave their events pending while
+/// other transactions of the handle are still running, before one of them
+/// seals (see [`PgEngine::after_txn`]).
+const SEAL_EVERY: u64 = 32;
 
 /// How many pending events one sealing transaction moves at most.
 const SEAL_BATCH: i64 = 1_000;
@@ -264,8 +272,11 @@ pub(crate) struct PgEngine {
     clients: Mutex<Vec<Conn>>,
     /// Audit ids minted by this handle so far.
     minted: AtomicU64,
-    /// Commits of this handle that left events pending (see `after_commit`).
-    committed_pending: AtomicU64,
+    /// Commits of this handle whose events no sealing has taken up yet (see
+    /// `after_txn`).
+    unsealed: AtomicU64,
+    /// Transactions of the rules this handle is running.
+    in_txn: AtomicU64,
     /// Whether a thread of this handle is sealing after its commit.
     sealing: std::sync::atomic::AtomicBool,
     /// Test failpoints (`postgres.seal_after_commit`); nothing without the
@@ -329,7 +340,8 @@ impl PgEngine {
             hasher,
             clients: Mutex::new(Vec::new()),
             minted: AtomicU64::new(0),
-            committed_pending: AtomicU64::new(0),
+            unsealed: AtomicU64::new(0),
+            in_txn: AtomicU64::new(0),
             sealing: std::sync::atomic::AtomicBool::new(false),
             faults: crate::failpoint::Failpoints::from_env(),
             liveness: Mutex::new(liveness),
@@ -781,6 +793,24 @@ impl PgEngine {
         f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;
+        self.in_txn.fetch_add(1, Ordering::SeqCst);
+        let outcome = self.run_txn(&mut client, now, defaults, scope, f);
+        let others = self.in_txn.fetch_sub(1, Ordering::SeqCst) - 1;
+        let pending = matches!(outcome, Ok((_, true)));
+        self.after_txn(&mut client, pending, others);
+        outcome.map(|(value, _)| value)
+    }
+
+    /// [`transact`](Self::transact)'s transaction: `f`'s value, and whether
+    /// the commit left audit events pending.
+    fn run_txn<T>(
+        &self,
+        client: &mut Conn,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<(T, bool)> {
         // A claim must name an owner whose lock is held: the transaction's
         // first statement probes it (see `open_txn`); after a cut or a
         // restart it is taken again here, and the transaction begun anew.
@@ -805,46 +835,56 @@ impl PgEngine {
         };
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
-        self.after_commit(&mut client, committed.pending, false);
-        Ok(value)
+        Ok((value, committed.pending))
     }
 
-    /// After a durable commit: seal what it left pending (best effort, unless
-    /// another sealer is at it) and wake waiting workers (a hint; their wait
-    /// has a timeout). Neither may fail the call: the change is durable.
+    /// After a transaction of the rules ended (committed or not; `pending`:
+    /// it committed audit events, `others`: transactions of this handle still
+    /// running): seals what this handle's commits left pending, best effort,
+    /// when no other transaction of the handle is running (the last one out
+    /// seals for all: one sealing for many commits) or when [`SEAL_EVERY`]
+    /// commits are waiting. A handle running one call at a time seals right
+    /// after each commit. Pending events are durable whatever happens here:
+    /// every reader of the chain and every opening seals first.
     ///
-    /// One thread of a handle seals at a time: a thread that commits while
-    /// another is sealing leaves its events to that one, which goes round
-    /// again when commits arrived during its sealing (so the threads of a
-    /// handle share sealing transactions instead of queueing for the head).
-    fn after_commit(&self, client: &mut Conn, pending: bool, wake: bool) {
+    /// One thread of a handle seals at a time: a thread that finds another
+    /// sealing leaves its events to that one, which goes round again when
+    /// commits arrived during its sealing.
+    fn after_txn(&self, client: &mut Conn, pending: bool, others: u64) {
         if pending {
-            self.committed_pending.fetch_add(1, Ordering::SeqCst);
-            while !self.sealing.swap(true, Ordering::SeqCst) {
-                let seen = self.committed_pending.load(Ordering::SeqCst);
-                // A failpoint here stands for a crash (or a lost connection)
-                // between the commit and its sealing.
-                let sealed = self
-                    .faults
-                    .check("postgres.seal_after_commit")
-                    .map_err(|e| Error::io(self.place(), "seal after commit", e))
-                    .and_then(|()| self.seal_pending(client, Seal::IfFree));
-                self.sealing.store(false, Ordering::SeqCst);
-                if let Err(e) = sealed {
-                    tracing::warn!(
-                        schema = %self.schema,
-                        error = %e,
-                        "could not seal committed audit events now; the next reader or handle seals them"
-                    );
-                    break;
-                }
-                if self.committed_pending.load(Ordering::SeqCst) == seen {
-                    break;
-                }
-            }
+            self.unsealed.fetch_add(1, Ordering::SeqCst);
         }
-        if wake && let Err(e) = notify::wake_now(client, &self.schema) {
-            tracing::warn!(schema = %self.schema, error = %e, "could not wake waiting workers");
+        let waiting = self.unsealed.load(Ordering::SeqCst);
+        if waiting == 0 || (others > 0 && waiting < SEAL_EVERY) {
+            return;
+        }
+        while !self.sealing.swap(true, Ordering::SeqCst) {
+            let taken = self.unsealed.swap(0, Ordering::SeqCst);
+            // A failpoint here stands for a crash (or a lost connection)
+            // between the commit and its sealing.
+            let sealed = self
+                .faults
+                .check("postgres.seal_after_commit")
+                .map_err(|e| Error::io(self.place(), "seal after commit", e))
+                .and_then(|()| self.seal_pending(client, Seal::IfFree));
+            self.sealing.store(false, Ordering::SeqCst);
+            if let Err(e) = sealed {
+                // Still pending: the next sealer (or reader) takes them.
+                self.unsealed.fetch_add(taken, Ordering::SeqCst);
+                tracing::warn!(
+                    schema = %self.schema,
+                    error = %e,
+                    "could not seal committed audit events now; the next reader or handle seals them"
+                );
+                break;
+            }
+            // Again only for what the rule above would seal now: a thread
+            // does not seal for ever while others keep committing.
+            let waiting = self.unsealed.load(Ordering::SeqCst);
+            let running = self.in_txn.load(Ordering::SeqCst);
+            if waiting == 0 || (running > 0 && waiting < SEAL_EVERY) {
+                break;
+            }
         }
     }
 

@@ -22,18 +22,12 @@ pub(crate) fn channel(schema: &str) -> String {
     format!("durable_outbox_{schema}")
 }
 
-/// The statement that sends a wake-up (parameter: the [`channel`]).
+/// The statement that sends a wake-up (parameter: the [`channel`]), outside
+/// any transaction (after the change it announces committed: the rules'
+/// commit sends it in the same pipeline, after its `COMMIT`): one short
+/// statement that writes no WAL, so it does not hold the notify queue's lock
+/// through a WAL flush.
 pub(crate) const WAKE_SQL: &str = "SELECT pg_notify($1, '')";
-
-/// Sends a wake-up now, outside any transaction (after the change it
-/// announces committed): one short statement that writes no WAL, so it does
-/// not hold the notify queue's lock through a WAL flush.
-pub(crate) fn wake_now(client: &mut super::Conn, schema: &str) -> Result<()> {
-    client
-        .execute(WAKE_SQL, &[&channel(schema)])
-        .map_err(db("notify waiting workers"))?;
-    Ok(())
-}
 
 /// A connection that listens for wake-ups.
 pub(crate) struct Listener {
