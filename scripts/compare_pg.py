@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""PostgreSQL W2 figures beside their floor, in one run on one server.
+
+    python3 scripts/compare_pg.py [--n 1000] [--n1 300] [--repeats 3] [--no-build]
+    python3 scripts/compare_pg.py --serve      # start the server, print its URL, wait
+
+Starts a throwaway PostgreSQL server as the test harness does
+(`tests/support/postgres.rs`: `initdb` into a temporary directory, as the
+`postgres` user when run as root, `pg_ctl start` on a free loopback port),
+but with `fsync` on (the server's defaults), on the disk of `--dir` (default
+/tmp). Then, REPEATS times, in turns so the machine's noise falls on all of
+them alike:
+
+- ours (PostgreSQL): `bench --workload w2 --threads T --n N --postgres URL
+  --schema S`, T = 1 (N = --n1) and T = 8 (N = --n), a fresh schema each run;
+- the floor: `pgbench -n -c T -j min(T,2) -T SECS -f two_updates.sql`, two
+  single-row UPDATE transactions per item (after `pgbench -i -s 1`), in items/s
+  (= pgbench's tps / 2);
+- the file engine (`bench --workload w2 --dir ...`) and the SQLite anchor
+  (`sqlite-outbox --threads T`), T = 8, N = --n, on the same disk.
+
+Prints the medians (and every run) as a Markdown table, with floor / ours;
+every run's JSON goes to stderr. The server is stopped and its directory
+removed at the end (also on Ctrl-C).
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ANCHORS = os.path.join(ROOT, "..", "shared", "anchors")
+BENCH = os.environ.get("BENCH", os.path.join(ROOT, "target", "release", "examples", "bench"))
+SQLITE = "/tmp/anchors/release/sqlite-outbox"
+
+TWO_UPDATES = """\\set a random(1, 100000 * :scale)
+\\set b random(1, 100000 * :scale)
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :a;
+END;
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :b;
+END;
+"""
+
+
+def pg_bin():
+    if os.environ.get("PG_BIN"):
+        return os.environ["PG_BIN"]
+    versions = sorted((int(v), v) for v in os.listdir("/usr/lib/postgresql") if v.isdigit())
+    if not versions:
+        sys.exit("no PostgreSQL server binaries (apt-get install -y postgresql)")
+    return os.path.join("/usr/lib/postgresql", versions[-1][1], "bin")
+
+
+class Server:
+    """A throwaway server: initdb + pg_ctl, stopped by stop()."""
+
+    def __init__(self, base):
+        self.bin = pg_bin()
+        self.root = tempfile.mkdtemp(prefix="compare-pg-", dir=base)
+        self.data = os.path.join(self.root, "data")
+        self.as_postgres = os.geteuid() == 0
+        if self.as_postgres:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.tool("initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "-E", "UTF8",
+                  quiet=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        opts = (f"-k {self.root} -p {self.port} -c listen_addresses=127.0.0.1 "
+                "-c max_connections=200 -c shared_preload_libraries=pg_stat_statements")
+        self.tool("pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "server.log"),
+                  "-w", "-o", opts, "start", quiet=True)
+        self.psql("postgres", "CREATE DATABASE bench")
+
+    def tool(self, name, *args, quiet=False):
+        cmd = [os.path.join(self.bin, name), *args]
+        if self.as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        out = subprocess.DEVNULL if quiet else None
+        subprocess.run(cmd, check=True, stdout=out, stdin=subprocess.DEVNULL)
+
+    def url(self, db="bench"):
+        return f"postgres://postgres@127.0.0.1:{self.port}/{db}"
+
+    def psql(self, db, sql):
+        return subprocess.run(
+            [os.path.join(self.bin, "psql"), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1",
+             "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", db, "-c", sql],
+            check=True, capture_output=True, text=True).stdout.strip()
+
+    def stop(self):
+        try:
+            self.tool("pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop", quiet=True)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def build(no_build):
+    if no_build:
+        return
+    subprocess.run(["cargo", "build", "-q", "--release", "--example", "bench",
+                    "--features", "postgres,tokio"], cwd=ROOT, check=True)
+    env = dict(os.environ, CARGO_TARGET_DIR="/tmp/anchors")
+    subprocess.run(["cargo", "build", "-q", "--release", "--manifest-path",
+                    os.path.join(ANCHORS, "sqlite-outbox", "Cargo.toml")], env=env, check=True)
+
+
+def last_json(out):
+    line = json.loads(out.strip().splitlines()[-1])
+    print(json.dumps(line), file=sys.stderr)
+    return line
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1000, help="items at 8 threads")
+    ap.add_argument("--n1", type=int, default=300, help="items at 1 thread")
+    ap.add_argument("--destinations", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pgbench-secs", type=int, default=10)
+    ap.add_argument("--dir", default=os.environ.get("BENCH_DIR", "/tmp"))
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--before", metavar="BENCH",
+                    help="another bench binary (e.g. built from an older commit) to run "
+                         "beside ours, at T=8 and T=1, for a paired before/after figure")
+    ap.add_argument("--serve", action="store_true",
+                    help="start the server, print its URL and wait for Ctrl-C")
+    args = ap.parse_args()
+    build(args.no_build or args.serve)
+    server = Server(args.dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        if args.serve:
+            server.psql("bench", "CREATE EXTENSION pg_stat_statements")
+            print(server.url(), flush=True)
+            while True:
+                time.sleep(3600)
+        subprocess.run([os.path.join(server.bin, "pgbench"), "-i", "-q", "-s", "1",
+                        "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
+                       check=True, capture_output=True)
+        script = os.path.join(server.root, "two_updates.sql")
+        with open(script, "w") as f:
+            f.write(TWO_UPDATES)
+        d = str(args.destinations)
+        counter = [0]
+
+        def ours(threads, n, bench=BENCH):
+            counter[0] += 1
+            out = subprocess.run(
+                [bench, "--workload", "w2", "--threads", str(threads), "--n", str(n),
+                 "--destinations", d, "--postgres", server.url(),
+                 "--schema", f"w2_{threads}_{counter[0]}"],
+                check=True, capture_output=True, text=True).stdout
+            return last_json(out)["w2_per_s"]
+
+        def floor(clients):
+            out = subprocess.run(
+                [os.path.join(server.bin, "pgbench"), "-n", "-c", str(clients),
+                 "-j", str(min(clients, 2)), "-T", str(args.pgbench_secs), "-f", script,
+                 "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
+                check=True, capture_output=True, text=True).stdout
+            tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
+                       if l.startswith("tps ="))
+            # One pgbench transaction of this script is two UPDATE
+            # transactions, i.e. one item: tps is items/s already.
+            print(json.dumps({"impl": "pgbench", "clients": clients, "items_per_s": tps}),
+                  file=sys.stderr)
+            return tps
+
+        def on_disk(cmd):
+            work = tempfile.mkdtemp(prefix="w2-", dir=args.dir)
+            try:
+                out = subprocess.run(cmd + ["--dir", os.path.join(work, "dir")],
+                                     check=True, capture_output=True, text=True).stdout
+                return last_json(out)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+
+        n = str(args.n)
+        cases = {
+            "ours (PostgreSQL) T=8": lambda: ours(8, args.n),
+            "pgbench floor 8 clients": lambda: floor(8),
+            "ours (PostgreSQL) T=1": lambda: ours(1, args.n1),
+            "pgbench floor 1 client": lambda: floor(1),
+            "file engine T=8": lambda: on_disk(
+                [BENCH, "--workload", "w2", "--threads", "8", "--n", n, "--destinations", d]
+            )["w2_per_s"],
+            "SQLite anchor T=8": lambda: on_disk(
+                [SQLITE, "--threads", "8", "--n", n, "--destinations", d])["w2_per_s"],
+        }
+        if args.before:
+            cases["before (PostgreSQL) T=8"] = lambda: ours(8, args.n, args.before)
+            cases["before (PostgreSQL) T=1"] = lambda: ours(1, args.n1, args.before)
+        runs = {name: [] for name in cases}
+        for _ in range(args.repeats):
+            for name, case in cases.items():
+                runs[name].append(case())
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        load = open("/proc/loadavg").read().split()[:3]
+        print(f"\nmedian of {args.repeats}, load average {' '.join(load)} at the end, "
+              f"N = {args.n} (T=8), {args.n1} (T=1), {args.destinations} destinations\n")
+        print("| figure | items/s (median) | runs |")
+        print("|---|---:|---|")
+        for name, values in runs.items():
+            print(f"| {name} | {med[name]:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} |")
+        print()
+        for t, fl in ((8, "pgbench floor 8 clients"), (1, "pgbench floor 1 client")):
+            print(f"floor / ours at T={t}: {med[fl] / med[f'ours (PostgreSQL) T={t}']:.2f}x")
+        if args.before:
+            for t in (8, 1):
+                print(f"ours / before at T={t}: "
+                      f"{med[f'ours (PostgreSQL) T={t}'] / med[f'before (PostgreSQL) T={t}']:.2f}x")
+        print(f"file engine / ours at T=8: "
+              f"{med['file engine T=8'] / med['ours (PostgreSQL) T=8']:.2f}x")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
