@@ -39,7 +39,7 @@ pub(crate) use crate::engine::file::DueSummary;
 pub(crate) use crate::rules::codes::{
     AMBIGUOUS_AFTER_RESTART, CANCELLED, SEND_CANCELLED, SEND_PANICKED, sanitize,
 };
-pub(crate) use crate::rules::drain::Stepped;
+pub(crate) use crate::rules::drain::{AsMember, Stepped};
 pub(crate) use crate::rules::lifecycle::SendResult;
 
 /// Runs `$body` with `$engine` bound to the engine behind `$outbox`: the one
@@ -623,6 +623,55 @@ impl Outbox {
         stepped
     }
 
+    /// The steps of several worker slots as one transaction (see `worker`):
+    /// `collect` runs under the engine's lock and returns the members (so
+    /// every slot that asked while the lock was busy joins), the rules of
+    /// [`drain::step_batch`] run over them, then `ran` is called, still under
+    /// the lock. Returns the members and the batch's result; `ran` not called
+    /// means the rules failed (or the transaction never began) and nothing
+    /// was written. Finished keys leave the in-flight set; claims of a batch
+    /// that did not commit do too.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn step_batch<M: AsMember>(
+        &self,
+        collect: impl FnOnce() -> Vec<M>,
+        pick: Option<&Mutex<Picker>>,
+        ran: impl FnOnce(&[M]) -> Result<()>,
+    ) -> (Vec<M>, Result<drain::Batched>) {
+        let mut members: Vec<M> = Vec::new();
+        let mut claimed_here: Vec<String> = Vec::new();
+        let batched = self.transact(|actor, txn| {
+            members = collect();
+            let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
+            let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
+            let batched = drain::step_batch(actor, txn, &views, picker.as_deref_mut())?;
+            drop(picker);
+            claimed_here.extend(
+                batched
+                    .claimed
+                    .iter()
+                    .flatten()
+                    .map(|(item, _)| item.idempotency_key.clone()),
+            );
+            ran(&members)?;
+            Ok(batched)
+        });
+        let mut in_flight = self.in_flight();
+        for member in &members {
+            if let Some((key, _)) = member.member().finished {
+                in_flight.remove(key);
+            }
+        }
+        if batched.is_err() {
+            // A claim that did not commit is not in flight.
+            for key in &claimed_here {
+                in_flight.remove(key);
+            }
+        }
+        drop(in_flight);
+        (members, batched)
+    }
+
     /// The earliest moment an item may be claimed: at or before now when one
     /// is due already, `None` when nothing is queued that could go without
     /// another send finishing first. For bots that write their own loop around
@@ -1141,7 +1190,7 @@ impl Outbox {
         }
     }
 
-    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    pub(crate) fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.inner
             .in_flight
             .lock()
@@ -1302,8 +1351,19 @@ impl Outbox {
         Arc::clone(&self.inner.config.sleeper)
     }
 
+    /// The test failpoint `name` of a file engine, reached as the I/O step
+    /// `op` (nothing on PostgreSQL, or without the `test-failpoints` feature).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn check_failpoint(&self, name: &str, op: &'static str) -> Result<()> {
+        match &self.inner.backend {
+            Backend::File(engine) => engine.check_failpoint(name, op),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => Ok(()),
+        }
+    }
+
     /// The fault point between a send and the transaction that records it.
-    fn check_after_send(&self) -> Result<()> {
+    pub(crate) fn check_after_send(&self) -> Result<()> {
         on_engine!(self, engine => engine.check_after_send())
     }
 }

@@ -2,8 +2,11 @@
 //!
 //! A [`Worker`] keeps up to `concurrency` sends running. Each *slot* claims an
 //! item right before handing it to `send`, and records the outcome in the same
-//! durable step that claims its next item (one journal entry, one fsync per
-//! message). Between sends it sleeps, without polling the state: it wakes when
+//! durable step that claims its next item. Slots ready to step at the same
+//! moment share one step (**batched steps**, see [`Steps`]): one transaction
+//! records all their outcomes and hands out all their claims, with one lock
+//! hold, one journal entry and one audit append; each slot is told its
+//! outcome only once that step is durable. Between sends it sleeps, without polling the state: it wakes when
 //! an enqueue on any clone of the handle notifies it, when the journal of the
 //! directory changes (another process), at the exact moment the earliest
 //! deferred item falls due, or when `shutdown` completes.
@@ -22,9 +25,11 @@
 //! it, so at most `concurrency` items are claimed (and held in memory) at once,
 //! however fast messages are enqueued; the rest stay queued on disk.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -36,8 +41,9 @@ use crate::error::{Error, Result};
 use crate::item::OutboxItem;
 use crate::lock::CounterProbe;
 use crate::order::Picker;
-use crate::outbox::{Outbox, SEND_CANCELLED, SendResult, Stepped};
+use crate::outbox::{AsMember, Outbox, SEND_CANCELLED, SendResult, Stepped};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
+use crate::rules::drain::{Batched, Member};
 use crate::send::SendError;
 
 /// The default number of sends in flight at once.
@@ -225,6 +231,7 @@ where
             outbox: outbox.clone(),
             send,
             picker: Mutex::new(Picker::worker()),
+            steps: Steps::default(),
             stopping: AtomicBool::new(false),
             cancelled,
             tally: Mutex::new(Tally::default()),
@@ -345,6 +352,8 @@ struct Shared<F> {
     outbox: Outbox,
     send: F,
     picker: Mutex<Picker>,
+    /// The slots' steps waiting to be batched.
+    steps: Steps,
     /// Set once shutdown is asked for: record outcomes, claim nothing more.
     stopping: AtomicBool,
     /// Becomes `true` at the shutdown deadline: drop running sends.
@@ -362,6 +371,281 @@ impl<F> Shared<F> {
     fn stopping(&self) -> bool {
         self.stopping.load(Ordering::Acquire)
     }
+}
+
+impl<F> Shared<F> {
+    /// What a batch's leader needs of the slots' shared state.
+    fn ctx(&self) -> StepCtx<'_> {
+        StepCtx {
+            picker: &self.picker,
+            stopping: &self.stopping,
+            tally: &self.tally,
+        }
+    }
+}
+
+/// What a batch's leader needs of the slots' shared state.
+struct StepCtx<'a> {
+    picker: &'a Mutex<Picker>,
+    stopping: &'a AtomicBool,
+    tally: &'a Mutex<Tally>,
+}
+
+impl StepCtx<'_> {
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Batched steps: the slots' steps that wait at the same moment share one
+/// transaction.
+///
+/// A slot ready to step queues its request (its finished send, the claims it
+/// wants). If no batch is gathering, it becomes the **leader**: it asks for
+/// the outbox's lock and, once it holds it, takes every request queued by then
+/// (its own and those that arrived while it waited) and runs them as one
+/// transaction ([`Outbox::step_batch`]). Still under the lock, it hands the
+/// leadership to the first request queued after its batch, so the next batch
+/// forms and takes the lock as soon as this one has written its entry, while
+/// this one waits for its sync (the commit group then covers both). Once its
+/// batch is durable, the leader tells every member its result.
+///
+/// What each member is told, and when:
+/// - the batch committed durably: its claims (its outcome is recorded);
+/// - the batch's rules failed (one member's error, e.g. an item gone from
+///   under its send): nothing was written; each member reruns its own step
+///   alone, so one member's error fails only that member;
+/// - the batch's write or sync failed: every member fails (the first with
+///   the error, the others with [`Error::Poisoned`]) and none is reported
+///   durable.
+#[derive(Default)]
+struct Steps {
+    queue: Mutex<StepQueue>,
+}
+
+#[derive(Default)]
+struct StepQueue {
+    waiting: Vec<Request>,
+    /// A leader is gathering a batch (waiting for the lock or running it).
+    gathering: bool,
+}
+
+/// One slot's step, waiting to be batched.
+struct Request {
+    finished: Option<(String, SendResult)>,
+    claims: usize,
+    reply: mpsc::Sender<Reply>,
+}
+
+impl AsMember for Request {
+    fn member(&self) -> Member<'_> {
+        Member {
+            finished: self.finished.as_ref().map(|(key, r)| (key.as_str(), r)),
+            claims: self.claims,
+        }
+    }
+}
+
+/// What a slot waiting in [`Steps`] is told.
+enum Reply {
+    /// Lead the next batch (the queue holds this slot's request).
+    Lead,
+    /// The batch is durable: this slot's claims.
+    Done(Vec<ClaimTicket>),
+    /// The batch's write or sync failed.
+    Failed(Error),
+    /// The batch's rules failed and nothing was written: step alone.
+    Alone(Option<(String, SendResult)>, usize),
+}
+
+impl Steps {
+    fn queue(&self) -> std::sync::MutexGuard<'_, StepQueue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records `finished` and claims up to `claims` items, in a batch with the
+    /// other slots' steps (see [`Steps`]). Blocks until the step is durable.
+    fn step(
+        &self,
+        outbox: &Outbox,
+        ctx: &StepCtx<'_>,
+        finished: Option<(String, SendResult)>,
+        claims: usize,
+    ) -> Result<Vec<ClaimTicket>> {
+        if let Some((key, _)) = &finished
+            && let Err(e) = outbox.check_after_send()
+        {
+            outbox.in_flight().remove(key);
+            return Err(e);
+        }
+        let (reply, replies) = mpsc::channel();
+        let lead = {
+            let mut queue = self.queue();
+            queue.waiting.push(Request {
+                finished,
+                claims,
+                reply,
+            });
+            !std::mem::replace(&mut queue.gathering, true)
+        };
+        if lead {
+            self.lead(outbox, ctx);
+        }
+        loop {
+            match replies.recv() {
+                Ok(Reply::Lead) => self.lead(outbox, ctx),
+                Ok(Reply::Done(tickets)) => return Ok(tickets),
+                Ok(Reply::Failed(e)) => return Err(e),
+                Ok(Reply::Alone(finished, claims)) => {
+                    return step_alone(outbox, ctx, finished, claims);
+                }
+                Err(mpsc::RecvError) => {
+                    // The leader unwound before answering (its panic stops
+                    // the worker); nothing of this step is known to be durable.
+                    return Err(Error::io(
+                        outbox.location(),
+                        "batched step",
+                        std::io::Error::other("the leader of the step's batch panicked"),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Passes the leadership to the first request queued, or ends gathering.
+    fn hand_over(&self) {
+        let mut queue = self.queue();
+        while let Some(first) = queue.waiting.first() {
+            if first.reply.send(Reply::Lead).is_ok() {
+                return;
+            }
+            // Its slot is gone (cannot happen while it waits): drop it.
+            queue.waiting.remove(0);
+        }
+        queue.gathering = false;
+    }
+
+    /// Gathers and runs one batch, then answers its members.
+    fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>) {
+        let handed = Cell::new(false);
+        let ran = Cell::new(false);
+        let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
+        let (mut members, result) = outbox.step_batch(
+            || std::mem::take(&mut self.queue().waiting),
+            pick,
+            |members| {
+                // Still under the lock: let the next batch form behind it.
+                self.hand_over();
+                handed.set(true);
+                if members.len() > 1 {
+                    // Counts batches shared by several slots; a crash here
+                    // lands in the middle of one.
+                    outbox.check_failpoint("step.batch", "batched step")?;
+                }
+                ran.set(true);
+                Ok(())
+            },
+        );
+        if members.is_empty() {
+            // The transaction never began (a poisoned handle, a lock error):
+            // every member finds out on its own.
+            members = std::mem::take(&mut self.queue().waiting);
+            for member in members.drain(..) {
+                let _ = member
+                    .reply
+                    .send(Reply::Alone(member.finished, member.claims));
+            }
+        }
+        if !handed.get() {
+            self.hand_over();
+        }
+        match result {
+            Ok(batched) => answer(outbox, ctx, members, batched),
+            Err(e) if ran.get() => {
+                // Written, not durable: nobody's step may be reported done.
+                let mut error = Some(e);
+                for member in members {
+                    let e = error.take().unwrap_or(Error::Poisoned);
+                    let _ = member.reply.send(Reply::Failed(e));
+                }
+            }
+            Err(e) => {
+                if members.len() > 1 {
+                    tracing::debug!(error = %e, members = members.len(), "a batched step failed in its rules; each member steps alone");
+                }
+                for member in members {
+                    let _ = member
+                        .reply
+                        .send(Reply::Alone(member.finished, member.claims));
+                }
+            }
+        }
+    }
+}
+
+/// Tells each member of a durable batch its claims, after counting its outcome.
+fn answer(outbox: &Outbox, ctx: &StepCtx<'_>, members: Vec<Request>, batched: Batched) {
+    let Batched {
+        finished,
+        looked,
+        claimed,
+    } = batched;
+    {
+        let mut tally = ctx.tally();
+        for (receipt, wait) in finished.iter().flatten() {
+            tally.add(receipt, wait.is_some());
+        }
+        for receipt in &looked {
+            tally.add(receipt, false);
+        }
+    }
+    for (member, claims) in members.into_iter().zip(claimed) {
+        let tickets = claims
+            .into_iter()
+            .map(|(item, before)| ClaimTicket::new(outbox.clone(), item, before))
+            .collect();
+        // A slot gone meanwhile drops its tickets, which releases the claims.
+        let _ = member.reply.send(Reply::Done(tickets));
+    }
+}
+
+/// A member's step on its own, after its batch failed in its rules: a batch
+/// of one, so its error (if any) is its own.
+fn step_alone(
+    outbox: &Outbox,
+    ctx: &StepCtx<'_>,
+    finished: Option<(String, SendResult)>,
+    claims: usize,
+) -> Result<Vec<ClaimTicket>> {
+    let (reply, _replies) = mpsc::channel();
+    let alone = Request {
+        finished,
+        claims,
+        reply,
+    };
+    let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
+    let (members, result) = outbox.step_batch(|| vec![alone], pick, |_| Ok(()));
+    let batched = result?;
+    let Batched {
+        finished,
+        looked,
+        claimed,
+    } = batched;
+    {
+        let mut tally = ctx.tally();
+        for (receipt, wait) in finished.iter().flatten() {
+            tally.add(receipt, wait.is_some());
+        }
+        for receipt in &looked {
+            tally.add(receipt, false);
+        }
+    }
+    drop(members);
+    Ok(claimed
+        .into_iter()
+        .flatten()
+        .map(|(item, before)| ClaimTicket::new(outbox.clone(), item, before))
+        .collect())
 }
 
 /// Counts (and for a drain, receipts) of what the slots did.
@@ -418,7 +702,7 @@ enum SlotEnd {
 }
 
 /// Claims items for free slots and starts them, until all slots are busy or
-/// nothing is claimable.
+/// nothing is claimable. The free slots' claims are asked for in one step.
 async fn fill<F, Fut>(
     shared: &Arc<Shared<F>>,
     slots: &mut JoinSet<Result<SlotEnd>>,
@@ -429,38 +713,36 @@ where
     Fut: Future<Output = std::result::Result<Option<String>, SendError>> + Send + 'static,
 {
     while slots.len() < concurrency && !shared.stopping() {
-        let Some(ticket) = claim_next(shared, None).await? else {
+        let free = concurrency - slots.len();
+        let tickets = claim_next(shared, None, free).await?;
+        let short = tickets.len() < free;
+        for ticket in tickets {
+            slots.spawn(slot(Arc::clone(shared), ticket));
+        }
+        if short {
             return Ok(());
-        };
-        slots.spawn(slot(Arc::clone(shared), ticket));
+        }
     }
     Ok(())
 }
 
-/// One durable step on the blocking pool: record `finished` (if any), then claim
-/// the next item unless shutting down. The claim comes back as a ticket, which
-/// releases it untouched if it is dropped before its send starts.
+/// One durable step on the blocking pool, batched with the other slots'
+/// steps waiting at the same moment: record `finished` (if any), then claim up
+/// to `claims` items unless shutting down. The claims come back as tickets,
+/// each releasing its claim untouched if dropped before its send starts.
 async fn claim_next<F>(
     shared: &Arc<Shared<F>>,
     finished: Option<(String, SendResult)>,
-) -> Result<Option<ClaimTicket>>
+    claims: usize,
+) -> Result<Vec<ClaimTicket>>
 where
     F: Send + Sync + 'static,
 {
     let work = Arc::clone(shared);
-    let stepped = blocking(&shared.outbox, move || {
-        let finished_ref = finished.as_ref().map(|(k, r)| (k.as_str(), r));
-        // The picker is locked inside the step's transaction only, never
-        // across its sync, so the slots' steps join one commit group.
-        let pick = (!work.stopping()).then_some(&work.picker);
-        let stepped = work.outbox.step(finished_ref, pick)?;
-        work.tally().add_step(&stepped);
-        Ok(stepped
-            .claimed
-            .map(|(item, before)| ClaimTicket::new(work.outbox.clone(), item, before)))
+    blocking(&shared.outbox, move || {
+        work.steps.step(&work.outbox, &work.ctx(), finished, claims)
     })
-    .await?;
-    Ok(stepped)
+    .await
 }
 
 /// Sends claimed items one after another: each outcome is recorded in the same
@@ -518,7 +800,7 @@ where
             shared.tally().panic.get_or_insert(payload);
             return Ok(SlotEnd::Idle);
         }
-        next = claim_next(&shared, Some((key, result))).await?;
+        next = claim_next(&shared, Some((key, result)), 1).await?.pop();
     }
     Ok(SlotEnd::Idle)
 }
@@ -588,6 +870,7 @@ where
         outbox: outbox.clone(),
         send,
         picker: Mutex::new(Picker::pass(due)),
+        steps: Steps::default(),
         stopping: AtomicBool::new(false),
         cancelled,
         tally: Mutex::new(Tally {
@@ -756,5 +1039,141 @@ impl Watcher {
 impl Drop for Watcher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::NewMessage;
+
+    fn open(dir: &Path, faults: &[(&str, crate::FailAction)]) -> Outbox {
+        let mut builder = Outbox::builder(dir).rate_limit(u32::MAX, Duration::from_secs(60));
+        for (name, action) in faults {
+            builder = builder.failpoint(name, *action);
+        }
+        builder.open().expect("open")
+    }
+
+    fn message(key: &str, destination: &str) -> NewMessage {
+        NewMessage {
+            idempotency_key: key.into(),
+            connector: "telegram".into(),
+            grant_id: "bot-1".into(),
+            destination: destination.into(),
+            content: format!("hello {key}"),
+            ..Default::default()
+        }
+    }
+
+    /// `key`'s send, finished and delivered as `tr-{key}`.
+    fn delivered(key: &str) -> (String, SendResult) {
+        (key.to_owned(), Ok(Ok(Some(format!("tr-{key}")))))
+    }
+
+    /// Enqueues a (chat-a) and b (chat-b) and claims both with single steps.
+    fn two_claimed(outbox: &Outbox, picker: &Mutex<Picker>) {
+        outbox
+            .enqueue_many(vec![message("a", "chat-a"), message("b", "chat-b")])
+            .expect("enqueue");
+        for _ in 0..2 {
+            let stepped = outbox.step(None, Some(picker)).expect("claim");
+            assert!(stepped.claimed.is_some());
+        }
+    }
+
+    /// A request queued as if by another slot, before `gathering` is set:
+    /// the next step leads a batch that takes it too.
+    fn queue_other(steps: &Steps, finished: Option<(String, SendResult)>) -> mpsc::Receiver<Reply> {
+        let (reply, replies) = mpsc::channel();
+        steps.queue().waiting.push(Request {
+            finished,
+            claims: 0,
+            reply,
+        });
+        replies
+    }
+
+    #[test]
+    fn a_members_rule_error_fails_only_that_member_and_the_others_rerun_alone() {
+        let dir = tempfile::tempdir().expect("dir");
+        let outbox = open(dir.path(), &[]);
+        let picker = Mutex::new(Picker::worker());
+        two_claimed(&outbox, &picker);
+        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
+        let ctx = StepCtx {
+            picker: &picker,
+            stopping: &stopping,
+            tally: &tally,
+        };
+        let steps = Steps::default();
+        // Recording a send of an item that does not exist fails in the rules.
+        let ghost = queue_other(&steps, Some(delivered("ghost")));
+        let b = queue_other(&steps, Some(delivered("b")));
+        let own = steps.step(&outbox, &ctx, Some(delivered("a")), 0);
+        assert!(own.expect("a's step succeeds on its own").is_empty());
+        for (name, replies, expect_ok) in [("ghost", ghost, false), ("b", b, true)] {
+            let Ok(Reply::Alone(finished, claims)) = replies.try_recv() else {
+                panic!("{name} was not told to step alone after its batch failed");
+            };
+            let alone = step_alone(&outbox, &ctx, finished, claims);
+            match (expect_ok, alone) {
+                (true, Ok(tickets)) => assert!(tickets.is_empty()),
+                (false, Err(Error::NotFound { key })) => assert_eq!(key, "ghost"),
+                (_, other) => panic!("{name}: unexpected {:?}", other.map(|t| t.len())),
+            }
+        }
+        for (key, reference) in [("a", "tr-a"), ("b", "tr-b")] {
+            let item = outbox.get(key).expect("get").expect("live");
+            assert_eq!(item.transport_ref(), Some(reference), "{key} was lost");
+        }
+        assert_eq!(tally.lock().expect("tally").report.sent, 2);
+        assert!(steps.queue().waiting.is_empty() && !steps.queue().gathering);
+        outbox.verify_audit().expect("audit");
+    }
+
+    #[test]
+    fn a_failed_sync_fails_every_member_of_its_batch_and_reports_none() {
+        use crate::FailAction;
+        // How many syncs the set-up costs, so the batch's own sync fails.
+        let probe = tempfile::tempdir().expect("dir");
+        let counted = open(probe.path(), &[("journal.fsync", FailAction::DelayMs(0))]);
+        two_claimed(&counted, &Mutex::new(Picker::worker()));
+        let setup = counted.failpoint_hits("journal.fsync");
+        let dir = tempfile::tempdir().expect("dir");
+        let outbox = open(
+            dir.path(),
+            &[("journal.fsync", FailAction::ErrorOnHit(setup + 1))],
+        );
+        let picker = Mutex::new(Picker::worker());
+        two_claimed(&outbox, &picker);
+        let (stopping, tally) = (AtomicBool::new(false), Mutex::new(Tally::default()));
+        let ctx = StepCtx {
+            picker: &picker,
+            stopping: &stopping,
+            tally: &tally,
+        };
+        let steps = Steps::default();
+        let b = queue_other(&steps, Some(delivered("b")));
+        let own = steps.step(&outbox, &ctx, Some(delivered("a")), 1);
+        assert!(
+            matches!(own, Err(Error::Poisoned)),
+            "a: {:?}",
+            own.map(|t| t.len())
+        );
+        match b.try_recv() {
+            Ok(Reply::Failed(Error::Io { op: "fsync", .. })) => {}
+            Ok(Reply::Failed(e)) => panic!("b failed with {e}"),
+            Ok(_) => panic!("b was told something other than the failure"),
+            Err(e) => panic!("b got no answer: {e}"),
+        }
+        assert_eq!(outbox.failpoint_hits("journal.fsync"), setup + 1);
+        let report = &tally.lock().expect("tally").report;
+        assert_eq!(
+            (report.sent, report.failed, report.retried),
+            (0, 0, 0),
+            "an outcome of a batch whose sync failed was counted"
+        );
+        assert!(outbox.in_flight().is_empty());
     }
 }

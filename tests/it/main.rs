@@ -53,6 +53,8 @@ mod disk_full;
 mod async_api;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod audit_rotation;
+#[cfg(all(feature = "tokio", feature = "test-failpoints"))]
+mod batched_steps;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod concurrency;
 #[cfg(feature = "test-failpoints")]

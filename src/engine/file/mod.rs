@@ -177,6 +177,17 @@ impl FileEngine {
         self.faults.hits(name)
     }
 
+    /// Checks the test failpoint `name` (nothing without the feature), as an
+    /// I/O error of `op` on the outbox.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when `name` is armed to fail here.
+    pub(crate) fn check_failpoint(&self, name: &str, op: &'static str) -> Result<()> {
+        self.faults
+            .check(name)
+            .map_err(|e| Error::io(self.store.path(), op, e))
+    }
+
     /// The fault point between a send and the transaction that records it.
     ///
     /// # Errors
