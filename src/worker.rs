@@ -29,11 +29,10 @@ use std::cell::Cell;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::asynchronous::{CatchUnwind, ClaimTicket, blocking, pool_gone};
@@ -232,6 +231,7 @@ where
             send,
             picker: Mutex::new(Picker::worker()),
             steps: Steps::default(),
+            runtime: tokio::runtime::Handle::current(),
             stopping: AtomicBool::new(false),
             cancelled,
             tally: Mutex::new(Tally::default()),
@@ -354,6 +354,8 @@ struct Shared<F> {
     picker: Mutex<Picker>,
     /// The slots' steps waiting to be batched.
     steps: Steps,
+    /// Where a batch's leader runs (the blocking pool of this runtime).
+    runtime: tokio::runtime::Handle,
     /// Set once shutdown is asked for: record outcomes, claim nothing more.
     stopping: AtomicBool,
     /// Becomes `true` at the shutdown deadline: drop running sends.
@@ -401,14 +403,15 @@ impl StepCtx<'_> {
 /// transaction.
 ///
 /// A slot ready to step queues its request (its finished send, the claims it
-/// wants). If no batch is gathering, it becomes the **leader**: it asks for
-/// the outbox's lock and, once it holds it, takes every request queued by then
-/// (its own and those that arrived while it waited) and runs them as one
-/// transaction ([`Outbox::step_batch`]). Still under the lock, it hands the
-/// leadership to the first request queued after its batch, so the next batch
+/// wants) and awaits its answer, holding no thread. If no batch is gathering,
+/// it starts a **leader** on the blocking pool: the leader asks for the
+/// outbox's lock and, once it holds it, takes every request queued by then
+/// (those that arrived while it waited included) and runs them as one
+/// transaction ([`Outbox::step_batch`]). Still under the lock, it starts the
+/// next leader if more requests queued behind its batch, so the next batch
 /// forms and takes the lock as soon as this one has written its entry, while
 /// this one waits for its sync (the commit group then covers both). Once its
-/// batch is durable, the leader tells every member its result.
+/// batch is durable, the leader answers every member.
 ///
 /// What each member is told, and when:
 /// - the batch committed durably: its claims (its outcome is recorded);
@@ -434,7 +437,7 @@ struct StepQueue {
 struct Request {
     finished: Option<(String, SendResult)>,
     claims: usize,
-    reply: mpsc::Sender<Reply>,
+    reply: oneshot::Sender<Reply>,
 }
 
 impl AsMember for Request {
@@ -448,8 +451,6 @@ impl AsMember for Request {
 
 /// What a slot waiting in [`Steps`] is told.
 enum Reply {
-    /// Lead the next batch (the queue holds this slot's request).
-    Lead,
     /// The batch is durable: this slot's claims.
     Done(Vec<ClaimTicket>),
     /// The batch's write or sync failed.
@@ -463,70 +464,28 @@ impl Steps {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records `finished` and claims up to `claims` items, in a batch with the
-    /// other slots' steps (see [`Steps`]). Blocks until the step is durable.
-    fn step(
-        &self,
-        outbox: &Outbox,
-        ctx: &StepCtx<'_>,
-        finished: Option<(String, SendResult)>,
-        claims: usize,
-    ) -> Result<Vec<ClaimTicket>> {
-        if let Some((key, _)) = &finished
-            && let Err(e) = outbox.check_after_send()
-        {
-            outbox.in_flight().remove(key);
-            return Err(e);
-        }
-        let (reply, replies) = mpsc::channel();
-        let lead = {
-            let mut queue = self.queue();
-            queue.waiting.push(Request {
-                finished,
-                claims,
-                reply,
-            });
-            !std::mem::replace(&mut queue.gathering, true)
-        };
-        if lead {
-            self.lead(outbox, ctx);
-        }
-        loop {
-            match replies.recv() {
-                Ok(Reply::Lead) => self.lead(outbox, ctx),
-                Ok(Reply::Done(tickets)) => return Ok(tickets),
-                Ok(Reply::Failed(e)) => return Err(e),
-                Ok(Reply::Alone(finished, claims)) => {
-                    return step_alone(outbox, ctx, finished, claims);
-                }
-                Err(mpsc::RecvError) => {
-                    // The leader unwound before answering (its panic stops
-                    // the worker); nothing of this step is known to be durable.
-                    return Err(Error::io(
-                        outbox.location(),
-                        "batched step",
-                        std::io::Error::other("the leader of the step's batch panicked"),
-                    ));
-                }
-            }
-        }
-    }
-
-    /// Passes the leadership to the first request queued, or ends gathering.
-    fn hand_over(&self) {
+    /// Queues a slot's step; `true` if no batch is gathering, so the caller
+    /// must start a leader ([`lead`](Self::lead)).
+    fn push(&self, request: Request) -> bool {
         let mut queue = self.queue();
-        while let Some(first) = queue.waiting.first() {
-            if first.reply.send(Reply::Lead).is_ok() {
-                return;
-            }
-            // Its slot is gone (cannot happen while it waits): drop it.
-            queue.waiting.remove(0);
-        }
-        queue.gathering = false;
+        queue.waiting.push(request);
+        !std::mem::replace(&mut queue.gathering, true)
     }
 
-    /// Gathers and runs one batch, then answers its members.
-    fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>) {
+    /// Starts the next leader (`next`) if requests are queued, or ends gathering.
+    fn hand_over(&self, next: &dyn Fn()) {
+        let mut queue = self.queue();
+        if queue.waiting.is_empty() {
+            queue.gathering = false;
+        } else {
+            drop(queue);
+            next();
+        }
+    }
+
+    /// Gathers and runs one batch, then answers its members; `next` starts
+    /// the leader of the following batch.
+    fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>, next: impl Fn()) {
         let handed = Cell::new(false);
         let ran = Cell::new(false);
         let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
@@ -535,7 +494,7 @@ impl Steps {
             pick,
             |members| {
                 // Still under the lock: let the next batch form behind it.
-                self.hand_over();
+                self.hand_over(&next);
                 handed.set(true);
                 if members.len() > 1 {
                     // Counts batches shared by several slots; a crash here
@@ -557,7 +516,7 @@ impl Steps {
             }
         }
         if !handed.get() {
-            self.hand_over();
+            self.hand_over(&next);
         }
         match result {
             Ok(batched) => answer(outbox, ctx, members, batched),
@@ -617,7 +576,7 @@ fn step_alone(
     finished: Option<(String, SendResult)>,
     claims: usize,
 ) -> Result<Vec<ClaimTicket>> {
-    let (reply, _replies) = mpsc::channel();
+    let (reply, _answer) = oneshot::channel();
     let alone = Request {
         finished,
         claims,
@@ -726,10 +685,11 @@ where
     Ok(())
 }
 
-/// One durable step on the blocking pool, batched with the other slots'
-/// steps waiting at the same moment: record `finished` (if any), then claim up
-/// to `claims` items unless shutting down. The claims come back as tickets,
-/// each releasing its claim untouched if dropped before its send starts.
+/// One durable step, batched with the other slots' steps waiting at the same
+/// moment: record `finished` (if any), then claim up to `claims` items unless
+/// shutting down. The claims come back as tickets, each releasing its claim
+/// untouched if dropped before its send starts. Waiting for the batch holds
+/// no thread: only a batch's leader runs on the blocking pool.
 async fn claim_next<F>(
     shared: &Arc<Shared<F>>,
     finished: Option<(String, SendResult)>,
@@ -738,11 +698,51 @@ async fn claim_next<F>(
 where
     F: Send + Sync + 'static,
 {
+    if let Some((key, _)) = &finished
+        && let Err(e) = shared.outbox.check_after_send()
+    {
+        shared.outbox.in_flight().remove(key);
+        return Err(e);
+    }
+    let (reply, answer) = oneshot::channel();
+    if shared.steps.push(Request {
+        finished,
+        claims,
+        reply,
+    }) {
+        spawn_leader(shared);
+    }
+    match answer.await {
+        Ok(Reply::Done(tickets)) => Ok(tickets),
+        Ok(Reply::Failed(e)) => Err(e),
+        Ok(Reply::Alone(finished, claims)) => {
+            let work = Arc::clone(shared);
+            blocking(&shared.outbox, move || {
+                step_alone(&work.outbox, &work.ctx(), finished, claims)
+            })
+            .await
+        }
+        // The leader unwound before answering (or the runtime is shutting
+        // down): nothing of this step is known to be durable.
+        Err(_) => Err(Error::io(
+            shared.outbox.location(),
+            "batched step",
+            std::io::Error::other("the leader of the step's batch is gone"),
+        )),
+    }
+}
+
+/// Starts a batch's leader on the blocking pool; it hands leadership on the
+/// same way when requests queued behind its batch.
+fn spawn_leader<F>(shared: &Arc<Shared<F>>)
+where
+    F: Send + Sync + 'static,
+{
     let work = Arc::clone(shared);
-    blocking(&shared.outbox, move || {
-        work.steps.step(&work.outbox, &work.ctx(), finished, claims)
-    })
-    .await
+    shared.runtime.spawn_blocking(move || {
+        work.steps
+            .lead(&work.outbox, &work.ctx(), || spawn_leader(&work));
+    });
 }
 
 /// Sends claimed items one after another: each outcome is recorded in the same
@@ -871,6 +871,7 @@ where
         send,
         picker: Mutex::new(Picker::pass(due)),
         steps: Steps::default(),
+        runtime: tokio::runtime::Handle::current(),
         stopping: AtomicBool::new(false),
         cancelled,
         tally: Mutex::new(Tally {
@@ -1082,16 +1083,27 @@ mod tests {
         }
     }
 
-    /// A request queued as if by another slot, before `gathering` is set:
-    /// the next step leads a batch that takes it too.
-    fn queue_other(steps: &Steps, finished: Option<(String, SendResult)>) -> mpsc::Receiver<Reply> {
-        let (reply, replies) = mpsc::channel();
-        steps.queue().waiting.push(Request {
-            finished,
-            claims: 0,
+    /// Queues a slot's step; the first queued starts the gathering.
+    fn queue(
+        steps: &Steps,
+        finished: (String, SendResult),
+        claims: usize,
+    ) -> oneshot::Receiver<Reply> {
+        let (reply, answer) = oneshot::channel();
+        steps.push(Request {
+            finished: Some(finished),
+            claims,
             reply,
         });
-        replies
+        answer
+    }
+
+    /// Leads one batch of everything queued (nothing queues behind it).
+    fn lead(steps: &Steps, outbox: &Outbox, ctx: &StepCtx<'_>) {
+        steps.lead(outbox, ctx, || {
+            panic!("nothing was queued behind the batch")
+        });
+        assert!(steps.queue().waiting.is_empty() && !steps.queue().gathering);
     }
 
     #[test]
@@ -1108,18 +1120,19 @@ mod tests {
         };
         let steps = Steps::default();
         // Recording a send of an item that does not exist fails in the rules.
-        let ghost = queue_other(&steps, Some(delivered("ghost")));
-        let b = queue_other(&steps, Some(delivered("b")));
-        let own = steps.step(&outbox, &ctx, Some(delivered("a")), 0);
-        assert!(own.expect("a's step succeeds on its own").is_empty());
-        for (name, replies, expect_ok) in [("ghost", ghost, false), ("b", b, true)] {
-            let Ok(Reply::Alone(finished, claims)) = replies.try_recv() else {
+        let answers = [
+            ("ghost", queue(&steps, delivered("ghost"), 0)),
+            ("a", queue(&steps, delivered("a"), 0)),
+            ("b", queue(&steps, delivered("b"), 0)),
+        ];
+        lead(&steps, &outbox, &ctx);
+        for (name, mut answer) in answers {
+            let Ok(Reply::Alone(finished, claims)) = answer.try_recv() else {
                 panic!("{name} was not told to step alone after its batch failed");
             };
-            let alone = step_alone(&outbox, &ctx, finished, claims);
-            match (expect_ok, alone) {
-                (true, Ok(tickets)) => assert!(tickets.is_empty()),
-                (false, Err(Error::NotFound { key })) => assert_eq!(key, "ghost"),
+            match (name, step_alone(&outbox, &ctx, finished, claims)) {
+                ("ghost", Err(Error::NotFound { key })) => assert_eq!(key, "ghost"),
+                ("a" | "b", Ok(tickets)) => assert!(tickets.is_empty()),
                 (_, other) => panic!("{name}: unexpected {:?}", other.map(|t| t.len())),
             }
         }
@@ -1128,7 +1141,6 @@ mod tests {
             assert_eq!(item.transport_ref(), Some(reference), "{key} was lost");
         }
         assert_eq!(tally.lock().expect("tally").report.sent, 2);
-        assert!(steps.queue().waiting.is_empty() && !steps.queue().gathering);
         outbox.verify_audit().expect("audit");
     }
 
@@ -1154,19 +1166,19 @@ mod tests {
             tally: &tally,
         };
         let steps = Steps::default();
-        let b = queue_other(&steps, Some(delivered("b")));
-        let own = steps.step(&outbox, &ctx, Some(delivered("a")), 1);
-        assert!(
-            matches!(own, Err(Error::Poisoned)),
-            "a: {:?}",
-            own.map(|t| t.len())
-        );
+        let mut b = queue(&steps, delivered("b"), 0);
+        let mut a = queue(&steps, delivered("a"), 1);
+        lead(&steps, &outbox, &ctx);
         match b.try_recv() {
             Ok(Reply::Failed(Error::Io { op: "fsync", .. })) => {}
             Ok(Reply::Failed(e)) => panic!("b failed with {e}"),
             Ok(_) => panic!("b was told something other than the failure"),
             Err(e) => panic!("b got no answer: {e}"),
         }
+        assert!(
+            matches!(a.try_recv(), Ok(Reply::Failed(Error::Poisoned))),
+            "a was not failed as poisoned"
+        );
         assert_eq!(outbox.failpoint_hits("journal.fsync"), setup + 1);
         let report = &tally.lock().expect("tally").report;
         assert_eq!(
