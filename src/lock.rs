@@ -70,6 +70,7 @@ impl<T> DirLock<T> {
         let path = dir.join(LOCK_FILE);
         let file = fsutil::open_private(&path, false)
             .map_err(|e| Error::io(&path, "open lock file", e))?;
+        no_access_time(&file);
         Ok(Self {
             path,
             inner: Mutex::new(Slot {
@@ -136,9 +137,9 @@ pub(crate) struct CounterProbe {
 impl CounterProbe {
     /// Opens `outbox.lock` in `dir` for reading (never through a symlink).
     pub(crate) fn open(dir: &Path) -> io::Result<Self> {
-        Ok(Self {
-            file: fsutil::open_existing(&dir.join(LOCK_FILE), false)?,
-        })
+        let file = fsutil::open_existing(&dir.join(LOCK_FILE), false)?;
+        no_access_time(&file);
+        Ok(Self { file })
     }
 
     /// The counter now; `None` if it cannot be read (never written, or an error).
@@ -149,6 +150,27 @@ impl CounterProbe {
             _ => None,
         }
     }
+}
+
+/// Stops reads of the lock file through `file` from updating its access time
+/// (`O_NOATIME`). Every transaction reads the change counter right after some
+/// transaction wrote it; on a `relatime` mount each such read after a write
+/// would update the access time and dirty the inode again, as the write just
+/// did (`perf record -e ext4:ext4_mark_inode_dirty`: one from `pwrite`, one
+/// from `pread`'s `touch_atime`). Nothing reads the lock file's access time.
+/// Linux allows the flag to the file's owner only: for a file another user
+/// owns (an outbox shared by a group) reads keep updating it, as before.
+fn no_access_time(file: &File) {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+        if let Ok(flags) = fcntl_getfl(file) {
+            // EPERM (not the owner) is the documented fallback above.
+            let _ = fcntl_setfl(file, flags | OFlags::NOATIME);
+        }
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = file;
 }
 
 /// Reads exactly `buf.len()` bytes at offset 0; `false` if the file is shorter.
@@ -476,4 +498,74 @@ pub(crate) fn create_private_dir(path: &Path) -> Result<()> {
         crate::fsutil::sync_dir(parent).map_err(|e| Error::io(parent, "fsync directory", e))?;
     }
     Ok(())
+}
+
+#[cfg(all(test, any(target_os = "linux", target_os = "android")))]
+mod tests {
+    use super::*;
+    use std::fs::FileTimes;
+    use std::time::{Duration, SystemTime};
+
+    /// Sets `path`'s access time before its modification time, as after a
+    /// write: the next read updates it on a `relatime` mount.
+    fn age_access_time(path: &Path) -> SystemTime {
+        let accessed = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        let times = FileTimes::new()
+            .set_accessed(accessed)
+            .set_modified(accessed + Duration::from_secs(60));
+        File::options()
+            .write(true)
+            .open(path)
+            .and_then(|f| f.set_times(times))
+            .expect("set times");
+        accessed
+    }
+
+    fn accessed(path: &Path) -> SystemTime {
+        std::fs::metadata(path)
+            .and_then(|m| m.accessed())
+            .expect("access time")
+    }
+
+    #[test]
+    fn reading_the_change_counter_leaves_the_lock_files_access_time_alone() {
+        let dir = tempfile::tempdir().expect("dir");
+        // Does this filesystem update access times on a read at all?
+        let control = dir.path().join("control");
+        std::fs::write(&control, b"12345678").expect("write");
+        let before = age_access_time(&control);
+        std::fs::read(&control).expect("read");
+        if accessed(&control) == before {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "this test needs a filesystem that records access times (relatime) under {}",
+                dir.path().display()
+            );
+            println!(
+                "SKIPPED: {} does not record access times",
+                dir.path().display()
+            );
+            return;
+        }
+        let lock = DirLock::open(dir.path(), ()).expect("open");
+        lock.lock()
+            .and_then(|mut g| g.mark_writing())
+            .expect("write");
+        let path = dir.path().join(LOCK_FILE);
+        let before = age_access_time(&path);
+        // A new hold reads the counter (the guard above let the flock go).
+        drop(lock.lock().expect("lock"));
+        #[cfg(feature = "tokio")]
+        assert!(
+            CounterProbe::open(dir.path())
+                .expect("probe")
+                .read()
+                .is_some()
+        );
+        assert_eq!(
+            accessed(&path),
+            before,
+            "reading the change counter dirtied the lock file's inode (its access time)"
+        );
+    }
 }
