@@ -500,7 +500,8 @@ pub(crate) fn create_private_dir(path: &Path) -> Result<()> {
     Ok(())
 }
 
-#[cfg(all(test, any(target_os = "linux", target_os = "android")))]
+#[cfg(test)]
+#[cfg(any(target_os = "linux", target_os = "android"))]
 mod tests {
     use super::*;
     use std::fs::FileTimes;
