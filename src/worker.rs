@@ -486,21 +486,25 @@ impl Steps {
     /// Gathers and runs one batch, then answers its members; `next` starts
     /// the leader of the following batch.
     fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>, next: impl Fn()) {
-        let handed = Cell::new(false);
+        let unwinding = Unwinding {
+            steps: self,
+            handed: Cell::new(false),
+        };
+        let handed = &unwinding.handed;
         let ran = Cell::new(false);
         let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
         let (mut members, result) = outbox.step_batch(
             || std::mem::take(&mut self.queue().waiting),
             pick,
             |members| {
-                // Still under the lock: let the next batch form behind it.
-                self.hand_over(&next);
-                handed.set(true);
                 if members.len() > 1 {
                     // Counts batches shared by several slots; a crash here
                     // lands in the middle of one.
                     outbox.check_failpoint("step.batch", "batched step")?;
                 }
+                // Still under the lock: let the next batch form behind it.
+                self.hand_over(&next);
+                handed.set(true);
                 ran.set(true);
                 Ok(())
             },
@@ -538,6 +542,25 @@ impl Steps {
                         .send(Reply::Alone(member.finished, member.claims));
                 }
             }
+        }
+    }
+}
+
+/// A leader unwinding (a panic in the rules) before it handed leadership on:
+/// the requests queued behind it are dropped, so their slots get an error
+/// instead of waiting forever for a leader nobody will start, and the next
+/// request leads again.
+struct Unwinding<'a> {
+    steps: &'a Steps,
+    handed: Cell<bool>,
+}
+
+impl Drop for Unwinding<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.handed.get() {
+            let mut queue = self.steps.queue();
+            queue.waiting.clear();
+            queue.gathering = false;
         }
     }
 }
@@ -1142,6 +1165,39 @@ mod tests {
         }
         assert_eq!(tally.lock().expect("tally").report.sent, 2);
         outbox.verify_audit().expect("audit");
+    }
+
+    #[test]
+    fn a_leader_that_panics_fails_its_members_and_the_next_request_leads_again() {
+        use crate::FailAction;
+        let dir = tempfile::tempdir().expect("dir");
+        let outbox = open(dir.path(), &[("step.batch", FailAction::Panic)]);
+        let picker = Mutex::new(Picker::worker());
+        two_claimed(&outbox, &picker);
+        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
+        let ctx = StepCtx {
+            picker: &picker,
+            stopping: &stopping,
+            tally: &tally,
+        };
+        let steps = Steps::default();
+        let mut a = queue(&steps, delivered("a"), 0);
+        let mut b = queue(&steps, delivered("b"), 0);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            steps.lead(&outbox, &ctx, || panic!("nothing was handed on"));
+        }));
+        assert!(panicked.is_err(), "the failpoint did not panic");
+        for (name, answer) in [("a", &mut a), ("b", &mut b)] {
+            assert!(
+                matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Closed)),
+                "{name} was left waiting for an answer nobody will send"
+            );
+        }
+        let queue = steps.queue();
+        assert!(
+            queue.waiting.is_empty() && !queue.gathering,
+            "a later step would wait for a leader nobody starts"
+        );
     }
 
     #[test]
