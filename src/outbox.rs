@@ -627,7 +627,8 @@ impl Outbox {
     /// `collect` runs under the engine's lock and returns the members (so
     /// every slot that asked while the lock was busy joins), the rules of
     /// [`drain::step_batch`] run over them, then `ran` is called, still under
-    /// the lock. Returns the members and the batch's result; `ran` not called
+    /// the lock (again on each rerun of a transaction PostgreSQL rolled
+    /// back). Returns the members and the batch's result; `ran` not called
     /// means the rules failed (or the transaction never began) and nothing
     /// was written. Finished keys leave the in-flight set; claims of a batch
     /// that did not commit do too.
@@ -636,14 +637,33 @@ impl Outbox {
         &self,
         collect: impl FnOnce() -> Vec<M>,
         pick: Option<&Mutex<Picker>>,
-        ran: impl FnOnce(&[M]) -> Result<()>,
+        mut ran: impl FnMut(&[M]) -> Result<()>,
     ) -> (Vec<M>, Result<drain::Batched>) {
+        let mut collect = Some(collect);
         let mut members: Vec<M> = Vec::new();
         let mut claimed_here: Vec<String> = Vec::new();
         let batched = self.transact(|actor, txn| {
-            members = collect();
-            let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
+            // A rerun (the server rolled the attempt back) keeps the members
+            // it took and undoes what the attempt did outside the database.
+            let rerun = collect.is_none();
+            if let Some(collect) = collect.take() {
+                members = collect();
+            }
             let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
+            if rerun {
+                let mut in_flight = actor.in_flight();
+                for key in claimed_here.drain(..) {
+                    in_flight.remove(&key);
+                }
+                drop(in_flight);
+                if let Some(picker) = picker.as_deref_mut() {
+                    picker.undo_attempt();
+                }
+            }
+            if let Some(picker) = picker.as_deref_mut() {
+                picker.begin_attempt();
+            }
+            let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
             let batched = drain::step_batch(actor, txn, &views, picker.as_deref_mut())?;
             drop(picker);
             claimed_here.extend(

@@ -502,9 +502,11 @@ impl Steps {
                     // lands in the middle of one.
                     outbox.check_failpoint("step.batch", "batched step")?;
                 }
-                // Still under the lock: let the next batch form behind it.
-                self.hand_over(&next);
-                handed.set(true);
+                // Still under the lock: let the next batch form behind it
+                // (once: PostgreSQL may rerun a transaction it rolled back).
+                if !handed.replace(true) {
+                    self.hand_over(&next);
+                }
                 ran.set(true);
                 Ok(())
             },
