@@ -7,7 +7,7 @@
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | `durable_outbox_outcomes_total` | counter | `outcome`, `error_code`, `class` | audited outcomes: `queued` (enqueued), `sent`, `failed`, `retrying`, `deferred`, `requeued`, `cancelled`, `pruned`; `error_code` and `class` are empty when there is none |
+//! | `durable_outbox_outcomes_total` | counter | `outcome`, `error_code`, `class` | audited outcomes: `queued` (enqueued), `sent`, `failed`, `retrying`, `deferred`, `requeued`, `cancelled`, `pruned`, `late_delivery` (a send whose lost claim's item had moved on, delivered: counted here, not as `sent`); `error_code` and `class` are empty when there is none |
 //! | `durable_outbox_enqueue_to_sent_seconds` | histogram | — | from enqueue to the recorded delivery |
 //! | `durable_outbox_queued` | gauge | — | queued items (including in flight) |
 //! | `durable_outbox_in_flight` | gauge | — | queued items claimed by a worker |

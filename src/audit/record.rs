@@ -35,6 +35,13 @@ pub enum AuditOutcome {
     /// The outbox's stored settings changed; the note names each change
     /// (`rate_limit 10/60s -> 1/3600s`). The key is `settings`.
     Settings,
+    /// A send whose claim was lost while it ran (declared ambiguous after its
+    /// owner's session ended) delivered after the item had moved on: it was
+    /// cancelled, claimed again or sent by another attempt. The record carries
+    /// that send's transport ref and a note naming what the item had become; it
+    /// reports a delivery, not a change of state: the item stays as its
+    /// earlier records left it (its `last_audit_id` names this record).
+    LateDelivery,
 }
 
 impl AuditOutcome {
@@ -50,6 +57,7 @@ impl AuditOutcome {
             Self::Cancelled => "cancelled",
             Self::Pruned => "pruned",
             Self::Settings => "settings",
+            Self::LateDelivery => "late_delivery",
         }
     }
 }

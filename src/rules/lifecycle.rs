@@ -12,15 +12,43 @@
 //! With session locks as liveness, a network cut or a server restart makes a
 //! live send look dead: another handle fails its claim as
 //! [`AMBIGUOUS_AFTER_RESTART`] (never resending it). When the send then
-//! finishes, [`finish`] finds the claim gone and records what really happened
-//! as an audited correction ([`CORRECTION_NOTE`]):
+//! finishes, [`finish`] finds the claim gone and accounts for what really
+//! happened, whatever the item became meanwhile (an operator may have
+//! requeued or cancelled it, and a resend may have started or ended):
 //!
 //! * still failed as ambiguous and unclaimed: a delivered send makes the item
 //!   `sent` (with its transport ref, so replies correlate); a send that
 //!   certainly did not deliver keeps the item failed with the real error code
-//!   and no longer counts it as a possible send;
-//! * anything else (an operator requeued or cancelled it meanwhile, or the
-//!   send is ambiguous again): the item is left alone (logged).
+//!   and no longer counts it as a possible send (a correction,
+//!   [`CORRECTION_NOTE`]);
+//! * queued again and unclaimed (requeued, or put back for a resend under an
+//!   idempotent transport, and not resent yet), and the send delivered: the
+//!   item becomes `sent` with its transport ref, as a correction
+//!   ([`REQUEUED_NOTE`]), so it is not sent a second time;
+//! * claimed again by another attempt, sent by one, cancelled or failed
+//!   otherwise, and the send delivered: the item's state is left alone (a
+//!   resend under way cannot be called back, a cancel or a recorded resend
+//!   stays true), and a [`LateDelivery`](AuditOutcome::LateDelivery) record
+//!   with this send's transport ref and a note naming what the item had
+//!   become ([`LATE_DELIVERY_NOTE`]) puts the message on the chain; the
+//!   receipt says `Sent` with that ref;
+//! * the send certainly failed (or its outcome is unknown) and the item had
+//!   moved on: nothing is changed and nothing recorded — no message reached
+//!   the chat to account for, the item's own records already say what it is,
+//!   and a record of a non-event would only contradict them; the receipt is
+//!   the item as it now stands (`Deferred` when queued, `InFlight` when
+//!   claimed, its terminal outcome otherwise), never a `Failed` for an item
+//!   that will still be sent.
+//!
+//! **Record shape.** A late delivery gets its own outcome, not `sent`, because
+//! every record of an item except it says the item's state: `durable-outbox
+//! verify` checks that an item's last record is the one it names
+//! (`last_audit_id`) and that its last state-giving record agrees with its
+//! state. The late-delivery record is stamped on the item as its latest (the
+//! only change to the item: `last_audit_id` and `updated_at`), and the
+//! verifier compares the state with the record before it. The chain's hashes,
+//! `verify_audit`, the offline verifier of an export and `history` treat it as
+//! any record.
 //!
 //! Nothing is ever resent by a correction.
 
@@ -37,10 +65,10 @@ use crate::order;
 use crate::receipt::{DeliveryReceipt, Outcome};
 use crate::rules::Actor;
 use crate::rules::codes::{
-    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, GAVE_UP, SEND_PANICKED, sanitize,
+    AMBIGUOUS_AFTER_RESTART, ATTEMPTS_EXHAUSTED, CANCELLED, GAVE_UP, SEND_PANICKED, sanitize,
 };
 use crate::rules::rate::{learn_pace, rate_capped};
-use crate::rules::record::record;
+use crate::rules::record::{record, record_reporting};
 use crate::rules::repair::{claim_is_live, may_resend, resend_later, settle_dead_claim};
 use crate::rules::txn::Txn;
 use crate::send::{FailureClass, SendError};
@@ -240,7 +268,9 @@ fn decide_inner<T: Txn + ?Sized>(actor: &Actor<'_>, txn: &mut T, key: &str) -> R
 /// - ambiguous: failed, counted as a possible send; or, for an idempotent
 ///   transport, queued for a resend under the same transaction id;
 /// - permanent (or out of attempts): failed;
-/// - a panic: failed as ambiguous with [`SEND_PANICKED`].
+/// - a panic: failed as ambiguous with [`SEND_PANICKED`];
+/// - the claim is no longer ours (lost while the send ran): accounted for as
+///   the module docs say ("A claim lost while its send ran").
 ///
 /// # Errors
 /// [`Error::NotFound`] if the item vanished; the engine's errors.
@@ -276,24 +306,12 @@ fn finish_inner<T: Txn + ?Sized>(
     result: &SendResult,
 ) -> Result<(DeliveryReceipt, Option<Duration>)> {
     let now = txn.now();
-    if txn.existing(key)?.claim_owner() != Some(actor.owner)
-        && let Some(corrected) = correct_lost_claim(txn, key, result)?
-    {
-        return Ok((corrected, None));
+    if txn.existing(key)?.claim_owner() != Some(actor.owner) {
+        // File engine: only possible if the state files were replaced behind
+        // our back. PostgreSQL: the claim was lost while the send ran.
+        return Ok((account_for_lost_claim(txn, key, result)?, None));
     }
     let item = txn.existing(key)?;
-    if item.claim_owner() != Some(actor.owner) {
-        // File engine: only possible if the state files were replaced behind
-        // our back. PostgreSQL: the claim was lost and the item moved on.
-        tracing::error!(
-            key,
-            "our claim vanished while sending; leaving the item as it is"
-        );
-        return Ok((
-            DeliveryReceipt::for_item(item, Outcome::InFlight, None),
-            None,
-        ));
-    }
     let attempts = item.attempts;
     let created_at = item.created_at;
     match result {
@@ -307,54 +325,158 @@ fn finish_inner<T: Txn + ?Sized>(
     }
 }
 
-/// [`finish`] for a send whose claim another handle declared ambiguous while
-/// it ran (its owner's session ended under it: a network cut, a server
-/// restart; see the module docs). If the item is still failed as
-/// [`AMBIGUOUS_AFTER_RESTART`] and unclaimed, what really happened is
-/// recorded as a correction (a note saying so on the audit record): a
-/// delivery makes it `sent` with its transport ref; a failure that certainly
-/// did not deliver keeps it failed with the real error and no longer counts
-/// it as a possible send. Nothing is resent. `None`: left alone (the item
-/// moved on, or the send is ambiguous again or panicked).
-fn correct_lost_claim<T: Txn + ?Sized>(
+/// What a lost claim's item had become when its send finished (see the module
+/// docs, "A claim lost while its send ran").
+enum Moved {
+    /// Still failed as [`AMBIGUOUS_AFTER_RESTART`] and unclaimed: nobody
+    /// touched it since the claim was declared ambiguous.
+    DeclaredAmbiguous,
+    /// Queued and unclaimed: requeued (or put back for a resend under an
+    /// idempotent transport) and not sent again yet.
+    Requeued,
+    /// Claimed by another attempt, sent, cancelled, or failed otherwise; the
+    /// text says which, for the audit note.
+    Elsewhere(String),
+}
+
+impl Moved {
+    fn of(item: &OutboxItem) -> Self {
+        match (item.state, &item.claim) {
+            (ItemState::Failed, None)
+                if item.error_code.as_deref() == Some(AMBIGUOUS_AFTER_RESTART) =>
+            {
+                Self::DeclaredAmbiguous
+            }
+            (ItemState::Queued, None) => Self::Requeued,
+            (ItemState::Queued, Some(claim)) => Self::Elsewhere(format!(
+                "been claimed again (by owner {}, a resend under way)",
+                claim.owner.as_deref().unwrap_or("-")
+            )),
+            (ItemState::Sent, _) => Self::Elsewhere(format!(
+                "been sent by another attempt (transport ref {})",
+                item.transport_ref.as_deref().unwrap_or("-")
+            )),
+            (ItemState::Failed, _) if item.error_code.as_deref() == Some(CANCELLED) => {
+                Self::Elsewhere("been cancelled".to_owned())
+            }
+            (ItemState::Failed, _) => Self::Elsewhere(format!(
+                "failed again ({})",
+                item.error_code.as_deref().unwrap_or("-")
+            )),
+        }
+    }
+}
+
+/// [`finish`] for a send whose claim is no longer ours: another handle
+/// declared it ambiguous while the send ran (its owner's session ended under
+/// it: a network cut, a server restart), and the item may have moved on since
+/// (see the module docs). Nothing is ever resent from here.
+///
+/// - a delivery or a certain failure of an item still declared ambiguous:
+///   its real outcome is recorded as a correction ([`CORRECTION_NOTE`]);
+/// - a delivery of an item queued again and not resent yet: `sent`, as a
+///   correction ([`REQUEUED_NOTE`]), so it is not sent a second time;
+/// - a delivery of an item that moved on otherwise (claimed again, sent,
+///   cancelled): the item is left as it is and a
+///   [`LateDelivery`](AuditOutcome::LateDelivery) record with this send's
+///   transport ref accounts for the message; the receipt says `Sent`, with
+///   this send's ref;
+/// - anything else (a certain failure after the item moved on, or an outcome
+///   still unknown): nothing to correct and nothing delivered to account
+///   for, so no record; the receipt is the item as it now stands.
+fn account_for_lost_claim<T: Txn + ?Sized>(
     txn: &mut T,
     key: &str,
     result: &SendResult,
-) -> Result<Option<DeliveryReceipt>> {
+) -> Result<DeliveryReceipt> {
     let now = txn.now();
-    let item = txn.existing(key)?;
-    let declared_ambiguous = item.state == ItemState::Failed
-        && item.error_code.as_deref() == Some(AMBIGUOUS_AFTER_RESTART)
-        && item.claim.is_none();
-    let known = match result {
-        Ok(Ok(_)) => true,
+    let moved = Moved::of(txn.existing(key)?);
+    let known_failure = match result {
         Ok(Err(error)) => error.class() != FailureClass::Ambiguous,
-        Err(_panic) => false,
+        Ok(Ok(_)) | Err(_) => false,
     };
-    if !declared_ambiguous || !known {
-        return Ok(None);
-    }
-    tracing::warn!(
-        key,
-        "this send's claim was declared ambiguous while it ran; recording its real outcome"
-    );
-    let item = txn.item_mut(key)?;
-    item.updated_at = now;
-    let (outcome, receipt_outcome) = match result {
-        Ok(Ok(reference)) => {
+    match (result, moved) {
+        (Ok(Ok(reference)), moved @ (Moved::DeclaredAmbiguous | Moved::Requeued)) => {
+            let note = match moved {
+                Moved::Requeued => REQUEUED_NOTE,
+                _ => CORRECTION_NOTE,
+            };
+            tracing::warn!(
+                key,
+                "this send's claim was lost while it ran; recording its delivery as a correction"
+            );
+            let item = txn.item_mut(key)?;
+            item.updated_at = now;
+            // Ours was an attempt, whatever a requeue reset the count to.
+            item.attempts = item.attempts.max(1);
+            item.next_attempt_at = None;
             mark_sent(item, now, reference.as_deref());
-            (AuditOutcome::Sent, Outcome::Sent)
+            let audit_id = record(txn, key, AuditOutcome::Sent, Some(note), false)?;
+            receipt(txn, key, Outcome::Sent, Some(audit_id))
         }
-        Ok(Err(error)) => {
+        (Ok(Err(error)), Moved::DeclaredAmbiguous) if known_failure => {
+            tracing::warn!(
+                key,
+                "this send's claim was lost while it ran; recording its failure as a correction"
+            );
+            let item = txn.item_mut(key)?;
+            item.updated_at = now;
             item.error_code = Some(sanitize(error.code(), limits::TRANSPORT_REF));
             item.failure_class = Some(error.class());
             item.maybe_sent_at = None;
-            (AuditOutcome::Failed, Outcome::Failed)
+            let audit_id = record(txn, key, AuditOutcome::Failed, Some(CORRECTION_NOTE), false)?;
+            receipt(txn, key, Outcome::Failed, Some(audit_id))
         }
-        Err(_) => return Ok(None),
-    };
-    let audit_id = record(txn, key, outcome, Some(CORRECTION_NOTE), false)?;
-    Ok(Some(receipt(txn, key, receipt_outcome, Some(audit_id))?))
+        (Ok(Ok(reference)), Moved::Elsewhere(what)) => {
+            tracing::error!(
+                key,
+                "this send's claim was lost while it ran and it delivered after the item had \
+                 {what}; recording the delivery, leaving the item as it is"
+            );
+            let reference = reference
+                .as_deref()
+                .filter(|r| !r.trim().is_empty())
+                .map(|r| sanitize(r, limits::TRANSPORT_REF));
+            let note = format!("{LATE_DELIVERY_NOTE} after the item had {what}");
+            let reported = reference.clone();
+            let audit_id = record_reporting(
+                txn,
+                key,
+                AuditOutcome::LateDelivery,
+                Some(&note),
+                false,
+                move |item| {
+                    item.transport_ref = reported;
+                    item.error_code = None;
+                    item.failure_class = None;
+                },
+            )?;
+            let mut delivered = receipt(txn, key, Outcome::Sent, Some(audit_id))?;
+            delivered.transport_ref = reference;
+            delivered.error_code = None;
+            delivered.next_attempt_at = None;
+            Ok(delivered)
+        }
+        (_, moved) => {
+            let what = match moved {
+                Moved::DeclaredAmbiguous => "stayed failed as ambiguous".to_owned(),
+                Moved::Requeued => "been queued again".to_owned(),
+                Moved::Elsewhere(what) => what,
+            };
+            tracing::warn!(
+                key,
+                "this send's claim was lost while it ran; it did not deliver (or its outcome \
+                 is unknown) and the item had {what}: leaving it as it is"
+            );
+            let item = txn.existing(key)?;
+            let outcome = match (item.state, item.claim.is_some()) {
+                (ItemState::Queued, true) => Outcome::InFlight,
+                (ItemState::Queued, false) => Outcome::Deferred,
+                (state, _) => terminal_outcome(state),
+            };
+            Ok(DeliveryReceipt::for_item(item, outcome, None))
+        }
+    }
 }
 
 /// [`finish`] for a send that reported an error.
@@ -560,3 +682,14 @@ fn audit_outcome_of(state: ItemState) -> AuditOutcome {
 /// The note on a correction's audit record.
 pub(crate) const CORRECTION_NOTE: &str = "correction: this attempt's claim was declared \
      ambiguous after its owner's session ended; the send itself finished";
+
+/// The note on the correction of an item requeued (or put back for a resend)
+/// while a send it had lost the claim of was still running, and delivered.
+pub(crate) const REQUEUED_NOTE: &str = "correction: this attempt's claim was declared \
+     ambiguous after its owner's session ended; the send itself finished and delivered \
+     after the item was queued again (requeued), so it is sent and not sent again";
+
+/// The start of a [`LateDelivery`](AuditOutcome::LateDelivery) record's note;
+/// what the item had become follows.
+pub(crate) const LATE_DELIVERY_NOTE: &str = "late delivery: this attempt's claim was \
+     declared ambiguous after its owner's session ended; its send delivered";

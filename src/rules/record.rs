@@ -48,6 +48,41 @@ pub(crate) fn record<T: Txn + ?Sized>(
     Ok(audit_id)
 }
 
+/// [`record`] for an event that reports something other than the item's own
+/// fields (a copy is made, so the common path does not use it): `report` adjusts a copy of the item before the event is built from
+/// it (a late delivery's transport ref, which the item does not take). The
+/// item itself only gets the audit id (and `updated_at`), so its latest
+/// record stays the one it names.
+///
+/// # Errors
+/// As [`record`].
+pub(crate) fn record_reporting<T: Txn + ?Sized>(
+    txn: &mut T,
+    key: &str,
+    outcome: AuditOutcome,
+    note: Option<&str>,
+    reconciled: bool,
+    report: impl FnOnce(&mut crate::item::OutboxItem),
+) -> Result<String> {
+    let now = txn.now();
+    let audit_id = txn.audit_id(key, now)?;
+    let item = txn.item_mut(key)?;
+    item.last_audit_id = Some(audit_id.clone());
+    item.updated_at = item.updated_at.max(now);
+    let mut reported = item.clone();
+    report(&mut reported);
+    let event = AuditEvent::for_item(
+        &reported,
+        outcome,
+        audit_id.clone(),
+        note,
+        reconciled,
+        format_timestamp(now),
+    );
+    txn.seal(&event)?;
+    Ok(audit_id)
+}
+
 /// The audit id of the record sealed after `head` for the item `key` at `now`
 /// (the file engine's [`Txn::audit_id`]).
 pub(crate) fn item_audit_id(head: &Head, key: &str, now: DateTime<Utc>) -> String {

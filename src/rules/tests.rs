@@ -19,7 +19,9 @@ use crate::rate::{RateLimit, RatePolicy};
 use crate::receipt::Outcome;
 use crate::retry::Backoff;
 use crate::rules::Actor;
-use crate::rules::codes::{AMBIGUOUS_AFTER_RESTART, DESTINATION_COOLDOWN, RATE_CAPPED};
+use crate::rules::bulk::Bulk;
+use crate::rules::codes::{AMBIGUOUS_AFTER_RESTART, CANCELLED, DESTINATION_COOLDOWN, RATE_CAPPED};
+use crate::rules::lifecycle::SendResult;
 use crate::rules::lifecycle::{Decision, decide, finish};
 use crate::rules::txn::Txn;
 use crate::send::{FailureClass, SendError};
@@ -197,8 +199,11 @@ impl Handle {
         }
     }
     fn actor(&self) -> Actor<'_> {
+        self.actor_as("me")
+    }
+    fn actor_as<'a>(&'a self, owner: &'a str) -> Actor<'a> {
         Actor {
-            owner: "me",
+            owner,
             in_flight: &self.in_flight,
             pacing: &self.pacing,
             idempotent: &self.idempotent,
@@ -389,4 +394,230 @@ fn a_drain_step_records_the_finished_send_and_claims_the_next_in_one_transaction
         [next.idempotency_key.as_str()],
         "one send at a time per step"
     );
+}
+
+// ----- a send that finishes after its claim was lost ----------------------
+
+/// `me` claims "a" and starts sending; its owner session ends (nobody holds
+/// "me" alive), so `other` declares the claim ambiguous. Returns the handle
+/// whose send is still running, for `finish`.
+fn lose_the_claim(txn: &mut MemTxn) -> Handle {
+    let handle = Handle::new();
+    enqueue(txn, "a", "chat");
+    claimed(decide(&handle.actor(), txn, "a").unwrap());
+    let other = Handle::new();
+    txn.now = at(10);
+    let declared = decide(&other.actor_as("other"), txn, "a").unwrap();
+    assert_eq!(outcome(&declared), Outcome::Failed);
+    assert_eq!(
+        txn.items["a"].error_code.as_deref(),
+        Some(AMBIGUOUS_AFTER_RESTART)
+    );
+    txn.now = at(20);
+    handle
+}
+
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "what `send` returned, in the type `finish` takes"
+)]
+fn delivered(reference: &str) -> SendResult {
+    Ok(Ok(Some(reference.to_owned())))
+}
+
+/// The last sealed record, which must be the one the item names as its latest.
+fn last_record(txn: &MemTxn, key: &str) -> AuditRecord {
+    let record = txn.sealed.last().unwrap().clone();
+    assert_eq!(record.idempotency_key, key);
+    assert_eq!(
+        txn.items[key].last_audit_id.as_deref(),
+        Some(record.audit_id.as_str()),
+        "the item names its latest record"
+    );
+    record
+}
+
+#[test]
+fn a_delivery_after_the_item_was_requeued_makes_it_sent_and_it_is_not_sent_again() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    assert_eq!(
+        txn.items["a"].attempts, 0,
+        "a requeue starts the count again"
+    );
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref(), wait),
+        (Outcome::Sent, Some("m1"), None)
+    );
+    let item = &txn.items["a"];
+    assert_eq!(
+        (
+            item.state,
+            item.transport_ref.as_deref(),
+            item.claim.is_none()
+        ),
+        (ItemState::Sent, Some("m1"), true)
+    );
+    assert_eq!(item.attempts, 1, "the late send was an attempt");
+    let record = last_record(&txn, "a");
+    assert_eq!(record.outcome, AuditOutcome::Sent);
+    assert_eq!(record.transport_ref.as_deref(), Some("m1"));
+    assert_eq!(receipt.audit_id.as_deref(), Some(record.audit_id.as_str()));
+    let note = record.note.unwrap();
+    assert!(
+        note.starts_with("correction:") && note.contains("requeued"),
+        "{note}"
+    );
+    // Not sent a second time: the next look finds it sent.
+    let again = decide(&Handle::new().actor_as("third"), &mut txn, "a").unwrap();
+    assert_eq!(outcome(&again), Outcome::Sent);
+}
+
+#[test]
+fn a_delivery_after_the_item_was_cancelled_is_on_record_and_the_item_stays_cancelled() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    Bulk::Cancel
+        .one(&mut txn, "a", "alice: not needed")
+        .unwrap();
+    let before = txn.items["a"].clone();
+    let records = txn.sealed.len();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    assert_eq!(receipt.outcome, Outcome::Sent, "this send delivered");
+    assert_eq!(receipt.transport_ref.as_deref(), Some("m1"));
+    assert_eq!(receipt.error_code, None);
+    let item = &txn.items["a"];
+    assert_eq!(
+        (
+            item.state,
+            item.error_code.as_deref(),
+            item.transport_ref.as_deref()
+        ),
+        (ItemState::Failed, Some(CANCELLED), None),
+        "state left alone"
+    );
+    assert_eq!(
+        (item.attempts, &item.claim),
+        (before.attempts, &before.claim)
+    );
+    assert_eq!(txn.sealed.len(), records + 1);
+    let record = last_record(&txn, "a");
+    assert_eq!(record.outcome, AuditOutcome::LateDelivery);
+    assert_eq!(record.transport_ref.as_deref(), Some("m1"));
+    assert_eq!(record.error_code, None);
+    assert_eq!(receipt.audit_id.as_deref(), Some(record.audit_id.as_str()));
+    let note = record.note.unwrap();
+    assert!(
+        note.starts_with("late delivery:") && note.contains("cancelled"),
+        "{note}"
+    );
+}
+
+#[test]
+fn a_delivery_while_another_attempt_holds_the_item_is_on_record_and_that_attempt_goes_on() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    let resender = Handle::new();
+    txn.alive.insert("resender".into());
+    claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
+    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref()),
+        (Outcome::Sent, Some("m1"))
+    );
+    assert_eq!(txn.items["a"].state, ItemState::Queued);
+    assert_eq!(txn.items["a"].claim_owner(), Some("resender"), "claim kept");
+    let record = last_record(&txn, "a");
+    assert_eq!(record.outcome, AuditOutcome::LateDelivery);
+    assert_eq!(record.transport_ref.as_deref(), Some("m1"));
+    let note = record.note.unwrap();
+    assert!(
+        note.contains("claimed again") && note.contains("resender"),
+        "{note}"
+    );
+    // The resend already under way finishes as its own.
+    let (resent, _) = finish(
+        &resender.actor_as("resender"),
+        &mut txn,
+        "a",
+        &delivered("m2"),
+    )
+    .unwrap();
+    assert_eq!(resent.outcome, Outcome::Sent);
+    assert_eq!(txn.items["a"].transport_ref.as_deref(), Some("m2"));
+    assert_eq!(last_record(&txn, "a").outcome, AuditOutcome::Sent);
+}
+
+#[test]
+fn a_delivery_after_a_resend_delivered_is_on_record_and_the_item_keeps_the_resend() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    let resender = Handle::new();
+    claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
+    finish(
+        &resender.actor_as("resender"),
+        &mut txn,
+        "a",
+        &delivered("m2"),
+    )
+    .unwrap();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref()),
+        (Outcome::Sent, Some("m1"))
+    );
+    let item = &txn.items["a"];
+    assert_eq!(
+        (item.state, item.transport_ref.as_deref()),
+        (ItemState::Sent, Some("m2"))
+    );
+    let record = last_record(&txn, "a");
+    assert_eq!(record.outcome, AuditOutcome::LateDelivery);
+    assert_eq!(record.transport_ref.as_deref(), Some("m1"));
+    let note = record.note.unwrap();
+    assert!(
+        note.contains("sent by another attempt") && note.contains("m2"),
+        "{note}"
+    );
+}
+
+#[test]
+fn a_send_that_did_not_deliver_after_the_item_moved_on_changes_nothing_and_says_where_it_is() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    let refused: SendResult = Ok(Err(SendError::permanent("chat_not_found")));
+    let (before, records) = (txn.items["a"].clone(), txn.sealed.len());
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.audit_id.as_deref(), wait),
+        (Outcome::Deferred, None, None),
+        "still queued: the resend the operator asked for comes"
+    );
+    assert_eq!(txn.items["a"], before, "left alone");
+    assert_eq!(txn.sealed.len(), records, "no delivery to account for");
+    // Claimed again by a live worker: that worker is sending it.
+    let resender = Handle::new();
+    txn.alive.insert("resender".into());
+    claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
+    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    assert_eq!(receipt.outcome, Outcome::InFlight);
+    assert_eq!(txn.items["a"].claim_owner(), Some("resender"));
+}
+
+#[test]
+fn an_unknown_outcome_of_a_lost_claim_leaves_the_ambiguous_failure_and_reports_it() {
+    let mut txn = txn(at(0));
+    let handle = lose_the_claim(&mut txn);
+    let (before, records) = (txn.items["a"].clone(), txn.sealed.len());
+    let timeout: SendResult = Ok(Err(SendError::ambiguous("timeout")));
+    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &timeout).unwrap();
+    assert_eq!(receipt.outcome, Outcome::Failed, "not in flight: it failed");
+    assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
+    assert_eq!((&txn.items["a"], txn.sealed.len()), (&before, records));
 }

@@ -290,6 +290,8 @@ struct Logged {
     destination: String,
     last_seq: u64,
     last_audit_id: String,
+    /// The outcome of its last record that says its state (every outcome
+    /// but `late_delivery`).
     last_outcome: AuditOutcome,
 }
 
@@ -433,7 +435,11 @@ fn read_log(
                 }
                 known.last_seq = seq;
                 known.last_audit_id = record.audit_id;
-                known.last_outcome = record.outcome;
+                // A late delivery reports a send, not a state: the item is as
+                // its earlier record left it, and is compared with that one.
+                if record.outcome != AuditOutcome::LateDelivery {
+                    known.last_outcome = record.outcome;
+                }
             }
         }
     })?;
@@ -551,7 +557,8 @@ fn state_after(outcome: AuditOutcome) -> Option<ItemState> {
         | AuditOutcome::Deferred
         | AuditOutcome::Retrying
         | AuditOutcome::Requeued => Some(ItemState::Queued),
-        // An outcome this tool does not know yet: nothing to compare.
+        // An outcome this tool does not know yet: nothing to compare. A
+        // `late_delivery` is not a state (`read_log` keeps the one before it).
         _ => None,
     }
 }
