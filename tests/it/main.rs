@@ -27,6 +27,8 @@ mod failure_class;
 mod hostile_input;
 mod idempotent_transport;
 #[cfg(feature = "postgres")]
+mod late_deliveries;
+#[cfg(feature = "postgres")]
 mod migration;
 mod model_check;
 mod observability;

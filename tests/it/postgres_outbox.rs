@@ -98,7 +98,7 @@ fn outboxes_in_two_schemas_of_one_database_are_apart() {
 /// take their lock again on their next call. Only this database's: the
 /// server is shared by tests running at the same time, each in its own
 /// database, and theirs must not be cut.
-fn cut_owner_sessions(engine: &EngineUnderTest) {
+pub(crate) fn cut_owner_sessions(engine: &EngineUnderTest) {
     let url = engine.url();
     let db = url.rsplit('/').next().unwrap().to_owned();
     let server = crate::pg_server::PgServer::shared().unwrap();
@@ -690,7 +690,7 @@ fn every_rows_columns_say_what_its_document_says() {
 /// started, runs `meanwhile` (which makes the claim look dead), then lets
 /// `send` return `outcome`. Returns what `process` returned and how often
 /// `send` ran. Under a watchdog: `send` is held on a channel.
-fn lose_the_claim_while_sending(
+pub(crate) fn lose_the_claim_while_sending(
     worker: &Outbox,
     key: &str,
     outcome: Result<Option<String>, durable_outbox::SendError>,
