@@ -179,6 +179,37 @@ fn a_fault_recording_the_result_after_send_never_leads_to_a_resend() {
 }
 
 #[test]
+fn a_drain_whose_result_record_failed_fails_the_item_as_ambiguous_on_its_next_pass() {
+    // The drain's twin of the test above: the next *pass* of the same handle
+    // must find the item (claimed by this handle, no longer in its in-flight
+    // set) and settle it, not skip it as one of its own sends in progress.
+    // Commit 1: enqueue; 2: the step that claims; 3: the step recording "sent".
+    let h = Harness::with(|b| b.failpoint("journal.write", FailAction::ErrorOnHit(3)));
+    h.enqueue("k", "chat-1");
+    let mut sends = 0;
+    let err = h
+        .outbox
+        .process_due(|_| {
+            sends += 1;
+            Ok(Some("tg-1".into()))
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert!(item.dispatch_claimed(), "the claim stayed, the result did not");
+    let report = h.outbox.process_due(|_| panic!("resent")).unwrap();
+    assert_eq!(sends, 1);
+    assert_eq!(
+        (report.failed, report.sent, report.in_flight, report.waiting),
+        (1, 0, 0, 0),
+        "{report:?}"
+    );
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(item.state(), ItemState::Failed);
+    assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART));
+}
+
+#[test]
 fn an_uncertain_result_record_is_resolved_by_what_reached_the_disk() {
     let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::ErrorOnHit(3)));
     h.enqueue("k", "chat-1");
