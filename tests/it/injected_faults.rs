@@ -196,7 +196,10 @@ fn a_drain_whose_result_record_failed_fails_the_item_as_ambiguous_on_its_next_pa
         .unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err}");
     let item = h.outbox.get("k").unwrap().unwrap();
-    assert!(item.dispatch_claimed(), "the claim stayed, the result did not");
+    assert!(
+        item.dispatch_claimed(),
+        "the claim stayed, the result did not"
+    );
     let report = h.outbox.process_due(|_| panic!("resent")).unwrap();
     assert_eq!(sends, 1);
     assert_eq!(
