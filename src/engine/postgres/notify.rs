@@ -14,7 +14,8 @@ use std::time::Duration;
 use postgres::Client;
 use postgres::fallible_iterator::FallibleIterator;
 
-use super::{Connector, db};
+use super::sealing::Seal;
+use super::{Connector, PgEngine, db, lock};
 use crate::error::Result;
 
 /// The channel of `schema`'s outbox.
@@ -63,5 +64,29 @@ impl Listener {
             while pending.next().map_err(db("drain wake-ups"))?.is_some() {}
         }
         Ok(woken)
+    }
+}
+
+/// What a worker asks of the engine besides the rules' transactions.
+impl PgEngine {
+    /// Blocks until a commit that made work due lands (on any handle of any
+    /// host: `NOTIFY`) or `timeout` passes; `true` when woken. Waking is only
+    /// a hint: a waiter reads again after it. A worker's tick also seals what
+    /// a crashed handle or a skipped best-effort sealing left pending.
+    pub(crate) fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
+        // A worker's tick: events a crashed handle or a skipped best-effort
+        // sealing left pending go on the chain.
+        {
+            let mut client = self.client()?;
+            self.seal_pending(&mut client, Seal::IfFree)?;
+        }
+        let mut listener = lock(&self.listener);
+        if listener.as_ref().is_none_or(Listener::is_closed) {
+            *listener = Some(Listener::start(&self.connector, &self.schema)?);
+        }
+        match listener.as_mut() {
+            Some(listener) => listener.wait(timeout),
+            None => Ok(false),
+        }
     }
 }

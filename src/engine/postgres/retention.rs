@@ -24,7 +24,9 @@
 
 use chrono::{DateTime, Utc};
 
-use super::{PgEngine, Seal};
+use super::sealing::system_event;
+use super::{PgEngine, Seal, db, txn};
+use crate::audit::AuditOutcome;
 use crate::error::Result;
 use crate::settings::Settings;
 
@@ -54,5 +56,72 @@ impl PgEngine {
         let pruned =
             super::retry::retrying("a retention prune", |_| self.apply_retention(settings, now))?;
         Ok(Compacted { sealed, pruned })
+    }
+}
+
+impl PgEngine {
+    /// Applies `history_retention` at `now`: under `MaxAge(age)`, deletes the
+    /// terminal items last changed longer ago than `age` (and than
+    /// `history_after`, and outside every rate window, so nothing that still
+    /// counts against a cap goes), with one `pruned` audit record saying how
+    /// many and up to when, in one transaction. `KeepAll` keeps everything;
+    /// `MaxSegments` counts files the PostgreSQL engine does not have, so it
+    /// keeps everything too (logged). Returns how many items went.
+    pub(crate) fn apply_retention(&self, settings: &Settings, now: DateTime<Utc>) -> Result<u64> {
+        let age = match settings.retention {
+            crate::history::Retention::MaxAge(age) => age,
+            crate::history::Retention::MaxSegments(_) => {
+                tracing::warn!(
+                    schema = %self.schema,
+                    "history_retention max_segments does not apply to a PostgreSQL outbox \
+                     (it has no segment files); keeping all history: use max_age"
+                );
+                return Ok(0);
+            }
+            _ => return Ok(0),
+        };
+        let keep_for = age
+            .max(settings.history_after)
+            .max(settings.rates.longest_window());
+        let cutoff = crate::clock::earlier(now, keep_for);
+        let mut client = self.client()?;
+        let mut tx = client.begin();
+        let s = &self.s;
+        self.pass_gate(&mut tx, txn::Scope::Any)?;
+        // Pending events (the pruned items' last ones among them) go on the
+        // chain first: the prune's record comes after them.
+        let head = self.lock_head(&mut tx)?;
+        let (_, head) = self.seal_pending_in(&mut tx, head)?;
+        let gone: Vec<String> = tx
+            .query(
+                &format!(
+                    "DELETE FROM {s}.items
+                     WHERE state <> 'queued' AND NOT claimed AND updated_at <= $1
+                     RETURNING idempotency_key"
+                ),
+                &[&cutoff],
+            )
+            .map_err(db("prune history"))?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if gone.is_empty() {
+            tx.commit().map_err(db("end a retention look"))?;
+            return Ok(0);
+        }
+        tx.execute(
+            &format!("DELETE FROM {s}.rate_times WHERE idempotency_key = ANY($1)"),
+            &[&gone],
+        )
+        .map_err(db("prune history's send times"))?;
+        let note = format!(
+            "retention pruned {} history items last changed at or before {}",
+            gone.len(),
+            crate::clock::format_timestamp(cutoff)
+        );
+        let event = system_event(AuditOutcome::Pruned, &head, "history-retention", note, now);
+        self.append_system_record(&mut tx, &head, &event)?;
+        tx.commit().map_err(db("commit a retention prune"))?;
+        Ok(gone.len() as u64)
     }
 }

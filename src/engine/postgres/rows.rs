@@ -7,8 +7,9 @@ use chrono::{DateTime, Utc};
 use postgres::Row;
 use postgres::types::ToSql;
 
+use super::super::Expect;
 use crate::item::OutboxItem;
-use crate::store::item_to_json;
+use crate::store::{item_to_json, rate_times};
 
 /// `INSERT INTO <s>.items …` for one item, with the parameters of
 /// [`NewRow::params`]. The place in line (`seq`) is the item's own when it
@@ -133,5 +134,104 @@ pub(super) fn column_disagreeing(row: &Row, item: &OutboxItem) -> Option<&'stati
         Some("updated_at")
     } else {
         None
+    }
+}
+
+/// One item's write, ready to run: its row (an `INSERT`, or an `UPDATE` of
+/// the revision read; the statements of [`rows`]) and, when they changed since
+/// `before`, its send times (`rate_times`) and its destination's cooldown
+/// (`cooldowns`, only ever raised).
+pub(crate) struct ItemWrite<'i> {
+    item: &'i OutboxItem,
+    row: NewRow<'i>,
+    /// `Some`: update the row at this revision; `None`: insert it.
+    revision: Option<i64>,
+    /// The item's send times, when they are to be written.
+    times: Option<Vec<DateTime<Utc>>>,
+    /// The cooldown to raise the destination's to, if any.
+    cooldown: Option<DateTime<Utc>>,
+}
+
+/// A statement to run, its parameters and the operation it performs.
+type Statement<'a> = (
+    String,
+    Vec<&'a (dyn postgres::types::ToSql + Sync)>,
+    &'static str,
+);
+
+impl<'i> ItemWrite<'i> {
+    pub(crate) fn new(item: &'i OutboxItem, expect: Expect, before: Option<&OutboxItem>) -> Self {
+        let times: Vec<DateTime<Utc>> = rate_times(item).collect();
+        let unchanged = before.is_some_and(|before| {
+            before.destination == item.destination
+                && rate_times(before).collect::<Vec<_>>() == times
+        });
+        let fresh = matches!(expect, Expect::Absent);
+        let nothing_to_write = unchanged || (fresh && times.is_empty());
+        let cooldown_unchanged =
+            before.is_some_and(|before| before.cooldown_until == item.cooldown_until);
+        Self {
+            item,
+            row: NewRow::of(item),
+            revision: match expect {
+                Expect::Absent => None,
+                Expect::Revision(revision) => Some(i64::try_from(revision).unwrap_or(i64::MAX)),
+            },
+            times: (!nothing_to_write).then_some(times),
+            cooldown: item.cooldown_until.filter(|_| !cooldown_unchanged),
+        }
+    }
+
+    /// The statements of this write in schema `s` (quoted), in order. An
+    /// insert of a `strict` write fails on a row that exists (its
+    /// transaction aborts) instead of inserting nothing.
+    pub(crate) fn statements(&self, s: &str, strict: bool) -> Vec<Statement<'_>> {
+        let item = self.item;
+        let mut out: Vec<Statement<'_>> = Vec::with_capacity(3);
+        match &self.revision {
+            None => out.push((
+                if strict {
+                    strict_insert_item_sql(s)
+                } else {
+                    insert_item_sql(s)
+                },
+                self.row.params().to_vec(),
+                "insert an item",
+            )),
+            Some(revision) => out.push((
+                update_item_sql(s),
+                self.row.update_params(revision).to_vec(),
+                "update an item",
+            )),
+        }
+        if let Some(times) = &self.times {
+            // One statement: drop the times the item no longer has, add the
+            // new ones (the two never touch the same row).
+            out.push((
+                format!(
+                    "WITH gone AS (
+                       DELETE FROM {s}.rate_times
+                       WHERE idempotency_key = $1 AND NOT (at = ANY($3) AND destination = $2))
+                     INSERT INTO {s}.rate_times (idempotency_key, destination, at)
+                     SELECT $1, $2, t FROM unnest($3::timestamptz[]) AS t
+                     ON CONFLICT DO NOTHING"
+                ),
+                vec![&item.idempotency_key, &item.destination, times],
+                "index an item's send times",
+            ));
+        }
+        if let Some(until) = &self.cooldown {
+            // The cooldown belongs to the destination: only ever raised.
+            out.push((
+                format!(
+                    "INSERT INTO {s}.cooldowns (destination, until) VALUES ($1, $2)
+                     ON CONFLICT (destination) DO UPDATE
+                     SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until)"
+                ),
+                vec![&item.destination, until],
+                "record a destination cooldown",
+            ));
+        }
+        out
     }
 }

@@ -9,7 +9,7 @@
 
 use postgres::{Client, Transaction};
 
-use super::{db, lock_key, quoted};
+use super::{db, lock_key};
 use crate::audit::GENESIS_HASH;
 use crate::error::{Error, Result};
 
@@ -85,7 +85,7 @@ const MIGRATIONS: &[&str] = &[
         id integer PRIMARY KEY CHECK (id = 1),
         doc text NOT NULL
      );",
-    // 3: deferred sealing (see `engine::postgres`, "Deferred sealing"). An
+    // 3: deferred sealing (see `engine::postgres::sealing`). An
     // item transaction writes its audit events here, in its own commit, with
     // an id from the table's sequence; a short sealing transaction under the
     // head row moves them into `audit` in id order. `audit` keeps its meaning:
@@ -168,5 +168,32 @@ pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) ->
         &[&(target as i64).max(found)],
     )
     .map_err(db("record the schema version"))?;
+    Ok(())
+}
+
+/// `"name"`: a schema name is checked to be a plain identifier, and quoted anyway.
+pub(super) fn quoted(schema: &str) -> String {
+    format!("\"{schema}\"")
+}
+
+/// Checks a schema name: 1 to 48 lowercase ASCII letters, digits and `_`, not
+/// starting with a digit (so the wake-up channel name fits PostgreSQL's 63 bytes).
+pub(crate) fn check_schema(schema: &str) -> Result<()> {
+    let first_ok = schema
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = schema
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if schema.is_empty() || schema.len() > 48 || !first_ok || !rest_ok {
+        return Err(Error::invalid_config(
+            "schema",
+            format!(
+                "{schema:?} is not a schema name: use 1 to 48 lowercase letters, digits and '_', \
+                 not starting with a digit"
+            ),
+        ));
+    }
     Ok(())
 }

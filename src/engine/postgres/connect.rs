@@ -1,0 +1,143 @@
+//! How a handle reaches its server: the URL parsed once ([`Connector`]),
+//! synchronous clients for the owner lock, `LISTEN` and migrations, and the
+//! handle's pool of reads/commits connections ([`conn`](super::conn)),
+//! each lent to one caller at a time.
+
+use std::time::Duration;
+
+use postgres::{Client, NoTls};
+
+use super::conn::{self, Conn};
+use super::{PgEngine, db, lock};
+use crate::error::{Error, Result};
+
+/// How many idle reads/commits connections a handle keeps open between calls.
+pub(crate) const IDLE_CONNECTIONS: usize = 8;
+
+/// How long opening a connection may take when the URL sets no `connect_timeout`.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `f`, which uses the synchronous client, so that the client may block
+/// the thread: on a worker thread of a multi-thread tokio runtime (a bot
+/// calling `enqueue` from async code, a handle dropped there), through
+/// `block_in_place`, since the client drives its own small runtime and must
+/// not be started inside another. Elsewhere (plain threads, the blocking pool
+/// the `_async` forms use) `f` just runs. On a current-thread runtime's own
+/// thread the client cannot run at all: use the `_async` forms there.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// Opens connections to one server.
+pub(crate) struct Connector {
+    config: tokio_postgres::Config,
+}
+
+impl Connector {
+    /// Parses a `postgres://` URL (or `key=value` string). The error never
+    /// repeats the URL: it may hold a password.
+    pub(crate) fn parse(url: &str) -> Result<Self> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e: postgres::Error| {
+            Error::invalid_config(
+                "url",
+                format!("not a PostgreSQL connection URL ({e}); expected postgres://user@host:port/database"),
+            )
+        })?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("durable-outbox");
+        }
+        Ok(Self { config })
+    }
+
+    /// A synchronous client (owner lock, `LISTEN`, migrations).
+    pub(crate) fn connect(&self) -> Result<Client> {
+        postgres::Config::from(self.config.clone())
+            .connect(NoTls)
+            .map_err(db("connect"))
+    }
+
+    /// A reads/commits connection (see [`conn`]).
+    pub(super) fn conn(&self) -> Result<Conn> {
+        Conn::connect(&self.config).map_err(|e| match e {
+            conn::ConnectError::Postgres(e) => db("connect")(e),
+            conn::ConnectError::Runtime(e) => Error::Database {
+                op: "connect",
+                source: Box::new(e),
+            },
+        })
+    }
+}
+
+/// A reads/commits connection lent by [`PgEngine::client`].
+pub(super) struct Pooled<'e> {
+    engine: &'e PgEngine,
+    client: Option<Conn>,
+}
+
+impl std::ops::Deref for Pooled<'_> {
+    type Target = Conn;
+
+    fn deref(&self) -> &Conn {
+        match &self.client {
+            Some(client) => client,
+            None => unreachable!("taken only in drop"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Pooled<'_> {
+    fn deref_mut(&mut self) -> &mut Conn {
+        match &mut self.client {
+            Some(client) => client,
+            None => unreachable!("taken only in drop"),
+        }
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            self.engine.give_back(client);
+        }
+    }
+}
+
+impl PgEngine {
+    /// A reads/commits connection of its own for the caller: an idle one of
+    /// the pool, or a new one (a closed one is dropped). Given back to the
+    /// pool when the guard drops.
+    pub(super) fn client(&self) -> Result<Pooled<'_>> {
+        let idle = {
+            let mut idle = lock(&self.clients);
+            idle.retain(|client| !client.is_closed());
+            idle.pop()
+        };
+        let client = match idle {
+            Some(client) => client,
+            None => self.connector.conn()?,
+        };
+        Ok(Pooled {
+            engine: self,
+            client: Some(client),
+        })
+    }
+
+    /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).
+    pub(super) fn give_back(&self, client: Conn) {
+        if client.is_closed() {
+            return;
+        }
+        let mut idle = lock(&self.clients);
+        if idle.len() < IDLE_CONNECTIONS {
+            idle.push(client);
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Running a transaction of the rules ([`PgTxn`](super::PgTxn)): the
+//! writers' gate, the opening pipeline (gate, key lock, settings, owner
+//! probe, the item's row), retries of aborted attempts, and the best-effort
+//! sealing after the commit.
+
+use std::sync::atomic::Ordering;
+
+use chrono::{DateTime, Utc};
+use postgres::Row;
+
+use super::conn::{self, Conn, Step, Tx};
+use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
+use crate::error::{Error, Result};
+use crate::settings::{Settings, Stored};
+
+/// What [`PgEngine::open_txn`] found.
+pub(crate) struct Opened {
+    /// The stored settings.
+    pub(crate) stored: Stored,
+    /// The item's row, locked (one-item transactions; `None`: no row).
+    pub(crate) row: Option<Row>,
+    /// Whether this handle's owner lock is held.
+    pub(crate) owner_held: bool,
+}
+
+/// Runs `steps` as one pipeline in `tx`; the first error is named by its
+/// step's operation.
+pub(super) fn run_named(
+    tx: &mut Tx<'_>,
+    steps: &[(Step<'_>, &'static str)],
+) -> Result<Vec<conn::Done>> {
+    let plain: Vec<Step<'_>> = steps.iter().map(|(step, _)| *step).collect();
+    let results = tx.pipeline_each(&plain).map_err(db("run statements"))?;
+    let mut out = Vec::with_capacity(results.len());
+    for (result, (_, op)) in results.into_iter().zip(steps) {
+        out.push(result.map_err(db(op))?);
+    }
+    Ok(out)
+}
+
+impl PgEngine {
+    /// Passes the writers' gate in `tx` (see [`txn`]): shared for a one-item
+    /// transaction, exclusive for every other writer.
+    pub(super) fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<()> {
+        let sql = match scope {
+            txn::Scope::OneItem(_) => "SELECT pg_advisory_xact_lock_shared($1)",
+            txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
+        };
+        tx.execute(sql, &[&lock_key(&self.schema, "writers")])
+            .map_err(db("pass the writers' gate"))?;
+        Ok(())
+    }
+
+    /// Opens a transaction of the rules in `tx`, in one round trip (one
+    /// pipeline: `BEGIN`, then the statements below, each after the one
+    /// before and with its own snapshot):
+    ///
+    /// 1. pass the writers' gate (see [`pass_gate`](Self::pass_gate)); for a
+    ///    one-item transaction also lock the item's key (no enqueue of it can
+    ///    be under way unseen, see `txn`); read the stored settings (as of the
+    ///    statement's start: a change committed while this transaction waited
+    ///    at the gate is seen from its next transaction on); and probe this
+    ///    handle's own owner lock: a shared try-lock on the owner's key fails
+    ///    while the owner session holds it, and succeeds once that session
+    ///    is gone (a cut, a server restart);
+    /// 2. for a one-item transaction, read the item's row `FOR UPDATE`: a
+    ///    statement of its own, so its snapshot is taken once the gate and
+    ///    the key's lock were granted (a row an enqueue of the key committed
+    ///    meanwhile is seen).
+    ///
+    /// Returns the stored settings, the item's row (one-item transactions),
+    /// and whether the owner lock is held.
+    pub(crate) fn open_txn(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<Opened> {
+        let s = &self.s;
+        let gate = lock_key(&self.schema, "writers");
+        let owner = lock_key(&self.schema, &self.owner);
+        let results = match scope {
+            txn::Scope::OneItem(key) => {
+                let key_lock = lock_key(&self.schema, &format!("key:{key}"));
+                let gate_sql = format!(
+                    "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+                       pg_try_advisory_xact_lock_shared($3)
+                     FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate"
+                );
+                let row_sql = txn::select_for_update_sql(s);
+                tx.pipeline(&[
+                    Step::QueryOne(&gate_sql, &[&gate, &key_lock, &owner]),
+                    Step::QueryOpt(&row_sql, &[&key]),
+                ])
+            }
+            txn::Scope::Any => {
+                let gate_sql = format!(
+                    "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+                       pg_try_advisory_xact_lock_shared($2)
+                     FROM (SELECT pg_advisory_xact_lock($1)) gate"
+                );
+                tx.pipeline(&[Step::QueryOne(&gate_sql, &[&gate, &owner])])
+            }
+        }
+        .map_err(db("pass the writers' gate"))?;
+        let mut results = results.into_iter();
+        let gate_row = results.next().and_then(|mut done| done.rows.pop());
+        let Some(gate_row) = gate_row else {
+            return Err(Error::Database {
+                op: "pass the writers' gate",
+                source: "the gate's statement returned no row".into(),
+            });
+        };
+        let stored = self.stored_of(gate_row.get(0))?;
+        let owner_free: bool = gate_row.get(1);
+        let row = results.next().and_then(|mut done| done.rows.pop());
+        Ok(Opened {
+            stored,
+            row,
+            owner_held: !owner_free,
+        })
+    }
+
+    /// Runs one read-modify-write of the rules (see [`PgTxn`]) and commits it.
+    /// Returns `f`'s value once the commit is durable; on any error nothing
+    /// of it is visible.
+    ///
+    /// A transaction the server aborts to break a deadlock or a serialization
+    /// conflict is run again from the start, `f` included, up to
+    /// [`retry::ATTEMPTS`] times, at the same `now` (see [`retry`]): `f` must
+    /// undo, or be able to repeat, whatever it does outside the transaction.
+    ///
+    /// Then, best effort (a failure is logged: the next reader seals), it
+    /// seals the events it committed, unless another sealer holds the head,
+    /// and wakes waiting workers when an item became claimable.
+    pub(crate) fn transact<T>(
+        &self,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        mut f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        retry::retrying("the rules' transaction", |_| {
+            self.transact_once(now, defaults, scope, &mut f)
+        })
+    }
+
+    /// One attempt of [`transact`](Self::transact).
+    fn transact_once<T>(
+        &self,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        let mut client = self.client()?;
+        self.in_txn.fetch_add(1, Ordering::SeqCst);
+        let outcome = self.run_txn(&mut client, now, defaults, scope, f);
+        let others = self.in_txn.fetch_sub(1, Ordering::SeqCst) - 1;
+        let pending = matches!(outcome, Ok((_, true)));
+        self.after_txn(&mut client, pending, others);
+        outcome.map(|(value, _)| value)
+    }
+
+    /// [`transact`](Self::transact)'s transaction: `f`'s value, and whether
+    /// the commit left audit events pending.
+    fn run_txn<T>(
+        &self,
+        client: &mut Conn,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<(T, bool)> {
+        // A claim must name an owner whose lock is held: the transaction's
+        // first statement probes it (see `open_txn`); after a cut or a
+        // restart it is taken again here, and the transaction begun anew.
+        let mut retaken = false;
+        let mut txn = loop {
+            match PgTxn::begin(self, client.begin(), scope, now, defaults)? {
+                Some(txn) => break txn,
+                None if !retaken => {
+                    self.ensure_owner()?;
+                    retaken = true;
+                }
+                None => {
+                    return Err(Error::SessionLocksUnavailable {
+                        reason: format!(
+                            "owner lock {} is not held by this handle's owner session after \
+                             taking it again",
+                            self.owner
+                        ),
+                    });
+                }
+            }
+        };
+        let value = f(&mut txn)?;
+        let committed = txn.commit()?;
+        Ok((value, committed.pending))
+    }
+}
