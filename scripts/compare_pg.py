@@ -19,7 +19,10 @@ them alike:
 - the file engine (`bench --workload w2 --dir ...`) and the SQLite anchor
   (`sqlite-outbox --threads T`), T = 8, N = --n, on the same disk.
 
-Prints the medians (and every run) as a Markdown table, with floor / ours;
+Prints the medians (and every run) as a Markdown table, with floor / ours,
+and the WAL each of our runs wrote per item (`pg_current_wal_insert_lsn`
+before and after the run, less what a run of one item writes, tables
+included): a figure the machine's load hardly moves, unlike items/s;
 every run's JSON goes to stderr. The server is stopped and its directory
 removed at the end (also on Ctrl-C).
 """
@@ -153,13 +156,31 @@ def main():
         d = str(args.destinations)
         counter = [0]
 
-        def ours(threads, n, bench=BENCH):
-            counter[0] += 1
+        wal = {}
+        base = {}
+
+        def run_bench(bench, threads, n, schema):
+            """Runs W2 on a fresh schema; its output and the WAL it wrote."""
+            start = server.psql("bench", "SELECT pg_current_wal_insert_lsn()")
             out = subprocess.run(
                 [bench, "--workload", "w2", "--threads", str(threads), "--n", str(n),
-                 "--destinations", d, "--postgres", server.url(),
-                 "--schema", f"w2_{threads}_{counter[0]}"],
+                 "--destinations", d, "--postgres", server.url(), "--schema", schema],
                 check=True, capture_output=True, text=True).stdout
+            used = float(server.psql(
+                "bench", f"SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '{start}')"))
+            return out, used
+
+        def ours(threads, n, bench=BENCH, name=None):
+            counter[0] += 1
+            if bench not in base:
+                # What creating the tables and one item write, once per binary:
+                # taken off each run's WAL, so WAL per item is the workload's.
+                # The server's other clients are idle meanwhile (cases run in
+                # turns).
+                base[bench] = run_bench(bench, 1, 1, f"w2_base_{counter[0]}")[1]
+            out, used = run_bench(bench, threads, n, f"w2_{threads}_{counter[0]}")
+            if name:
+                wal.setdefault(name, []).append((used - base[bench]) / (n - 1))
             return last_json(out)["w2_per_s"]
 
         def floor(clients):
@@ -187,9 +208,9 @@ def main():
 
         n = str(args.n)
         cases = {
-            "ours (PostgreSQL) T=8": lambda: ours(8, args.n),
+            "ours (PostgreSQL) T=8": lambda: ours(8, args.n, name="ours (PostgreSQL) T=8"),
             "pgbench floor 8 clients": lambda: floor(8),
-            "ours (PostgreSQL) T=1": lambda: ours(1, args.n1),
+            "ours (PostgreSQL) T=1": lambda: ours(1, args.n1, name="ours (PostgreSQL) T=1"),
             "pgbench floor 1 client": lambda: floor(1),
             "file engine T=8": lambda: on_disk(
                 [BENCH, "--workload", "w2", "--threads", "8", "--n", n, "--destinations", d]
@@ -198,8 +219,10 @@ def main():
                 [SQLITE, "--threads", "8", "--n", n, "--destinations", d])["w2_per_s"],
         }
         if args.before:
-            cases["before (PostgreSQL) T=8"] = lambda: ours(8, args.n, args.before)
-            cases["before (PostgreSQL) T=1"] = lambda: ours(1, args.n1, args.before)
+            cases["before (PostgreSQL) T=8"] = lambda: ours(
+                8, args.n, args.before, name="before (PostgreSQL) T=8")
+            cases["before (PostgreSQL) T=1"] = lambda: ours(
+                1, args.n1, args.before, name="before (PostgreSQL) T=1")
         runs = {name: [] for name in cases}
         for _ in range(args.repeats):
             for name, case in cases.items():
@@ -219,6 +242,13 @@ def main():
             for t in (8, 1):
                 print(f"ours / before at T={t}: "
                       f"{med[f'ours (PostgreSQL) T={t}'] / med[f'before (PostgreSQL) T={t}']:.2f}x")
+        print()
+        print("| WAL per item (median, bytes) | | runs |")
+        print("|---|---:|---|")
+        for name, values in wal.items():
+            print(f"| {name} | {statistics.median(values):,.0f} | "
+                  f"{', '.join(f'{v:,.0f}' for v in values)} |")
+        print()
         print(f"file engine / ours at T=8: "
               f"{med['file engine T=8'] / med['ours (PostgreSQL) T=8']:.2f}x")
     finally:
