@@ -42,7 +42,7 @@ use crate::lock::CounterProbe;
 use crate::order::Picker;
 use crate::outbox::{AsMember, Outbox, SEND_CANCELLED, SendResult, Stepped};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
-use crate::rules::drain::{Batched, Member};
+use crate::rules::drain::{Batched, Claim, Member};
 use crate::send::SendError;
 
 /// The default number of sends in flight at once.
@@ -567,22 +567,27 @@ impl Drop for Unwinding<'_> {
     }
 }
 
-/// Tells each member of a durable batch its claims, after counting its outcome.
-fn answer(outbox: &Outbox, ctx: &StepCtx<'_>, members: Vec<Request>, batched: Batched) {
+/// Counts a durable batch's outcomes in the worker's tally (each finished send
+/// and each item looked at but not claimed) and returns its claims per member.
+fn count_outcomes(ctx: &StepCtx<'_>, batched: Batched) -> Vec<Vec<Claim>> {
     let Batched {
         finished,
         looked,
         claimed,
     } = batched;
-    {
-        let mut tally = ctx.tally();
-        for (receipt, wait) in finished.iter().flatten() {
-            tally.add(receipt, wait.is_some());
-        }
-        for receipt in &looked {
-            tally.add(receipt, false);
-        }
+    let mut tally = ctx.tally();
+    for (receipt, wait) in finished.iter().flatten() {
+        tally.add(receipt, wait.is_some());
     }
+    for receipt in &looked {
+        tally.add(receipt, false);
+    }
+    claimed
+}
+
+/// Tells each member of a durable batch its claims, after counting its outcome.
+fn answer(outbox: &Outbox, ctx: &StepCtx<'_>, members: Vec<Request>, batched: Batched) {
+    let claimed = count_outcomes(ctx, batched);
     for (member, claims) in members.into_iter().zip(claimed) {
         let tickets = claims
             .into_iter()
@@ -610,20 +615,7 @@ fn step_alone(
     let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
     let (members, result) = outbox.step_batch(|| vec![alone], pick, |_| Ok(()));
     let batched = result?;
-    let Batched {
-        finished,
-        looked,
-        claimed,
-    } = batched;
-    {
-        let mut tally = ctx.tally();
-        for (receipt, wait) in finished.iter().flatten() {
-            tally.add(receipt, wait.is_some());
-        }
-        for receipt in &looked {
-            tally.add(receipt, false);
-        }
-    }
+    let claimed = count_outcomes(ctx, batched);
     drop(members);
     Ok(claimed
         .into_iter()
