@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::error::{Error, Result};
-use crate::item::OutboxItem;
+use crate::item::{ClaimId, OutboxItem};
 use crate::outbox::{Claimed, Outbox, SEND_CANCELLED, SendResult};
 use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::send::SendError;
@@ -153,15 +153,16 @@ impl Outbox {
         };
         // From here on the send may start: a drop now means "maybe delivered".
         let (item, guard) = ticket.start_send();
+        let claim = ClaimId::of(&item);
         let span = crate::outbox::send_span(&item);
         let result: SendResult =
             tracing::Instrument::instrument(CatchUnwind(Box::pin(send(item))), span).await;
         guard.disarm();
-        let (outbox, owned_key) = (self.clone(), key.to_owned());
+        let outbox = self.clone();
         let recorded = tokio::task::spawn_blocking(move || {
             // Record first; a panic is resumed here, on the blocking thread, and
             // surfaces below as the join error's payload.
-            outbox.record_result(&owned_key, result)
+            outbox.record_result(&claim, result)
         })
         .await;
         let (receipt, retry_wait) = match recorded {
@@ -180,10 +181,12 @@ enum Ticket {
 }
 
 /// A durable claim whose send has not started. Dropped unused, it releases the
-/// claim: the item is restored exactly as it was, since it never left.
+/// claim: the item is restored exactly as it was, since it never left. It
+/// gives back (or, once started, abandons) this very claim, never a newer
+/// one the item may hold by then.
 pub(crate) struct ClaimTicket {
     outbox: Option<Outbox>,
-    key: String,
+    claim: ClaimId,
     item: Box<OutboxItem>,
     before: Box<OutboxItem>,
 }
@@ -192,7 +195,7 @@ impl ClaimTicket {
     pub(crate) fn new(outbox: Outbox, item: Box<OutboxItem>, before: Box<OutboxItem>) -> Self {
         Self {
             outbox: Some(outbox),
-            key: item.idempotency_key.clone(),
+            claim: ClaimId::of(&item),
             item,
             before,
         }
@@ -201,15 +204,15 @@ impl ClaimTicket {
     /// Gives the claim back now (blocking), instead of on drop.
     pub(crate) fn release_now(mut self, outbox: &Outbox) -> Result<()> {
         self.outbox = None;
-        outbox.release(&self.key, &self.before)
+        outbox.release(&self.claim, &self.before)
     }
 
     /// Turns the ticket into a started send, guarded against cancellation.
     pub(crate) fn start_send(mut self) -> (OutboxItem, CancelGuard) {
         let outbox = self.outbox.take();
-        let key = std::mem::take(&mut self.key);
+        let claim = self.claim.clone();
         let item = std::mem::replace(&mut self.item, Box::new((*self.before).clone()));
-        (*item, CancelGuard { outbox, key })
+        (*item, CancelGuard { outbox, claim })
     }
 }
 
@@ -218,12 +221,12 @@ impl Drop for ClaimTicket {
         let Some(outbox) = self.outbox.take() else {
             return;
         };
-        let key = std::mem::take(&mut self.key);
+        let claim = self.claim.clone();
         let before = std::mem::replace(&mut self.before, self.item.clone());
         let release = move || {
-            if let Err(e) = outbox.release(&key, &before) {
+            if let Err(e) = outbox.release(&claim, &before) {
                 // The claim stays; the next touch fails it as ambiguous.
-                tracing::error!(key, error = %e, "could not release an unsent claim");
+                tracing::error!(key = claim.key(), error = %e, "could not release an unsent claim");
             }
         };
         match tokio::runtime::Handle::try_current() {
@@ -453,7 +456,7 @@ pub(crate) fn pool_gone(outbox: &Outbox, join: &tokio::task::JoinError) -> Error
 /// the send future was dropped mid-flight, so the message may have left.
 pub(crate) struct CancelGuard {
     outbox: Option<Outbox>,
-    key: String,
+    claim: ClaimId,
 }
 
 impl CancelGuard {
@@ -467,12 +470,12 @@ impl Drop for CancelGuard {
         let Some(outbox) = self.outbox.take() else {
             return;
         };
-        let key = std::mem::take(&mut self.key);
+        let claim = self.claim.clone();
         let record = move || {
-            if let Err(e) = outbox.abandon(&key, SEND_CANCELLED) {
+            if let Err(e) = outbox.abandon(&claim, SEND_CANCELLED) {
                 // The claim stays; the next touch of the item fails it as
                 // ambiguous instead, since it is no longer in flight here.
-                tracing::error!(key, error = %e, "could not record a cancelled send");
+                tracing::error!(key = claim.key(), error = %e, "could not record a cancelled send");
             }
         };
         match tokio::runtime::Handle::try_current() {

@@ -65,6 +65,63 @@ pub(crate) struct Claim {
     pub(crate) at: Option<DateTime<Utc>>,
 }
 
+/// Which claim a send holds: the item, the owner that claimed it, the attempt
+/// the claim started (the item's `attempts` while it is claimed) and the
+/// claim time, as stored (to the microsecond, like `claimed_at_utc`).
+///
+/// A send finishes, gives back or abandons *this* claim, never "the claim of
+/// our owner id": on PostgreSQL a handle whose session was cut takes its owner
+/// lock again under the same id, so after another handle declared its claim
+/// ambiguous, an operator requeued the item and the handle claimed it again,
+/// two sends of one handle may run for one key. A requeue starts the attempt
+/// count again, so the attempt alone does not tell them apart; the claim time
+/// does, and one handle never holds two claims of a key with the same
+/// identity at once (`decide` makes the later one a microsecond later).
+/// Nothing new is stored: both parts are fields every claim already has.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct ClaimId {
+    /// The item's idempotency key.
+    pub(crate) key: String,
+    /// The owner id the claim names (`None`: the reference design's claim,
+    /// which is nobody's).
+    pub(crate) owner: Option<String>,
+    /// The item's attempt count while the claim stands.
+    pub(crate) attempt: u32,
+    /// The claim time, to the microsecond.
+    pub(crate) at: Option<DateTime<Utc>>,
+}
+
+impl ClaimId {
+    /// The identity of the claim `item` holds (of a claimed item, as the
+    /// claim made it or as read back).
+    pub(crate) fn of(item: &OutboxItem) -> Self {
+        let claim = item.claim.as_ref();
+        Self {
+            key: item.idempotency_key.clone(),
+            owner: claim.and_then(|c| c.owner.clone()),
+            attempt: item.attempts,
+            at: claim.and_then(|c| c.at).map(stored_precision),
+        }
+    }
+
+    /// The item's key.
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The attempt and claim time: what tells two claims of one owner and
+    /// one key apart.
+    pub(crate) fn stamp(&self) -> (u32, Option<DateTime<Utc>>) {
+        (self.attempt, self.at)
+    }
+}
+
+/// A time as the files and the database keep it: to the microsecond.
+fn stored_precision(at: DateTime<Utc>) -> DateTime<Utc> {
+    use chrono::SubsecRound;
+    at.trunc_subsecs(6)
+}
+
 /// One message in the outbox, as last persisted.
 ///
 /// Accessors are named after the item's fields in `outbox.json`. `Debug` prints the
@@ -257,6 +314,26 @@ impl OutboxItem {
     /// The owner id written into the claim, if any.
     pub(crate) fn claim_owner(&self) -> Option<&str> {
         self.claim.as_ref().and_then(|c| c.owner.as_deref())
+    }
+
+    /// Whether the item still holds exactly `claim`: queued, claimed by its
+    /// owner (a claim naming no owner is nobody's), in the same attempt, at
+    /// the same time. A claim that was lost and a newer one of the same owner
+    /// are different claims.
+    pub(crate) fn holds(&self, claim: &ClaimId) -> bool {
+        self.state == ItemState::Queued
+            && self.idempotency_key == claim.key
+            && claim.owner.is_some()
+            && self.claim_owner() == claim.owner.as_deref()
+            && self.claim_stamp() == Some(claim.stamp())
+    }
+
+    /// The attempt and claim time of the claim the item holds (see
+    /// [`ClaimId::stamp`]), `None` if unclaimed.
+    pub(crate) fn claim_stamp(&self) -> Option<(u32, Option<DateTime<Utc>>)> {
+        self.claim
+            .as_ref()
+            .map(|c| (self.attempts, c.at.map(stored_precision)))
     }
 }
 

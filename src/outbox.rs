@@ -2,7 +2,6 @@
 //! (`rules`) inside one transaction of the engine behind the handle (today the
 //! file engine, `engine::file`), or asks the engine a read.
 
-use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -16,16 +15,16 @@ use crate::clock::{Clock, Sleeper};
 use crate::engine::file::FileEngine;
 use crate::error::{Error, Result};
 use crate::filter::{BulkReport, ItemFilter};
-use crate::item::OutboxItem;
+use crate::item::{ClaimId, OutboxItem};
 use crate::message::{NewMessage, content_hash};
 use crate::order::Picker;
 use crate::pacing::Pacing;
 use crate::rate::{DestinationWindow, RateLimit};
 use crate::receipt::{DeliveryReceipt, DrainReport};
-use crate::rules::Actor;
 use crate::rules::bulk::{Bulk, operator_note};
 use crate::rules::lifecycle::{self, Decision};
 use crate::rules::txn::{Scope, Txn};
+use crate::rules::{Actor, InFlight};
 use crate::rules::{drain, enqueue};
 use crate::send::SendError;
 use crate::settings::Settings;
@@ -124,9 +123,10 @@ enum Backend {
 
 struct Inner {
     backend: Backend,
-    /// Keys this handle is sending right now. A claim naming our owner id but
-    /// missing here was left by a call of ours that failed after claiming.
-    in_flight: Mutex<HashSet<String>>,
+    /// The claims this handle is sending right now. A claim naming our owner
+    /// id but missing here was left by a call of ours that failed after
+    /// claiming (or is a lost one of ours).
+    in_flight: Mutex<InFlight>,
     /// Workers waiting for new items; called after every enqueue and requeue.
     wakers: Wakers,
     config: Config,
@@ -215,7 +215,7 @@ impl Outbox {
         Ok(Self {
             inner: Arc::new(Inner {
                 backend,
-                in_flight: Mutex::new(HashSet::new()),
+                in_flight: Mutex::new(InFlight::default()),
                 pacing: Pacing::default(),
                 wakers: Wakers::default(),
                 config: Config {
@@ -524,27 +524,25 @@ impl Outbox {
     {
         let picker = Mutex::new(Picker::pass(self.due_keys()?));
         let mut report = DrainReport::default();
-        let mut finished: Option<(String, SendResult)> = None;
+        let mut finished: Option<(ClaimId, SendResult)> = None;
         loop {
-            let stepped = self.step(
-                finished.as_ref().map(|(k, r)| (k.as_str(), r)),
-                Some(&picker),
-            )?;
+            let stepped = self.step(finished.as_ref().map(|(c, r)| (c, r)), Some(&picker))?;
             stepped.tally(&mut report);
             let Some((item, _)) = stepped.claimed else {
                 break;
             };
+            let claim = ClaimId::of(&item);
             let result: SendResult =
                 send_span(&item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(&item))));
             if result.is_err() {
-                if let Err(e) = self.step(Some((&item.idempotency_key, &result)), None) {
+                if let Err(e) = self.step(Some((&claim, &result)), None) {
                     tracing::error!(error = %e, "could not record a panicked send");
                 }
                 if let Err(panic) = result {
                     resume_unwind(panic);
                 }
             }
-            finished = Some((item.idempotency_key.clone(), result));
+            finished = Some((claim, result));
         }
         let picker = picker.into_inner().unwrap_or_else(PoisonError::into_inner);
         self.report_waiting(&picker, &mut report)?;
@@ -563,29 +561,29 @@ impl Outbox {
     }
 
     /// One durable step of a drain or worker: record `finished` (a send that
-    /// ran), then, if `pick` is given, look at candidates (fairest first) until
+    /// ran, with the claim it held), then, if `pick` is given, look at candidates (fairest first) until
     /// one is claimed or none is left. Items looked at and not claimed
     /// (deferred by a cap, failed as ambiguous or exhausted) are reported in
     /// `looked`. All in one transaction: one journal entry, one fsync.
     ///
-    /// The claimed key is in this handle's in-flight set until the next step
+    /// The claim is in this handle's in-flight set until the next step
     /// records it, or [`release`](Self::release) or [`abandon`](Self::abandon).
     ///
     /// The picker is locked only inside the transaction, not across its sync:
     /// concurrent steps (a worker's slots) then share one commit group.
     pub(crate) fn step(
         &self,
-        finished: Option<(&str, &SendResult)>,
+        finished: Option<(&ClaimId, &SendResult)>,
         pick: Option<&Mutex<Picker>>,
     ) -> Result<Stepped> {
         if finished.is_some() {
             self.check_after_send().inspect_err(|_| {
-                if let Some((key, _)) = finished {
-                    self.in_flight().remove(key);
+                if let Some((claim, _)) = finished {
+                    self.in_flight().remove(claim);
                 }
             })?;
         }
-        let mut claimed_here: Option<String> = None;
+        let mut claimed_here: Option<ClaimId> = None;
         let mut rerun = false;
         let stepped = self.transact(|actor, txn| {
             // Locked here, inside the transaction, never across its sync: a
@@ -594,8 +592,8 @@ impl Outbox {
             if std::mem::replace(&mut rerun, true) {
                 // The server rolled back the previous attempt: so is what it
                 // did outside the database.
-                if let Some(key) = claimed_here.take() {
-                    actor.in_flight().remove(&key);
+                if let Some(claim) = claimed_here.take() {
+                    actor.in_flight().remove(&claim);
                 }
                 if let Some(picker) = picker.as_deref_mut() {
                     picker.undo_attempt();
@@ -605,20 +603,17 @@ impl Outbox {
                 picker.begin_attempt();
             }
             let stepped = drain::step(actor, txn, finished, picker.as_deref_mut())?;
-            claimed_here = stepped
-                .claimed
-                .as_ref()
-                .map(|(item, _)| item.idempotency_key.clone());
+            claimed_here = stepped.claimed.as_ref().map(|(item, _)| ClaimId::of(item));
             Ok(stepped)
         });
-        if let Some((key, _)) = finished {
-            self.in_flight().remove(key);
+        if let Some((claim, _)) = finished {
+            self.in_flight().remove(claim);
         }
         if stepped.is_err()
-            && let Some(key) = claimed_here
+            && let Some(claim) = claimed_here
         {
             // A claim that did not commit is not in flight.
-            self.in_flight().remove(&key);
+            self.in_flight().remove(&claim);
         }
         stepped
     }
@@ -641,7 +636,7 @@ impl Outbox {
     ) -> (Vec<M>, Result<drain::Batched>) {
         let mut collect = Some(collect);
         let mut members: Vec<M> = Vec::new();
-        let mut claimed_here: Vec<String> = Vec::new();
+        let mut claimed_here: Vec<ClaimId> = Vec::new();
         let batched = self.transact(|actor, txn| {
             // A rerun (the server rolled the attempt back) keeps the members
             // it took and undoes what the attempt did outside the database.
@@ -652,8 +647,8 @@ impl Outbox {
             let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
             if rerun {
                 let mut in_flight = actor.in_flight();
-                for key in claimed_here.drain(..) {
-                    in_flight.remove(&key);
+                for claim in claimed_here.drain(..) {
+                    in_flight.remove(&claim);
                 }
                 drop(in_flight);
                 if let Some(picker) = picker.as_deref_mut() {
@@ -671,21 +666,21 @@ impl Outbox {
                     .claimed
                     .iter()
                     .flatten()
-                    .map(|(item, _)| item.idempotency_key.clone()),
+                    .map(|(item, _)| ClaimId::of(item)),
             );
             ran(&members)?;
             Ok(batched)
         });
         let mut in_flight = self.in_flight();
         for member in &members {
-            if let Some((key, _)) = member.member().finished {
-                in_flight.remove(key);
+            if let Some((claim, _)) = member.member().finished {
+                in_flight.remove(claim);
             }
         }
         if batched.is_err() {
             // A claim that did not commit is not in flight.
-            for key in &claimed_here {
-                in_flight.remove(key);
+            for claim in &claimed_here {
+                in_flight.remove(claim);
             }
         }
         drop(in_flight);
@@ -1210,7 +1205,7 @@ impl Outbox {
         }
     }
 
-    pub(crate) fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    pub(crate) fn in_flight(&self) -> std::sync::MutexGuard<'_, InFlight> {
         self.inner
             .in_flight
             .lock()
@@ -1231,10 +1226,11 @@ impl Outbox {
                 Claimed::Done(receipt) => return Ok(receipt),
                 Claimed::Send(item, _) => item,
             };
+            let claim = ClaimId::of(&item);
             let result: SendResult =
                 send_span(&item).in_scope(|| catch_unwind(AssertUnwindSafe(|| send(&item))));
             sends += 1;
-            let (receipt, retry_wait) = self.record_result(key, result)?;
+            let (receipt, retry_wait) = self.record_result(&claim, result)?;
             match retry_wait {
                 Some(wait)
                     if wait <= self.inner.config.max_inline_wait && sends < self.max_attempts() =>
@@ -1247,18 +1243,20 @@ impl Outbox {
     }
 
     /// Step one of a send: decide, and claim durably if the item is to go now.
-    /// A claimed key is in this handle's in-flight set until
+    /// A claim is in this handle's in-flight set until
     /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
-        let mut claimed_here = false;
+        let mut claimed_here: Option<ClaimId> = None;
         let decided = self.transact_one(key, |actor, txn| {
-            if std::mem::take(&mut claimed_here) {
+            if let Some(claim) = claimed_here.take() {
                 // A rerun: the server rolled back the claim the previous
                 // attempt marked in flight.
-                actor.in_flight().remove(key);
+                actor.in_flight().remove(&claim);
             }
             let decision = lifecycle::decide(actor, txn, key)?;
-            claimed_here = matches!(decision, Decision::Send(..));
+            if let Decision::Send(item, _) = &decision {
+                claimed_here = Some(ClaimId::of(item));
+            }
             Ok(decision)
         });
         match decided {
@@ -1267,28 +1265,30 @@ impl Outbox {
             Err(e) => {
                 // A claim that did not commit is not in flight. Only this call's:
                 // another thread of this handle may be sending the same key.
-                if claimed_here {
-                    self.in_flight().remove(key);
+                if let Some(claim) = claimed_here {
+                    self.in_flight().remove(&claim);
                 }
                 Err(e)
             }
         }
     }
 
-    /// Step two: record what `send` did and take the key out of the in-flight
-    /// set. A panic is recorded, then resumed. Returns the receipt and, for a
-    /// retryable failure with attempts left, how long to wait.
+    /// Step two: record what `send` did under `claim` and take the claim out
+    /// of the in-flight set. A panic is recorded, then resumed. Returns the
+    /// receipt and, for a retryable failure with attempts left, how long to
+    /// wait.
     pub(crate) fn record_result(
         &self,
-        key: &str,
+        claim: &ClaimId,
         result: SendResult,
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
+        let key = claim.key();
         let recorded = self.check_after_send().and_then(|()| {
             self.transact_one(key, |actor, txn| {
-                lifecycle::finish(actor, txn, key, &result)
+                lifecycle::finish(actor, txn, claim, &result)
             })
         });
-        self.in_flight().remove(key);
+        self.in_flight().remove(claim);
         match result {
             Err(panic) => {
                 if let Err(e) = recorded {
@@ -1304,21 +1304,24 @@ impl Outbox {
     /// was dropped mid-flight): the item fails with `code`, as ambiguous, or,
     /// for an idempotent transport, goes back to the queue for a resend.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn abandon(&self, key: &str, code: &str) -> Result<()> {
-        let result = self.transact_one(key, |actor, txn| lifecycle::abandon(actor, txn, key, code));
-        self.in_flight().remove(key);
+    pub(crate) fn abandon(&self, claim: &ClaimId, code: &str) -> Result<()> {
+        let result = self.transact_one(claim.key(), |actor, txn| {
+            lifecycle::abandon(actor, txn, claim, code)
+        });
+        self.in_flight().remove(claim);
         result
     }
 
     /// Gives back a claim whose item was never handed to `send` (its async
     /// caller went away before the send started): the item is restored exactly
-    /// as it was before the claim. Does nothing if the claim is no longer ours.
+    /// as it was before the claim. Does nothing if the item no longer holds
+    /// `claim`.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn release(&self, key: &str, before: &OutboxItem) -> Result<()> {
-        let result = self.transact_one(key, |actor, txn| {
-            lifecycle::release(actor, txn, key, before)
+    pub(crate) fn release(&self, claim: &ClaimId, before: &OutboxItem) -> Result<()> {
+        let result = self.transact_one(claim.key(), |actor, txn| {
+            lifecycle::release(actor, txn, claim, before)
         });
-        self.in_flight().remove(key);
+        self.in_flight().remove(claim);
         result
     }
 

@@ -37,7 +37,7 @@ use tokio::task::JoinSet;
 
 use crate::asynchronous::{CatchUnwind, ClaimTicket, blocking, pool_gone};
 use crate::error::{Error, Result};
-use crate::item::OutboxItem;
+use crate::item::{ClaimId, OutboxItem};
 use crate::lock::CounterProbe;
 use crate::order::Picker;
 use crate::outbox::{AsMember, Outbox, SEND_CANCELLED, SendResult, Stepped};
@@ -435,7 +435,7 @@ struct StepQueue {
 
 /// One slot's step, waiting to be batched.
 struct Request {
-    finished: Option<(String, SendResult)>,
+    finished: Option<(ClaimId, SendResult)>,
     claims: usize,
     reply: oneshot::Sender<Reply>,
 }
@@ -443,7 +443,7 @@ struct Request {
 impl AsMember for Request {
     fn member(&self) -> Member<'_> {
         Member {
-            finished: self.finished.as_ref().map(|(key, r)| (key.as_str(), r)),
+            finished: self.finished.as_ref().map(|(claim, r)| (claim, r)),
             claims: self.claims,
         }
     }
@@ -456,7 +456,7 @@ enum Reply {
     /// The batch's write or sync failed.
     Failed(Error),
     /// The batch's rules failed and nothing was written: step alone.
-    Alone(Option<(String, SendResult)>, usize),
+    Alone(Option<(ClaimId, SendResult)>, usize),
 }
 
 impl Steps {
@@ -603,7 +603,7 @@ fn answer(outbox: &Outbox, ctx: &StepCtx<'_>, members: Vec<Request>, batched: Ba
 fn step_alone(
     outbox: &Outbox,
     ctx: &StepCtx<'_>,
-    finished: Option<(String, SendResult)>,
+    finished: Option<(ClaimId, SendResult)>,
     claims: usize,
 ) -> Result<Vec<ClaimTicket>> {
     let (reply, _answer) = oneshot::channel();
@@ -709,16 +709,16 @@ where
 /// no thread: only a batch's leader runs on the blocking pool.
 async fn claim_next<F>(
     shared: &Arc<Shared<F>>,
-    finished: Option<(String, SendResult)>,
+    finished: Option<(ClaimId, SendResult)>,
     claims: usize,
 ) -> Result<Vec<ClaimTicket>>
 where
     F: Send + Sync + 'static,
 {
-    if let Some((key, _)) = &finished
+    if let Some((claim, _)) = &finished
         && let Err(e) = shared.outbox.check_after_send()
     {
-        shared.outbox.in_flight().remove(key);
+        shared.outbox.in_flight().remove(claim);
         return Err(e);
     }
     let (reply, answer) = oneshot::channel();
@@ -780,6 +780,7 @@ where
         }
         let (item, guard) = ticket.start_send();
         let key = item.idempotency_key.clone();
+        let claim = ClaimId::of(&item);
         let sending = CatchUnwind(Box::pin((shared.send)(item)));
         let mut cancelled = shared.cancelled.clone();
         let result: SendResult = tokio::select! {
@@ -788,7 +789,7 @@ where
                 // The deadline passed mid-send: it may have left. Never resent.
                 guard.disarm();
                 let outbox = shared.outbox.clone();
-                let owned = key.clone();
+                let owned = claim.clone();
                 blocking(&shared.outbox, move || outbox.abandon(&owned, SEND_CANCELLED)).await?;
                 shared.tally().cancelled += 1;
                 return Ok(SlotEnd::Idle);
@@ -807,7 +808,7 @@ where
             // Record, claim nothing more, and hand the panic to the drain's caller.
             let outbox = shared.outbox.clone();
             let recorded = blocking(&shared.outbox, move || {
-                outbox.step(Some((&key, &result)), None)
+                outbox.step(Some((&claim, &result)), None)
             })
             .await;
             match recorded {
@@ -817,7 +818,7 @@ where
             shared.tally().panic.get_or_insert(payload);
             return Ok(SlotEnd::Idle);
         }
-        next = claim_next(&shared, Some((key, result)), 1).await?.pop();
+        next = claim_next(&shared, Some((claim, result)), 1).await?.pop();
     }
     Ok(SlotEnd::Idle)
 }
@@ -1084,26 +1085,43 @@ mod tests {
         }
     }
 
-    /// `key`'s send, finished and delivered as `tr-{key}`.
-    fn delivered(key: &str) -> (String, SendResult) {
-        (key.to_owned(), Ok(Ok(Some(format!("tr-{key}")))))
+    /// The send under `claim`, finished and delivered as `tr-{key}`.
+    fn delivered(claim: &ClaimId) -> (ClaimId, SendResult) {
+        let reference = format!("tr-{}", claim.key());
+        (claim.clone(), Ok(Ok(Some(reference))))
     }
 
-    /// Enqueues a (chat-a) and b (chat-b) and claims both with single steps.
-    fn two_claimed(outbox: &Outbox, picker: &Mutex<Picker>) {
+    /// A claim of an item that does not exist.
+    fn ghost() -> ClaimId {
+        ClaimId {
+            key: "ghost".into(),
+            owner: None,
+            attempt: 1,
+            at: None,
+        }
+    }
+
+    /// Enqueues a (chat-a) and b (chat-b) and claims both with single steps;
+    /// returns their claims, a's first.
+    fn two_claimed(outbox: &Outbox, picker: &Mutex<Picker>) -> [ClaimId; 2] {
         outbox
             .enqueue_many(vec![message("a", "chat-a"), message("b", "chat-b")])
             .expect("enqueue");
-        for _ in 0..2 {
-            let stepped = outbox.step(None, Some(picker)).expect("claim");
-            assert!(stepped.claimed.is_some());
-        }
+        let mut claims: Vec<ClaimId> = (0..2)
+            .map(|_| {
+                let stepped = outbox.step(None, Some(picker)).expect("claim");
+                let (item, _) = stepped.claimed.expect("claimed");
+                ClaimId::of(&item)
+            })
+            .collect();
+        claims.sort_by(|x, y| x.key.cmp(&y.key));
+        claims.try_into().expect("two claims")
     }
 
     /// Queues a slot's step; the first queued starts the gathering.
     fn queue(
         steps: &Steps,
-        finished: (String, SendResult),
+        finished: (ClaimId, SendResult),
         claims: usize,
     ) -> oneshot::Receiver<Reply> {
         let (reply, answer) = oneshot::channel();
@@ -1128,7 +1146,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let outbox = open(dir.path(), &[]);
         let picker = Mutex::new(Picker::worker());
-        two_claimed(&outbox, &picker);
+        let [a, b] = two_claimed(&outbox, &picker);
         let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
         let ctx = StepCtx {
             picker: &picker,
@@ -1138,9 +1156,9 @@ mod tests {
         let steps = Steps::default();
         // Recording a send of an item that does not exist fails in the rules.
         let answers = [
-            ("ghost", queue(&steps, delivered("ghost"), 0)),
-            ("a", queue(&steps, delivered("a"), 0)),
-            ("b", queue(&steps, delivered("b"), 0)),
+            ("ghost", queue(&steps, delivered(&ghost()), 0)),
+            ("a", queue(&steps, delivered(&a), 0)),
+            ("b", queue(&steps, delivered(&b), 0)),
         ];
         lead(&steps, &outbox, &ctx);
         for (name, mut answer) in answers {
@@ -1167,7 +1185,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let outbox = open(dir.path(), &[("step.batch", FailAction::Panic)]);
         let picker = Mutex::new(Picker::worker());
-        two_claimed(&outbox, &picker);
+        let [a, b] = two_claimed(&outbox, &picker);
         let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
         let ctx = StepCtx {
             picker: &picker,
@@ -1175,8 +1193,8 @@ mod tests {
             tally: &tally,
         };
         let steps = Steps::default();
-        let mut a = queue(&steps, delivered("a"), 0);
-        let mut b = queue(&steps, delivered("b"), 0);
+        let mut a = queue(&steps, delivered(&a), 0);
+        let mut b = queue(&steps, delivered(&b), 0);
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             steps.lead(&outbox, &ctx, || panic!("nothing was handed on"));
         }));
@@ -1208,7 +1226,7 @@ mod tests {
             &[("journal.fsync", FailAction::ErrorOnHit(setup + 1))],
         );
         let picker = Mutex::new(Picker::worker());
-        two_claimed(&outbox, &picker);
+        let [a, b] = two_claimed(&outbox, &picker);
         let (stopping, tally) = (AtomicBool::new(false), Mutex::new(Tally::default()));
         let ctx = StepCtx {
             picker: &picker,
@@ -1216,8 +1234,8 @@ mod tests {
             tally: &tally,
         };
         let steps = Steps::default();
-        let mut b = queue(&steps, delivered("b"), 0);
-        let mut a = queue(&steps, delivered("a"), 1);
+        let mut b = queue(&steps, delivered(&b), 0);
+        let mut a = queue(&steps, delivered(&a), 1);
         lead(&steps, &outbox, &ctx);
         match b.try_recv() {
             Ok(Reply::Failed(Error::Io { op: "fsync", .. })) => {}

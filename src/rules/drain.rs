@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::item::OutboxItem;
+use crate::item::{ClaimId, OutboxItem};
 use crate::order::Picker;
 use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::rules::Actor;
@@ -45,12 +45,13 @@ impl Stepped {
     }
 }
 
-/// One member of a batched step: the send it finished (if any), and how many
+/// One member of a batched step: the send it finished (if any, with the claim
+/// it held), and how many
 /// items it wants claimed (a slot: one, none when stopping; a worker filling
 /// its free slots: one per free slot).
 #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
 pub(crate) struct Member<'a> {
-    pub(crate) finished: Option<(&'a str, &'a SendResult)>,
+    pub(crate) finished: Option<(&'a ClaimId, &'a SendResult)>,
     pub(crate) claims: usize,
 }
 
@@ -66,7 +67,7 @@ pub(crate) struct Batched {
     pub(crate) claimed: Vec<Vec<Claim>>,
 }
 
-/// Records `finished` (a send of `actor`'s that ran), then, if `pick` is
+/// Records `finished` (a send of `actor`'s that ran, with its claim), then, if `pick` is
 /// given, looks at candidates (fairest first, never `actor`'s own sends in
 /// progress) until one is claimed or none is left. Items looked at and not
 /// claimed are reported in `looked`.
@@ -76,12 +77,12 @@ pub(crate) struct Batched {
 pub(crate) fn step<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    finished: Option<(&str, &SendResult)>,
+    finished: Option<(&ClaimId, &SendResult)>,
     pick: Option<&mut Picker>,
 ) -> Result<Stepped> {
     let mut stepped = Stepped::default();
-    if let Some((key, result)) = finished {
-        stepped.finished = Some(finish(actor, txn, key, result)?);
+    if let Some((claim, result)) = finished {
+        stepped.finished = Some(finish(actor, txn, claim, result)?);
     }
     let Some(picker) = pick else {
         return Ok(stepped);
@@ -113,7 +114,7 @@ pub(crate) fn step_batch<T: Txn + ?Sized>(
     let mut batched = Batched::default();
     for member in members {
         batched.finished.push(match member.finished {
-            Some((key, result)) => Some(finish(actor, txn, key, result)?),
+            Some((claim, result)) => Some(finish(actor, txn, claim, result)?),
             None => None,
         });
     }
@@ -153,9 +154,9 @@ fn claim_up_to<T: Txn + ?Sized>(
         let ordering = txn.settings().ordering;
         let mut candidates = txn.candidates(ordering, &mut |item| {
             let key = item.idempotency_key.as_str();
-            // Our own sends in progress need no look.
-            let ours = item.claim_owner() == Some(actor.owner) && actor.in_flight().contains(key);
-            !ours && picker.admits(key) && !tried.contains(key)
+            // Our own sends in progress need no look (a lost claim of ours
+            // that is not the one a send holds does).
+            !actor.is_sending(item) && picker.admits(key) && !tried.contains(key)
         })?;
         if candidates.is_empty() {
             return Ok(claimed);

@@ -57,9 +57,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::audit::AuditOutcome;
-use crate::clock::later;
+use crate::clock::{format_timestamp, later};
 use crate::error::{Error, Result};
-use crate::item::{Claim, ItemState, OutboxItem};
+use crate::item::{Claim, ClaimId, ItemState, OutboxItem};
 use crate::message::limits;
 use crate::order;
 use crate::receipt::{DeliveryReceipt, Outcome};
@@ -211,8 +211,9 @@ fn decide_inner<T: Txn + ?Sized>(actor: &Actor<'_>, txn: &mut T, key: &str) -> R
         };
         return Ok(Decision::Done(receipt(txn, key, outcome, Some(audit_id))?));
     }
-    if let Some(claim) = item.claim.clone() {
-        if claim_is_live(actor, txn, key, &claim)? {
+    if item.claim.is_some() {
+        let claim = ClaimId::of(item);
+        if claim_is_live(actor, txn, &claim)? {
             return Ok(Decision::Done(receipt(txn, key, Outcome::InFlight, None)?));
         }
         if let Some(failed) = settle_dead_claim(actor, txn, key)? {
@@ -249,15 +250,38 @@ fn decide_inner<T: Txn + ?Sized>(actor: &Actor<'_>, txn: &mut T, key: &str) -> R
         )?));
     }
     let before = Box::new(txn.existing(key)?.clone());
-    let claimed = claim(&before, actor.owner, now);
+    let mut claimed = claim(&before, actor.owner, now);
+    let id = apart_from_our_sends(actor, &mut claimed);
     txn.insert(claimed.clone())?;
     // Marked before the transaction ends, so no thread of ours mistakes the
     // claim for an orphan.
-    actor.in_flight().insert(key.to_owned());
+    actor.in_flight().insert(&id);
     Ok(Decision::Send(Box::new(claimed), before))
 }
 
-/// Records what `send` did with the item `actor` claimed, in an
+/// The identity of a new claim of `actor`'s, made a microsecond later while a
+/// send of ours still runs under the same identity: a send whose claim was
+/// lost (declared ambiguous after our session was cut) may still be running
+/// when the item, requeued, is claimed again by us, and a requeue starts the
+/// attempt count again and a clock may stand still. Each send then finishes
+/// its own claim ([`ClaimId`]).
+fn apart_from_our_sends(actor: &Actor<'_>, claimed: &mut OutboxItem) -> ClaimId {
+    let in_flight = actor.in_flight();
+    let mut id = ClaimId::of(claimed);
+    while in_flight.contains(&id.key, id.stamp()) {
+        let later = id
+            .at
+            .and_then(|at| at.checked_add_signed(chrono::TimeDelta::microseconds(1)));
+        let (Some(claim), Some(later)) = (claimed.claim.as_mut(), later) else {
+            break;
+        };
+        claim.at = Some(later);
+        id = ClaimId::of(claimed);
+    }
+    id
+}
+
+/// Records what `send` did under `claim` (one `actor` took), in an
 /// `outbox.finish` span. Returns the receipt and, for a retryable failure with
 /// attempts left, how long to wait.
 ///
@@ -269,7 +293,8 @@ fn decide_inner<T: Txn + ?Sized>(actor: &Actor<'_>, txn: &mut T, key: &str) -> R
 ///   transport, queued for a resend under the same transaction id;
 /// - permanent (or out of attempts): failed;
 /// - a panic: failed as ambiguous with [`SEND_PANICKED`];
-/// - the claim is no longer ours (lost while the send ran): accounted for as
+/// - the item no longer holds `claim` (lost while the send ran; the item
+///   may meanwhile hold a newer claim, even one of ours): accounted for as
 ///   the module docs say ("A claim lost while its send ran").
 ///
 /// # Errors
@@ -277,9 +302,10 @@ fn decide_inner<T: Txn + ?Sized>(actor: &Actor<'_>, txn: &mut T, key: &str) -> R
 pub(crate) fn finish<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    key: &str,
+    claim: &ClaimId,
     result: &SendResult,
 ) -> Result<(DeliveryReceipt, Option<Duration>)> {
+    let key = claim.key();
     let span = tracing::info_span!(
         "outbox.finish",
         key,
@@ -289,7 +315,7 @@ pub(crate) fn finish<T: Txn + ?Sized>(
         error_code = tracing::field::Empty,
     );
     let _entered = span.enter();
-    let (receipt, wait) = finish_inner(actor, txn, key, result)?;
+    let (receipt, wait) = finish_inner(actor, txn, claim, result)?;
     span.record("destination", receipt.destination.as_str());
     span.record("attempt", receipt.attempts);
     span.record("outcome", receipt.outcome.as_str());
@@ -302,14 +328,18 @@ pub(crate) fn finish<T: Txn + ?Sized>(
 fn finish_inner<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    key: &str,
+    claim: &ClaimId,
     result: &SendResult,
 ) -> Result<(DeliveryReceipt, Option<Duration>)> {
     let now = txn.now();
-    if txn.existing(key)?.claim_owner() != Some(actor.owner) {
+    let key = claim.key();
+    // The claim this send holds, not "a claim naming our owner id": after a
+    // cut a handle takes its owner id again, and the item may hold a newer
+    // claim of ours by now (requeued and claimed again).
+    if claim.owner.as_deref() != Some(actor.owner) || !txn.existing(key)?.holds(claim) {
         // File engine: only possible if the state files were replaced behind
         // our back. PostgreSQL: the claim was lost while the send ran.
-        return Ok((account_for_lost_claim(txn, key, result)?, None));
+        return Ok((account_for_lost_claim(txn, claim, result)?, None));
     }
     let item = txn.existing(key)?;
     let attempts = item.attempts;
@@ -349,8 +379,9 @@ impl Moved {
             }
             (ItemState::Queued, None) => Self::Requeued,
             (ItemState::Queued, Some(claim)) => Self::Elsewhere(format!(
-                "been claimed again (by owner {}, a resend under way)",
-                claim.owner.as_deref().unwrap_or("-")
+                "been claimed again (by owner {}, attempt {}, a resend under way)",
+                claim.owner.as_deref().unwrap_or("-"),
+                item.attempts
             )),
             (ItemState::Sent, _) => Self::Elsewhere(format!(
                 "been sent by another attempt (transport ref {})",
@@ -384,12 +415,22 @@ impl Moved {
 /// - anything else (a certain failure after the item moved on, or an outcome
 ///   still unknown): nothing to correct and nothing delivered to account
 ///   for, so no record; the receipt is the item as it now stands.
+///
+/// Every record written here names this send's claim (its attempt and claim
+/// time) in its note; a late delivery's record carries this send's attempt,
+/// not the one the item has reached since.
 fn account_for_lost_claim<T: Txn + ?Sized>(
     txn: &mut T,
-    key: &str,
+    claim: &ClaimId,
     result: &SendResult,
 ) -> Result<DeliveryReceipt> {
     let now = txn.now();
+    let key = claim.key();
+    let this_send = format!(
+        "this send: attempt {}, claimed at {}",
+        claim.attempt,
+        claim.at.map_or_else(|| "-".to_owned(), format_timestamp)
+    );
     let moved = Moved::of(txn.existing(key)?);
     let known_failure = match result {
         Ok(Err(error)) => error.class() != FailureClass::Ambiguous,
@@ -401,6 +442,7 @@ fn account_for_lost_claim<T: Txn + ?Sized>(
                 Moved::Requeued => REQUEUED_NOTE,
                 _ => CORRECTION_NOTE,
             };
+            let note = format!("{note} ({this_send})");
             tracing::warn!(
                 key,
                 "this send's claim was lost while it ran; recording its delivery as a correction"
@@ -411,7 +453,7 @@ fn account_for_lost_claim<T: Txn + ?Sized>(
             item.attempts = item.attempts.max(1);
             item.next_attempt_at = None;
             mark_sent(item, now, reference.as_deref());
-            let audit_id = record(txn, key, AuditOutcome::Sent, Some(note), false)?;
+            let audit_id = record(txn, key, AuditOutcome::Sent, Some(&note), false)?;
             receipt(txn, key, Outcome::Sent, Some(audit_id))
         }
         (Ok(Err(error)), Moved::DeclaredAmbiguous) if known_failure => {
@@ -424,7 +466,8 @@ fn account_for_lost_claim<T: Txn + ?Sized>(
             item.error_code = Some(sanitize(error.code(), limits::TRANSPORT_REF));
             item.failure_class = Some(error.class());
             item.maybe_sent_at = None;
-            let audit_id = record(txn, key, AuditOutcome::Failed, Some(CORRECTION_NOTE), false)?;
+            let note = format!("{CORRECTION_NOTE} ({this_send})");
+            let audit_id = record(txn, key, AuditOutcome::Failed, Some(&note), false)?;
             receipt(txn, key, Outcome::Failed, Some(audit_id))
         }
         (Ok(Ok(reference)), Moved::Elsewhere(what)) => {
@@ -437,8 +480,9 @@ fn account_for_lost_claim<T: Txn + ?Sized>(
                 .as_deref()
                 .filter(|r| !r.trim().is_empty())
                 .map(|r| sanitize(r, limits::TRANSPORT_REF));
-            let note = format!("{LATE_DELIVERY_NOTE} after the item had {what}");
+            let note = format!("{LATE_DELIVERY_NOTE} after the item had {what} ({this_send})");
             let reported = reference.clone();
+            let attempt = claim.attempt;
             let audit_id = record_reporting(
                 txn,
                 key,
@@ -446,6 +490,7 @@ fn account_for_lost_claim<T: Txn + ?Sized>(
                 Some(&note),
                 false,
                 move |item| {
+                    item.attempts = attempt;
                     item.transport_ref = reported;
                     item.error_code = None;
                     item.failure_class = None;
@@ -553,24 +598,26 @@ fn finish_failed<T: Txn + ?Sized>(
     }
 }
 
-/// Gives up on a claimed send of `actor`'s whose outcome will never be known
-/// (its future was dropped mid-flight): the item fails with `code`, as
+/// Gives up on a send of `actor`'s under `claim` whose outcome will never be
+/// known (its future was dropped mid-flight): the item fails with `code`, as
 /// ambiguous, or, for an idempotent transport, goes back to the queue for a
-/// resend. Does nothing if the claim is no longer `actor`'s.
+/// resend. Does nothing if the item no longer holds that claim (lost, and
+/// perhaps claimed again since: a newer send is not this one's to abandon).
 ///
 /// # Errors
 /// The engine's errors.
 pub(crate) fn abandon<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    key: &str,
+    claim: &ClaimId,
     code: &str,
 ) -> Result<()> {
     let now = txn.now();
+    let key = claim.key();
     let max_attempts = txn.settings().max_attempts;
     let Some(item) = txn
         .item(key)?
-        .filter(|i| i.state == ItemState::Queued && i.claim_owner() == Some(actor.owner))
+        .filter(|i| claim.owner.as_deref() == Some(actor.owner) && i.holds(claim))
     else {
         return Ok(());
     };
@@ -582,21 +629,22 @@ pub(crate) fn abandon<T: Txn + ?Sized>(
     Ok(())
 }
 
-/// Gives back a claim of `actor`'s whose item was never handed to `send`: the
-/// item is restored exactly as it was `before` the claim. Does nothing if the
-/// claim is no longer `actor`'s.
+/// Gives back `claim`, one of `actor`'s whose item was never handed to
+/// `send`: the item is restored exactly as it was `before` the claim. Does
+/// nothing if the item no longer holds that claim (restoring `before` over a
+/// newer claim would undo what happened since).
 ///
 /// # Errors
 /// The engine's errors.
 pub(crate) fn release<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    key: &str,
+    claim: &ClaimId,
     before: &OutboxItem,
 ) -> Result<()> {
     let ours = txn
-        .item(key)?
-        .is_some_and(|i| i.state == ItemState::Queued && i.claim_owner() == Some(actor.owner));
+        .item(claim.key())?
+        .is_some_and(|i| claim.owner.as_deref() == Some(actor.owner) && i.holds(claim));
     if ours {
         txn.insert(before.clone())?;
     }

@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 
 use crate::audit::AuditOutcome;
 use crate::error::Result;
-use crate::item::{Claim, OutboxItem};
+use crate::item::{ClaimId, OutboxItem};
 use crate::rules::Actor;
 use crate::rules::codes::AMBIGUOUS_AFTER_RESTART;
 use crate::rules::lifecycle::{Decision, fail_ambiguous, mark_maybe_sent};
@@ -14,21 +14,24 @@ use crate::rules::record::record;
 use crate::rules::txn::Txn;
 use crate::send::FailureClass;
 
-/// Whether a claim belongs to a worker that is still alive: ours while it is
-/// in `actor`'s in-flight set, another handle's while its liveness token is
-/// held. A claim naming no owner (the reference design's) survived a crash.
+/// Whether a claim belongs to a worker that is still alive: ours while a
+/// send of ours holds that very claim (in `actor`'s in-flight set; a lost
+/// claim of ours that a newer one replaced is not it), another handle's while
+/// its liveness token is held. A claim naming no owner (the reference
+/// design's) survived a crash.
 ///
 /// # Errors
 /// The engine's errors.
 pub(crate) fn claim_is_live<T: Txn + ?Sized>(
     actor: &Actor<'_>,
     txn: &mut T,
-    key: &str,
-    claim: &Claim,
+    claim: &ClaimId,
 ) -> Result<bool> {
     match claim.owner.as_deref() {
         None => Ok(false),
-        Some(owner) if owner == actor.owner => Ok(actor.in_flight().contains(key)),
+        Some(owner) if owner == actor.owner => {
+            Ok(actor.in_flight().contains(claim.key(), claim.stamp()))
+        }
         Some(owner) => txn.owner_is_alive(owner),
     }
 }

@@ -11,19 +11,19 @@ use chrono::{DateTime, TimeZone, Utc};
 use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, Hasher, Head};
 use crate::error::{Error, Result};
 use crate::filter::ItemFilter;
-use crate::item::{Claim, ItemState, OutboxItem};
+use crate::item::{Claim, ClaimId, ItemState, OutboxItem};
 use crate::message::NewMessage;
 use crate::order::{self, OrderKey};
 use crate::pacing::Pacing;
 use crate::rate::{RateLimit, RatePolicy};
 use crate::receipt::Outcome;
 use crate::retry::Backoff;
-use crate::rules::Actor;
 use crate::rules::bulk::Bulk;
 use crate::rules::codes::{AMBIGUOUS_AFTER_RESTART, CANCELLED, DESTINATION_COOLDOWN, RATE_CAPPED};
 use crate::rules::lifecycle::SendResult;
 use crate::rules::lifecycle::{Decision, decide, finish};
 use crate::rules::txn::Txn;
+use crate::rules::{Actor, InFlight};
 use crate::send::{FailureClass, SendError};
 use crate::settings::Settings;
 use crate::store::rate_times;
@@ -185,7 +185,7 @@ fn txn(now: DateTime<Utc>) -> MemTxn {
 
 /// The parts of a handle the rules need, owned by the test.
 struct Handle {
-    in_flight: Mutex<HashSet<String>>,
+    in_flight: Mutex<InFlight>,
     pacing: Pacing,
     idempotent: BTreeMap<String, Duration>,
 }
@@ -193,7 +193,7 @@ struct Handle {
 impl Handle {
     fn new() -> Self {
         Self {
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Mutex::new(InFlight::default()),
             pacing: Pacing::default(),
             idempotent: BTreeMap::new(),
         }
@@ -246,7 +246,7 @@ fn a_due_head_is_claimed_and_the_next_message_to_its_chat_waits() {
     enqueue(&mut txn, "b", "chat");
     let item = claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
     assert_eq!((item.attempts, item.claim_owner()), (1, Some("me")));
-    assert!(handle.in_flight.lock().unwrap().contains("a"));
+    assert!(handle.actor().is_sending(&item));
     let b = decide(&handle.actor(), &mut txn, "b").unwrap();
     assert_eq!(
         outcome(&b),
@@ -300,11 +300,11 @@ fn a_retry_after_costs_no_attempt_and_cools_the_whole_destination() {
     txn.settings.ordering = order::Ordering::Unordered;
     enqueue(&mut txn, "a", "chat");
     enqueue(&mut txn, "b", "chat");
-    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
+    let a = ClaimId::of(&claimed(decide(&handle.actor(), &mut txn, "a").unwrap()));
     let refused: crate::rules::lifecycle::SendResult = Ok(Err(
         SendError::retryable("429").retry_after(Duration::from_secs(30))
     ));
-    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, &a, &refused).unwrap();
     assert_eq!(receipt.outcome, Outcome::Deferred);
     assert_eq!(wait, Some(Duration::from_secs(30)));
     let a = &txn.items["a"];
@@ -329,8 +329,8 @@ fn a_full_rate_window_defers_to_the_moment_a_slot_frees() {
         window: Duration::from_secs(60),
     };
     enqueue(&mut txn, "a", "chat");
-    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
-    finish(&handle.actor(), &mut txn, "a", &Ok(Ok(Some("m1".into())))).unwrap();
+    let a = ClaimId::of(&claimed(decide(&handle.actor(), &mut txn, "a").unwrap()));
+    finish(&handle.actor(), &mut txn, &a, &Ok(Ok(Some("m1".into())))).unwrap();
     assert_eq!(txn.items["a"].state, ItemState::Sent);
     assert_eq!(txn.items["a"].transport_ref.as_deref(), Some("m1"));
     txn.now = at(10);
@@ -347,8 +347,8 @@ fn every_change_is_on_record_in_the_order_the_rules_made_it() {
     let handle = Handle::new();
     let mut txn = txn(at(0));
     enqueue(&mut txn, "a", "chat");
-    claimed(decide(&handle.actor(), &mut txn, "a").unwrap());
-    finish(&handle.actor(), &mut txn, "a", &Ok(Ok(None))).unwrap();
+    let a = ClaimId::of(&claimed(decide(&handle.actor(), &mut txn, "a").unwrap()));
+    finish(&handle.actor(), &mut txn, &a, &Ok(Ok(None))).unwrap();
     let outcomes: Vec<AuditOutcome> = txn.sealed.iter().map(|r| r.outcome).collect();
     assert_eq!(outcomes, [AuditOutcome::Queued, AuditOutcome::Sent]);
     let seqs: Vec<u64> = txn.sealed.iter().map(|r| r.seq).collect();
@@ -371,7 +371,7 @@ fn a_drain_step_records_the_finished_send_and_claims_the_next_in_one_transaction
     let second = crate::rules::drain::step(
         &handle.actor(),
         &mut txn,
-        Some((&item.idempotency_key, &sent)),
+        Some((&ClaimId::of(&item), &sent)),
         Some(&mut picker),
     )
     .unwrap();
@@ -400,11 +400,11 @@ fn a_drain_step_records_the_finished_send_and_claims_the_next_in_one_transaction
 
 /// `me` claims "a" and starts sending; its owner session ends (nobody holds
 /// "me" alive), so `other` declares the claim ambiguous. Returns the handle
-/// whose send is still running, for `finish`.
-fn lose_the_claim(txn: &mut MemTxn) -> Handle {
+/// whose send is still running and the claim that send holds, for `finish`.
+fn lose_the_claim(txn: &mut MemTxn) -> (Handle, ClaimId) {
     let handle = Handle::new();
     enqueue(txn, "a", "chat");
-    claimed(decide(&handle.actor(), txn, "a").unwrap());
+    let lost = ClaimId::of(&claimed(decide(&handle.actor(), txn, "a").unwrap()));
     let other = Handle::new();
     txn.now = at(10);
     let declared = decide(&other.actor_as("other"), txn, "a").unwrap();
@@ -414,7 +414,7 @@ fn lose_the_claim(txn: &mut MemTxn) -> Handle {
         Some(AMBIGUOUS_AFTER_RESTART)
     );
     txn.now = at(20);
-    handle
+    (handle, lost)
 }
 
 #[expect(
@@ -440,13 +440,13 @@ fn last_record(txn: &MemTxn, key: &str) -> AuditRecord {
 #[test]
 fn a_delivery_after_the_item_was_requeued_makes_it_sent_and_it_is_not_sent_again() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
     assert_eq!(
         txn.items["a"].attempts, 0,
         "a requeue starts the count again"
     );
-    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, &lost, &delivered("m1")).unwrap();
     assert_eq!(
         (receipt.outcome, receipt.transport_ref.as_deref(), wait),
         (Outcome::Sent, Some("m1"), None)
@@ -478,14 +478,14 @@ fn a_delivery_after_the_item_was_requeued_makes_it_sent_and_it_is_not_sent_again
 #[test]
 fn a_delivery_after_the_item_was_cancelled_is_on_record_and_the_item_stays_cancelled() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
     Bulk::Cancel
         .one(&mut txn, "a", "alice: not needed")
         .unwrap();
     let before = txn.items["a"].clone();
     let records = txn.sealed.len();
-    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &delivered("m1")).unwrap();
     assert_eq!(receipt.outcome, Outcome::Sent, "this send delivered");
     assert_eq!(receipt.transport_ref.as_deref(), Some("m1"));
     assert_eq!(receipt.error_code, None);
@@ -519,12 +519,14 @@ fn a_delivery_after_the_item_was_cancelled_is_on_record_and_the_item_stays_cance
 #[test]
 fn a_delivery_while_another_attempt_holds_the_item_is_on_record_and_that_attempt_goes_on() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
     let resender = Handle::new();
     txn.alive.insert("resender".into());
-    claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
-    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    let resend = ClaimId::of(&claimed(
+        decide(&resender.actor_as("resender"), &mut txn, "a").unwrap(),
+    ));
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &delivered("m1")).unwrap();
     assert_eq!(
         (receipt.outcome, receipt.transport_ref.as_deref()),
         (Outcome::Sent, Some("m1"))
@@ -543,7 +545,7 @@ fn a_delivery_while_another_attempt_holds_the_item_is_on_record_and_that_attempt
     let (resent, _) = finish(
         &resender.actor_as("resender"),
         &mut txn,
-        "a",
+        &resend,
         &delivered("m2"),
     )
     .unwrap();
@@ -555,18 +557,20 @@ fn a_delivery_while_another_attempt_holds_the_item_is_on_record_and_that_attempt
 #[test]
 fn a_delivery_after_a_resend_delivered_is_on_record_and_the_item_keeps_the_resend() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
     let resender = Handle::new();
-    claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
+    let resend = ClaimId::of(&claimed(
+        decide(&resender.actor_as("resender"), &mut txn, "a").unwrap(),
+    ));
     finish(
         &resender.actor_as("resender"),
         &mut txn,
-        "a",
+        &resend,
         &delivered("m2"),
     )
     .unwrap();
-    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &delivered("m1")).unwrap();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &delivered("m1")).unwrap();
     assert_eq!(
         (receipt.outcome, receipt.transport_ref.as_deref()),
         (Outcome::Sent, Some("m1"))
@@ -589,11 +593,11 @@ fn a_delivery_after_a_resend_delivered_is_on_record_and_the_item_keeps_the_resen
 #[test]
 fn a_send_that_did_not_deliver_after_the_item_moved_on_changes_nothing_and_says_where_it_is() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
     let refused: SendResult = Ok(Err(SendError::permanent("chat_not_found")));
     let (before, records) = (txn.items["a"].clone(), txn.sealed.len());
-    let (receipt, wait) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, &lost, &refused).unwrap();
     assert_eq!(
         (receipt.outcome, receipt.audit_id.as_deref(), wait),
         (Outcome::Deferred, None, None),
@@ -605,7 +609,7 @@ fn a_send_that_did_not_deliver_after_the_item_moved_on_changes_nothing_and_says_
     let resender = Handle::new();
     txn.alive.insert("resender".into());
     claimed(decide(&resender.actor_as("resender"), &mut txn, "a").unwrap());
-    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &refused).unwrap();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &refused).unwrap();
     assert_eq!(receipt.outcome, Outcome::InFlight);
     assert_eq!(txn.items["a"].claim_owner(), Some("resender"));
 }
@@ -613,11 +617,182 @@ fn a_send_that_did_not_deliver_after_the_item_moved_on_changes_nothing_and_says_
 #[test]
 fn an_unknown_outcome_of_a_lost_claim_leaves_the_ambiguous_failure_and_reports_it() {
     let mut txn = txn(at(0));
-    let handle = lose_the_claim(&mut txn);
+    let (handle, lost) = lose_the_claim(&mut txn);
     let (before, records) = (txn.items["a"].clone(), txn.sealed.len());
     let timeout: SendResult = Ok(Err(SendError::ambiguous("timeout")));
-    let (receipt, _) = finish(&handle.actor(), &mut txn, "a", &timeout).unwrap();
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &timeout).unwrap();
     assert_eq!(receipt.outcome, Outcome::Failed, "not in flight: it failed");
     assert_eq!(receipt.error_code.as_deref(), Some(AMBIGUOUS_AFTER_RESTART));
     assert_eq!((&txn.items["a"], txn.sealed.len()), (&before, records));
+}
+
+// ----- a finish applies only to the claim it holds -------------------------
+
+/// `me` loses its claim of "a" (declared ambiguous by `other`), an operator
+/// requeues it, and `me` claims it again at `again` while the first send
+/// still runs: the same owner id holds a newer claim. Returns the handle,
+/// the lost claim and the newer one.
+fn claimed_again_by_the_same_owner(
+    txn: &mut MemTxn,
+    again: DateTime<Utc>,
+) -> (Handle, ClaimId, ClaimId) {
+    let (handle, lost) = lose_the_claim(txn);
+    Bulk::Requeue.one(txn, "a", "alice: retry").unwrap();
+    txn.now = again;
+    let newer = ClaimId::of(&claimed(decide(&handle.actor(), txn, "a").unwrap()));
+    assert_eq!(newer.owner.as_deref(), Some("me"));
+    assert_eq!(
+        newer.attempt, lost.attempt,
+        "a requeue starts the count again: the attempt alone does not tell them apart"
+    );
+    assert_ne!(newer, lost);
+    (handle, lost, newer)
+}
+
+#[test]
+fn a_delivery_under_a_lost_claim_is_a_late_delivery_even_when_its_owner_claimed_the_item_again() {
+    let mut txn = txn(at(0));
+    let (handle, lost, newer) = claimed_again_by_the_same_owner(&mut txn, at(30));
+    let held = txn.items["a"].clone();
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, &lost, &delivered("m1")).unwrap();
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref(), wait),
+        (Outcome::Sent, Some("m1"), None),
+        "the receipt says this send delivered"
+    );
+    let item = &txn.items["a"];
+    assert_eq!(
+        (item.state, item.transport_ref.as_deref()),
+        (ItemState::Queued, None),
+        "the newer send still holds the item: it is not marked sent under it"
+    );
+    assert!(item.holds(&newer), "the newer claim is kept");
+    assert_eq!(item.claim, held.claim);
+    let record = last_record(&txn, "a");
+    assert_eq!(record.outcome, AuditOutcome::LateDelivery);
+    assert_eq!(record.transport_ref.as_deref(), Some("m1"));
+    assert_eq!(
+        record.attempts, lost.attempt,
+        "names the late send's attempt"
+    );
+    let note = record.note.unwrap();
+    assert!(
+        note.contains("claimed again") && note.contains("claimed at 2023-11-14T22:13:20.000000Z"),
+        "the note names the lost claim: {note}"
+    );
+    // The newer send finishes as its own.
+    let (resent, _) = finish(&handle.actor(), &mut txn, &newer, &delivered("m2")).unwrap();
+    assert_eq!(resent.outcome, Outcome::Sent);
+    let item = &txn.items["a"];
+    assert_eq!(
+        (item.state, item.transport_ref.as_deref()),
+        (ItemState::Sent, Some("m2"))
+    );
+    let record = last_record(&txn, "a");
+    assert_eq!(
+        (record.outcome, record.transport_ref.as_deref()),
+        (AuditOutcome::Sent, Some("m2"))
+    );
+}
+
+#[test]
+fn a_retryable_failure_under_a_lost_claim_does_not_requeue_the_newer_send_of_its_owner() {
+    let mut txn = txn(at(0));
+    let (handle, lost, newer) = claimed_again_by_the_same_owner(&mut txn, at(30));
+    let (held, records) = (txn.items["a"].clone(), txn.sealed.len());
+    let busy: SendResult = Ok(Err(SendError::retryable("http_503")));
+    let (receipt, wait) = finish(&handle.actor(), &mut txn, &lost, &busy).unwrap();
+    assert_eq!(
+        (receipt.outcome, wait),
+        (Outcome::InFlight, None),
+        "no backoff: the item is being sent"
+    );
+    assert_eq!(
+        txn.items["a"], held,
+        "left alone: still claimed, not queued"
+    );
+    assert_eq!(txn.sealed.len(), records, "nothing happened to account for");
+    // The handle's send of the lost claim is over; the newer one is still
+    // running and is live to every look, its own handle's included.
+    handle.in_flight.lock().unwrap().remove(&lost);
+    assert!(handle.actor().is_sending(&txn.items["a"]));
+    txn.now = at(3_600);
+    let own_look = decide(&handle.actor(), &mut txn, "a").unwrap();
+    assert_eq!(
+        outcome(&own_look),
+        Outcome::InFlight,
+        "its own handle does not take the newer send for an orphan"
+    );
+    txn.alive.insert("me".into());
+    let other_look = decide(&Handle::new().actor_as("other"), &mut txn, "a").unwrap();
+    assert_eq!(outcome(&other_look), Outcome::InFlight, "no third send");
+    assert!(txn.items["a"].holds(&newer));
+}
+
+#[test]
+fn a_newer_claim_of_the_same_owner_at_the_same_moment_is_a_different_claim() {
+    // The clock stands still: the claim, its loss, the requeue and the
+    // newer claim all happen at 0 (room in the cap for the resend).
+    let mut txn = txn(at(0));
+    txn.settings.rates.per_destination = RateLimit {
+        count: 10,
+        window: Duration::from_secs(1),
+    };
+    let handle = Handle::new();
+    enqueue(&mut txn, "a", "chat");
+    let lost = ClaimId::of(&claimed(decide(&handle.actor(), &mut txn, "a").unwrap()));
+    let declared = decide(&Handle::new().actor_as("other"), &mut txn, "a").unwrap();
+    assert_eq!(outcome(&declared), Outcome::Failed);
+    Bulk::Requeue.one(&mut txn, "a", "alice: retry").unwrap();
+    let newer = ClaimId::of(&claimed(decide(&handle.actor(), &mut txn, "a").unwrap()));
+    assert_eq!(newer.stamp().0, lost.stamp().0);
+    assert_ne!(
+        newer, lost,
+        "two sends of one handle never share an identity"
+    );
+    assert_eq!(
+        newer.at,
+        Some(at(0) + chrono::TimeDelta::microseconds(1)),
+        "a microsecond later, as stored"
+    );
+    let busy: SendResult = Ok(Err(SendError::retryable("http_503")));
+    let (receipt, _) = finish(&handle.actor(), &mut txn, &lost, &busy).unwrap();
+    assert_eq!(receipt.outcome, Outcome::InFlight);
+    assert!(txn.items["a"].holds(&newer));
+}
+
+#[test]
+fn giving_back_or_abandoning_a_lost_claim_leaves_the_newer_claim_of_its_owner_alone() {
+    use crate::rules::lifecycle::{abandon, release};
+    let mut txn = txn(at(0));
+    let (handle, lost, newer) = claimed_again_by_the_same_owner(&mut txn, at(30));
+    let (held, records) = (txn.items["a"].clone(), txn.sealed.len());
+    let mut before = held.clone();
+    before.claim = None;
+    release(&handle.actor(), &mut txn, &lost, &before).unwrap();
+    abandon(&handle.actor(), &mut txn, &lost, "send_cancelled").unwrap();
+    assert_eq!((&txn.items["a"], txn.sealed.len()), (&held, records));
+    abandon(&handle.actor(), &mut txn, &newer, "send_cancelled").unwrap();
+    assert_eq!(txn.items["a"].error_code.as_deref(), Some("send_cancelled"));
+}
+
+#[test]
+fn a_claim_is_the_same_claim_when_read_back_at_the_stored_precision() {
+    let mut txn = txn(at(0) + chrono::TimeDelta::nanoseconds(123_456_789));
+    enqueue(&mut txn, "a", "chat");
+    let item = claimed(decide(&Handle::new().actor(), &mut txn, "a").unwrap());
+    let json = crate::store::item_to_json(&item);
+    let read_back =
+        crate::store::item_from_json(std::path::Path::new("outbox.json"), "a", &json).unwrap();
+    assert_eq!(
+        read_back
+            .claim
+            .as_ref()
+            .unwrap()
+            .at
+            .unwrap()
+            .timestamp_subsec_nanos(),
+        123_456_000
+    );
+    assert!(read_back.holds(&ClaimId::of(&item)));
 }
