@@ -79,39 +79,10 @@ impl Hosts {
         (late.unwrap(), sends)
     }
 
-    /// Checks the chain every way a user can: `verify_audit`, and with the
-    /// operator tool, its cross-check of records against items and an
-    /// export verified offline. Returns the records of "k".
+    /// The records of "k", once the chain checked out every way (see
+    /// [`verified_records`]).
     fn verified_records(&self) -> Vec<AuditRecord> {
-        self.operator.verify_audit().unwrap();
-        #[cfg(feature = "cli")]
-        self.verify_with_the_tool();
-        self.operator.history("k").unwrap()
-    }
-
-    #[cfg(feature = "cli")]
-    fn verify_with_the_tool(&self) {
-        const TOOL: &str = env!("CARGO_BIN_EXE_durable-outbox");
-        let url = self.engine.url();
-        let verify = std::process::Command::new(TOOL)
-            .args(["verify", &url])
-            .output()
-            .unwrap();
-        let said = String::from_utf8_lossy(&verify.stdout);
-        assert!(
-            verify.status.success() && said.contains("verified"),
-            "durable-outbox verify: {said}{}",
-            String::from_utf8_lossy(&verify.stderr)
-        );
-        let export = std::process::Command::new(TOOL)
-            .args(["export", &url, "--audit"])
-            .output()
-            .unwrap();
-        assert!(export.status.success(), "{export:?}");
-        let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), &export.stdout).unwrap();
-        let offline = durable_outbox::AuditLog::verify(file.path()).expect("verifies offline");
-        assert_eq!(offline.records, self.operator.audit_head().unwrap().seq);
+        verified_records(&self.engine, &self.operator, "k")
     }
 
     /// Drains the outbox with a send that counts; returns how many it made.
@@ -127,11 +98,52 @@ impl Hosts {
     }
 }
 
-fn outcomes(records: &[AuditRecord]) -> Vec<&'static str> {
+/// Checks the chain every way a user can: `verify_audit`, and with the
+/// operator tool (the real binary), its cross-check of records against items
+/// and an export verified offline. Returns the records of `key`.
+pub(crate) fn verified_records(
+    engine: &EngineUnderTest,
+    outbox: &Outbox,
+    key: &str,
+) -> Vec<AuditRecord> {
+    outbox.verify_audit().unwrap();
+    #[cfg(feature = "cli")]
+    verify_with_the_tool(engine, outbox);
+    #[cfg(not(feature = "cli"))]
+    let _ = engine;
+    outbox.history(key).unwrap()
+}
+
+#[cfg(feature = "cli")]
+fn verify_with_the_tool(engine: &EngineUnderTest, outbox: &Outbox) {
+    const TOOL: &str = env!("CARGO_BIN_EXE_durable-outbox");
+    let url = engine.url();
+    let verify = std::process::Command::new(TOOL)
+        .args(["verify", &url])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(
+        verify.status.success() && said.contains("verified"),
+        "durable-outbox verify: {said}{}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
+    let export = std::process::Command::new(TOOL)
+        .args(["export", &url, "--audit"])
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{export:?}");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), &export.stdout).unwrap();
+    let offline = durable_outbox::AuditLog::verify(file.path()).expect("verifies offline");
+    assert_eq!(offline.records, outbox.audit_head().unwrap().seq);
+}
+
+pub(crate) fn outcomes(records: &[AuditRecord]) -> Vec<&'static str> {
     records.iter().map(|r| r.outcome.as_str()).collect()
 }
 
-fn note(record: &AuditRecord) -> &str {
+pub(crate) fn note(record: &AuditRecord) -> &str {
     record.note.as_deref().unwrap_or_default()
 }
 

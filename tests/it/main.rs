@@ -20,6 +20,8 @@ mod bad_input;
 mod bulk_actions;
 mod byte_compat;
 #[cfg(feature = "postgres")]
+mod claim_identity;
+#[cfg(feature = "postgres")]
 mod deferred_sealing;
 mod delivery;
 mod durable_writes;
