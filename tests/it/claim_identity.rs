@@ -128,7 +128,11 @@ fn first_send_finishes_while_its_handle_resends(first: Outcome1) -> Option<Run> 
                     }
                     let held = operator.get("k").unwrap().unwrap();
                     assert_eq!(
-                        (held.state(), held.dispatch_claimed(), held.next_attempt_at()),
+                        (
+                            held.state(),
+                            held.dispatch_claimed(),
+                            held.next_attempt_at()
+                        ),
                         (ItemState::Queued, true, None),
                         "the first send's finish left the resend's claim as it was: {held:?}"
                     );

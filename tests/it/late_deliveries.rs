@@ -3,7 +3,9 @@
 //! operator acted on the item is accounted for: a delivery is on the audit
 //! chain with its transport ref, whatever the item had become, and an item
 //! requeued but not resent yet becomes `sent` instead of going out a second
-//! time. Every chain still verifies, online, through the operator tool's
+//! time; a send that certainly failed after the item was requeued changes
+//! nothing and leaves no record (no message to account for), and the
+//! requeued send goes out once. Every chain still verifies, online, through the operator tool's
 //! cross-check of records against items, and offline from an export.
 //!
 //! PostgreSQL only: on the file engine a claim is lost only if the state files
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use durable_outbox::{
     AMBIGUOUS_AFTER_RESTART, AuditOutcome, AuditRecord, CANCELLED, ItemState, Outbox, Outcome,
+    SendError,
 };
 
 use crate::engines::EngineUnderTest;
@@ -54,25 +57,33 @@ impl Hosts {
         reference: &str,
         meanwhile: impl FnOnce(&Outbox),
     ) -> (durable_outbox::DeliveryReceipt, usize) {
+        self.late_send(Ok(Some(reference.into())), meanwhile)
+    }
+
+    /// [`late_delivery`](Self::late_delivery) for a send that returns `outcome`.
+    fn late_send(
+        &self,
+        outcome: Result<Option<String>, SendError>,
+        meanwhile: impl FnOnce(&Outbox),
+    ) -> (durable_outbox::DeliveryReceipt, usize) {
         let mut failed = None;
-        let (late, sends) =
-            lose_the_claim_while_sending(&self.worker, "k", Ok(Some(reference.into())), || {
-                // A failed assertion here must still let the held send return,
-                // or the test would end at the watchdog without its message.
-                failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    cut_owner_sessions(&self.engine);
-                    let declared = self
-                        .operator
-                        .process("k", |_| panic!("never resent"))
-                        .unwrap();
-                    assert_eq!(
-                        declared.error_code.as_deref(),
-                        Some(AMBIGUOUS_AFTER_RESTART)
-                    );
-                    meanwhile(&self.operator);
-                }))
-                .err();
-            });
+        let (late, sends) = lose_the_claim_while_sending(&self.worker, "k", outcome, || {
+            // A failed assertion here must still let the held send return,
+            // or the test would end at the watchdog without its message.
+            failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                cut_owner_sessions(&self.engine);
+                let declared = self
+                    .operator
+                    .process("k", |_| panic!("never resent"))
+                    .unwrap();
+                assert_eq!(
+                    declared.error_code.as_deref(),
+                    Some(AMBIGUOUS_AFTER_RESTART)
+                );
+                meanwhile(&self.operator);
+            }))
+            .err();
+        });
         if let Some(panic) = failed {
             std::panic::resume_unwind(panic);
         }
@@ -304,4 +315,47 @@ fn a_delivery_while_a_resend_is_under_way_is_on_record_and_the_resend_finishes()
     assert_eq!(delivery.transport_ref.as_deref(), Some("tg-1"));
     assert!(note(delivery).contains("claimed again"), "{delivery:?}");
     assert_eq!(records[4].transport_ref.as_deref(), Some("tg-2"));
+}
+
+/// The lost claim's send certainly failed (the platform refused it) after the
+/// operator requeued the item: nothing reached the chat, so nothing is
+/// corrected or recorded, the item stays queued for the resend the operator
+/// asked for, and that resend goes out once.
+#[test]
+fn a_send_that_certainly_failed_after_a_requeue_changes_nothing_and_the_requeued_send_goes_once() {
+    let Some(hosts) = hosts() else { return };
+    let mut requeued = None;
+    let (late, sends) = hosts.late_send(Err(SendError::permanent("chat_not_found")), |operator| {
+        requeued = Some(operator.requeue("k", "alice", "retry it").unwrap());
+    });
+    assert_eq!(sends, 1);
+    assert_eq!(
+        (
+            late.outcome,
+            late.audit_id.as_deref(),
+            late.error_code.as_deref()
+        ),
+        (Outcome::Deferred, None, None),
+        "still queued for the requeued send, nothing recorded: {late:?}"
+    );
+    let item = hosts.operator.get("k").unwrap().unwrap();
+    assert_eq!(
+        Some(&item),
+        requeued.as_ref(),
+        "the item is as the requeue left it"
+    );
+    assert_eq!(hosts.drain(), 1, "the requeued send goes out, once");
+    assert_eq!(hosts.drain(), 0);
+    let item = hosts.operator.get("k").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.transport_ref(), item.error_code()),
+        (ItemState::Sent, Some("resent"), None)
+    );
+    let records = hosts.verified_records();
+    assert_eq!(
+        outcomes(&records),
+        ["queued", "failed", "requeued", "sent"],
+        "the refused send left no record: no message to account for"
+    );
+    assert_eq!(records[3].transport_ref.as_deref(), Some("resent"));
 }
