@@ -6,12 +6,15 @@
 //! engine, from the handle's owner id and a counter on PostgreSQL, which
 //! gives records their place in the chain only after the commit.
 
+use std::borrow::Cow;
+
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 
 use crate::audit::{AuditEvent, AuditOutcome, Head};
 use crate::clock::format_timestamp;
 use crate::error::Result;
+use crate::item::OutboxItem;
 use crate::rules::txn::Txn;
 
 /// Seals an audit record for the item's current state into the transaction and
@@ -31,28 +34,21 @@ pub(crate) fn record<T: Txn + ?Sized>(
     note: Option<&str>,
     reconciled: bool,
 ) -> Result<String> {
-    let now = txn.now();
-    let audit_id = txn.audit_id(key, now)?;
-    let item = txn.item_mut(key)?;
-    item.last_audit_id = Some(audit_id.clone());
-    item.updated_at = item.updated_at.max(now);
-    let event = AuditEvent::for_item(
-        item,
+    seal_item_record(
+        txn,
+        key,
         outcome,
-        audit_id.clone(),
         note,
         reconciled,
-        format_timestamp(now),
-    );
-    txn.seal(&event)?;
-    Ok(audit_id)
+        None::<fn(&mut OutboxItem)>,
+    )
 }
 
 /// [`record`] for an event that reports something other than the item's own
-/// fields (a copy is made, so the common path does not use it): `report` adjusts a copy of the item before the event is built from
-/// it (a late delivery's transport ref, which the item does not take). The
-/// item itself only gets the audit id (and `updated_at`), so its latest
-/// record stays the one it names.
+/// fields: `report` adjusts a copy of the item before the event is built from
+/// it (a late delivery's transport ref and attempt, which the item does not
+/// take). The item itself only gets the audit id (and `updated_at`), so its
+/// latest record stays the one it names.
 ///
 /// # Errors
 /// As [`record`].
@@ -62,15 +58,35 @@ pub(crate) fn record_reporting<T: Txn + ?Sized>(
     outcome: AuditOutcome,
     note: Option<&str>,
     reconciled: bool,
-    report: impl FnOnce(&mut crate::item::OutboxItem),
+    report: impl FnOnce(&mut OutboxItem),
+) -> Result<String> {
+    seal_item_record(txn, key, outcome, note, reconciled, Some(report))
+}
+
+/// The one way an item's record is sealed: mint its id, stamp it on the item,
+/// build the event from the item (or, with `report`, from an adjusted copy,
+/// so the common path copies nothing) and seal it.
+fn seal_item_record<T: Txn + ?Sized>(
+    txn: &mut T,
+    key: &str,
+    outcome: AuditOutcome,
+    note: Option<&str>,
+    reconciled: bool,
+    report: Option<impl FnOnce(&mut OutboxItem)>,
 ) -> Result<String> {
     let now = txn.now();
     let audit_id = txn.audit_id(key, now)?;
     let item = txn.item_mut(key)?;
     item.last_audit_id = Some(audit_id.clone());
     item.updated_at = item.updated_at.max(now);
-    let mut reported = item.clone();
-    report(&mut reported);
+    let reported = match report {
+        Some(report) => {
+            let mut copy = item.clone();
+            report(&mut copy);
+            Cow::Owned(copy)
+        }
+        None => Cow::Borrowed(&*item),
+    };
     let event = AuditEvent::for_item(
         &reported,
         outcome,
