@@ -12,9 +12,12 @@
 //! With session locks as liveness, a network cut or a server restart makes a
 //! live send look dead: another handle fails its claim as
 //! [`AMBIGUOUS_AFTER_RESTART`] (never resending it). When the send then
-//! finishes, [`finish`] finds the claim gone and accounts for what really
-//! happened, whatever the item became meanwhile (an operator may have
-//! requeued or cancelled it, and a resend may have started or ended):
+//! finishes, [`finish`] finds that the item no longer holds its claim and
+//! accounts for what really happened, whatever the item became meanwhile (an
+//! operator may have requeued or cancelled it, and a resend may have started
+//! or ended, even one by the same handle: after a cut a handle takes its
+//! owner id again, so "a claim naming our owner" is not "our claim"; a send
+//! carries its [`ClaimId`]):
 //!
 //! * still failed as ambiguous and unclaimed: a delivered send makes the item
 //!   `sent` (with its transport ref, so replies correlate); a send that
@@ -25,20 +28,25 @@
 //!   idempotent transport, and not resent yet), and the send delivered: the
 //!   item becomes `sent` with its transport ref, as a correction
 //!   ([`REQUEUED_NOTE`]), so it is not sent a second time;
-//! * claimed again by another attempt, sent by one, cancelled or failed
-//!   otherwise, and the send delivered: the item's state is left alone (a
-//!   resend under way cannot be called back, a cancel or a recorded resend
-//!   stays true), and a [`LateDelivery`](AuditOutcome::LateDelivery) record
-//!   with this send's transport ref and a note naming what the item had
-//!   become ([`LATE_DELIVERY_NOTE`]) puts the message on the chain; the
-//!   receipt says `Sent` with that ref;
+//! * claimed again by another attempt (of any handle, this one included),
+//!   sent by one, cancelled or failed otherwise, and the send delivered: the
+//!   item's state is left alone (a resend under way cannot be called back, a
+//!   cancel or a recorded resend stays true), and a
+//!   [`LateDelivery`](AuditOutcome::LateDelivery) record with this send's
+//!   transport ref and attempt, and a note naming what the item had become
+//!   ([`LATE_DELIVERY_NOTE`]), puts the message on the chain; the receipt
+//!   says `Sent` with that ref;
 //! * the send certainly failed (or its outcome is unknown) and the item had
 //!   moved on: nothing is changed and nothing recorded — no message reached
 //!   the chat to account for, the item's own records already say what it is,
 //!   and a record of a non-event would only contradict them; the receipt is
 //!   the item as it now stands (`Deferred` when queued, `InFlight` when
 //!   claimed, its terminal outcome otherwise), never a `Failed` for an item
-//!   that will still be sent.
+//!   that will still be sent, and never a retry that would put an item
+//!   another send holds back in the queue.
+//!
+//! Every record written for a lost claim names it in its note ("this send:
+//! attempt n, claimed at t").
 //!
 //! **Record shape.** A late delivery gets its own outcome, not `sent`, because
 //! every record of an item except it says the item's state: `durable-outbox
