@@ -111,10 +111,14 @@ impl ClaimId {
 
     /// The attempt and claim time: what tells two claims of one owner and
     /// one key apart.
-    pub(crate) fn stamp(&self) -> (u32, Option<DateTime<Utc>>) {
+    pub(crate) fn stamp(&self) -> ClaimStamp {
         (self.attempt, self.at)
     }
 }
+
+/// What tells two claims of one owner and one key apart: the attempt and the
+/// claim time (see [`ClaimId`]).
+pub(crate) type ClaimStamp = (u32, Option<DateTime<Utc>>);
 
 /// A time as the files and the database keep it: to the microsecond.
 fn stored_precision(at: DateTime<Utc>) -> DateTime<Utc> {
@@ -330,7 +334,7 @@ impl OutboxItem {
 
     /// The attempt and claim time of the claim the item holds (see
     /// [`ClaimId::stamp`]), `None` if unclaimed.
-    pub(crate) fn claim_stamp(&self) -> Option<(u32, Option<DateTime<Utc>>)> {
+    pub(crate) fn claim_stamp(&self) -> Option<ClaimStamp> {
         self.claim
             .as_ref()
             .map(|c| (self.attempts, c.at.map(stored_precision)))

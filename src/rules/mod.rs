@@ -10,9 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-
-use crate::item::{ClaimId, OutboxItem};
+use crate::item::{ClaimId, ClaimStamp, OutboxItem};
 use crate::pacing::Pacing;
 
 pub(crate) mod bulk;
@@ -62,7 +60,7 @@ impl Actor<'_> {
 /// key; two when a send of ours whose claim was lost still runs while the
 /// item, requeued, is sent again by this handle under a newer claim.
 #[derive(Default)]
-pub(crate) struct InFlight(HashMap<String, Vec<(u32, Option<DateTime<Utc>>)>>);
+pub(crate) struct InFlight(HashMap<String, Vec<ClaimStamp>>);
 
 impl InFlight {
     /// Marks `claim` as being sent; `false` if it already was (the caller
@@ -77,7 +75,7 @@ impl InFlight {
     }
 
     /// Whether a claim of `key` with this attempt and time is being sent.
-    pub(crate) fn contains(&self, key: &str, stamp: (u32, Option<DateTime<Utc>>)) -> bool {
+    pub(crate) fn contains(&self, key: &str, stamp: ClaimStamp) -> bool {
         self.0
             .get(key)
             .is_some_and(|stamps| stamps.contains(&stamp))
@@ -95,7 +93,7 @@ impl InFlight {
     }
 
     /// Nothing is being sent.
-    #[cfg(test)]
+    #[cfg(all(test, feature = "tokio"))]
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
