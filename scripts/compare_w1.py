@@ -7,6 +7,13 @@ Builds both in release mode (the anchor from ../shared/anchors, into /tmp/anchor
 then for each N runs the two implementations alternately, REPEATS times, each in a
 fresh directory, and prints the median of each metric and the ratios as a Markdown
 table. Alternating the runs spreads this shared machine's noise over both.
+
+Every paired round is printed too (`--rounds`, on by default): for each N, one
+line per round with both implementations' process/s and their ratio, then the
+lowest ratio, so a criterion on *each* round ("W1 process >= 1.2x SQLite in
+every one of 3 paired runs") is read off one command, not only the medians.
+The load average is printed before and after: the figures are fsync-bound and
+the machine may be shared.
 """
 import argparse
 import json
@@ -43,24 +50,49 @@ def run(cmd, n, d):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def load():
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="100,1000,5000")
     ap.add_argument("--destinations", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", action=argparse.BooleanOptionalAction, default=True,
+                    help="print every paired round (default); --no-rounds: medians only")
     args = ap.parse_args()
     impls = build()
+    print(f"load average before: {load()}")
     rows = []
+    rounds = []
     for n in [int(x) for x in args.ns.split(",")]:
         results = {name: [] for name in impls}
         for _ in range(args.repeats):
             for name, cmd in impls.items():
                 results[name].append(run(cmd, n, args.destinations))
+        rounds.append((n, results))
         med = {name: {k: statistics.median(r[k] for r in rs)
                       for k in ("enqueue_per_s", "process_per_s", "lookup_per_s")}
                for name, rs in results.items()}
         rows.append((n, med))
         print(json.dumps({"n": n, "medians": med}), file=sys.stderr)
+    print(f"load average after: {load()}\n")
+    if args.rounds:
+        print("| N | round | durable-outbox process/s | SQLite process/s | ratio | "
+              "durable-outbox enqueue/s | SQLite enqueue/s | ratio |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n, results in rounds:
+            ours, base = results["durable-outbox"], results["sqlite-outbox"]
+            ratios = []
+            for i, (o, b) in enumerate(zip(ours, base), 1):
+                ratio = o["process_per_s"] / b["process_per_s"]
+                ratios.append(ratio)
+                print(f"| {n} | {i} | {o['process_per_s']:,.0f} | {b['process_per_s']:,.0f} | "
+                      f"**{ratio:.2f}×** | {o['enqueue_per_s']:,.0f} | {b['enqueue_per_s']:,.0f} | "
+                      f"{o['enqueue_per_s'] / b['enqueue_per_s']:.2f}× |")
+            print(f"| {n} | lowest | | | **{min(ratios):.2f}×** | | | |")
+        print()
     print("| N | impl | enqueue/s | process/s | lookup/s |")
     print("|---:|---|---:|---:|---:|")
     for n, med in rows:

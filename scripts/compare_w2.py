@@ -14,8 +14,9 @@ machine's noise falls on both ("paired runs"):
 - W1 at --w1-n (sequential process), and the fsync floor (two append +
   fdatasync per processed item).
 
-Prints the medians and the ratios as a Markdown table; every run's JSON goes
-to stderr. Run it when the machine is quiet (see `uptime`): the figures are
+Prints the medians and the ratios as a Markdown table (the W1 ratio and the
+8-thread / 1-thread scaling also for each paired run), and the load average
+before and after; every run's JSON goes to stderr. Run it when the machine is quiet (see `uptime`): the figures are
 fsync-bound and other builds share the disk.
 """
 import argparse
@@ -63,6 +64,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     build()
+    print(f"load average before: {' '.join(open('/proc/loadavg').read().split()[:3])}")
     n, d = str(args.n), str(args.destinations)
     cases = {
         "ours T=1": [BENCH, "--workload", "w2", "--threads", "1", "--n", n, "--destinations", d],
@@ -88,6 +90,7 @@ def main():
             results[name].append(run(cmd)["process_per_s"])
         floor = run([FLOOR, "--iters", "500"])
         results["floor"].append(floor["append_fdatasync"]["median_us"])
+    print(f"load average after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
     med = {name: statistics.median(v) for name, v in results.items()}
     w1_ratios = [o / s for o, s in zip(results["ours W1"], results["sqlite W1"])]
     # Per processed item: two append+fdatasync at the floor.
@@ -98,7 +101,9 @@ def main():
           f"**{med['ours T=8'] / med['sqlite T=8']:.1f}×** |")
     print(f"| W2 T=1, N={n}, items/s | {med['ours T=1']:,.0f} | {med['sqlite T=1']:,.0f} | "
           f"{med['ours T=1'] / med['sqlite T=1']:.2f}× |")
-    print(f"| W2 T=8 / T=1 (scaling) | {med['ours T=8'] / med['ours T=1']:.1f}× | "
+    scaling = [e / o for e, o in zip(results["ours T=8"], results["ours T=1"])]
+    print(f"| W2 T=8 / T=1 (scaling) | {med['ours T=8'] / med['ours T=1']:.1f}× (each run: "
+          f"{', '.join(f'{r:.2f}' for r in scaling)}) | "
           f"{med['sqlite T=8'] / med['sqlite T=1']:.1f}× | |")
     print(f"| W2 2 processes × 4 threads vs SQLite T=8, items/s | {med['ours 2x4']:,.0f} | "
           f"{med['sqlite T=8']:,.0f} | **{med['ours 2x4'] / med['sqlite T=8']:.1f}×** |")
