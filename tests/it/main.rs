@@ -46,6 +46,8 @@ mod retries;
 #[cfg(unix)]
 mod security;
 mod seed_compat;
+#[cfg(feature = "postgres")]
+mod server_restart;
 mod settings;
 #[cfg(feature = "test-failpoints")]
 mod stale_handles;

@@ -17,8 +17,7 @@ pub(crate) const AUDIT_PAGE: i64 = 1_000;
 impl PgEngine {
     /// Every audit record about `key`, oldest first.
     pub(crate) fn records_of(&self, key: &str) -> Result<Vec<AuditRecord>> {
-        let mut client = self.client()?;
-        self.seal_before_reading(&mut client)?;
+        let mut client = self.sealed_client()?;
         let rows = client
             .query(
                 &format!(
@@ -44,8 +43,7 @@ impl PgEngine {
 
     /// The audit head as committed.
     pub(crate) fn audit_head(&self) -> Result<Head> {
-        let mut client = self.client()?;
-        self.seal_before_reading(&mut client)?;
+        let mut client = self.sealed_client()?;
         let row = client
             .query_one(
                 &format!("SELECT seq, hash FROM {}.audit_head WHERE id = 1", self.s),
@@ -62,8 +60,7 @@ impl PgEngine {
     /// checks `audit.jsonl`, and against the head row (a cut-off tail is
     /// found). One consistent snapshot: a repeatable-read transaction.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
-        let mut client = self.client()?;
-        self.seal_before_reading(&mut client)?;
+        let mut client = self.sealed_client()?;
         let mut tx = client.begin_snapshot();
         let row = tx
             .query_one(
@@ -95,8 +92,7 @@ impl PgEngine {
     /// in order (sealing what is pending first): one page of a chain read in
     /// bounded memory, keyed by seq.
     pub(crate) fn audit_page(&self, after: u64, limit: i64) -> Result<Vec<AuditRecord>> {
-        let mut client = self.client()?;
-        self.seal_before_reading(&mut client)?;
+        let mut client = self.sealed_client()?;
         let rows = client
             .query(
                 &format!(

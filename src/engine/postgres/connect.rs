@@ -2,6 +2,17 @@
 //! synchronous clients for the owner lock, `LISTEN` and migrations, and the
 //! handle's pool of reads/commits connections ([`conn`](super::conn)),
 //! each lent to one caller at a time.
+//!
+//! **A pooled connection can be dead without knowing it.** A connection's
+//! runtime is driven only during a call, so an idle connection whose server
+//! restarted (or whose session an operator terminated) looks open until its
+//! next statement fails. Work that is safe to run again is then run again on
+//! the next connection, once per dead connection and at most
+//! [`STALE_RERUNS`] times: a read ([`PgEngine::read`]), and a transaction
+//! of the rules whose *opening* pipeline failed (`transact`: `BEGIN` and
+//! the gate's statements, before anything of it could commit). A connection
+//! lost later in a transaction, and above all during `COMMIT` (which may
+//! have committed), is returned as the error it is and never rerun.
 
 use std::time::Duration;
 
@@ -13,6 +24,12 @@ use crate::error::{Error, Result};
 
 /// How many idle reads/commits connections a handle keeps open between calls.
 pub(crate) const IDLE_CONNECTIONS: usize = 8;
+
+/// How many times one call runs again on another connection after the one
+/// it used turned out dead: once per idle connection of the pool, plus the
+/// first fresh one, so a call after a server restart meets every connection
+/// the restart closed and still succeeds.
+pub(super) const STALE_RERUNS: usize = IDLE_CONNECTIONS;
 
 /// How long opening a connection may take when the URL sets no `connect_timeout`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -128,6 +145,62 @@ impl PgEngine {
             engine: self,
             client: Some(client),
         })
+    }
+
+    /// Runs `op`, a read that is safe to run again, on a pooled connection;
+    /// if it fails and its connection turned out closed (see the module
+    /// docs), runs it again on another, at most [`STALE_RERUNS`] times.
+    ///
+    /// # Errors
+    /// `op`'s error on a live connection (or on the last one tried), or
+    /// [`Error::Database`] when no connection can be opened.
+    pub(super) fn read<T>(&self, mut op: impl FnMut(&mut Conn) -> Result<T>) -> Result<T> {
+        let mut reruns = 0;
+        loop {
+            let mut client = self.client()?;
+            match op(&mut client) {
+                Err(e) if client.is_closed() && reruns < STALE_RERUNS => {
+                    reruns += 1;
+                    tracing::info!(
+                        schema = %self.schema,
+                        error = %e,
+                        "a pooled connection was closed (server restart or terminated \
+                         session); reading again on another"
+                    );
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// A pooled connection on which every audit event committed so far is
+    /// sealed (what a reader of the chain starts with): sealing is the first
+    /// use of the connection, so a dead one is found there and sealing runs
+    /// again on another, as [`read`](Self::read) does. Running sealing again
+    /// is safe even after a `COMMIT` lost with its connection: it seals
+    /// whatever is still pending under the head's row lock, so a second run
+    /// only finds less to do.
+    ///
+    /// # Errors
+    /// Sealing's errors, as [`read`](Self::read) returns them.
+    pub(super) fn sealed_client(&self) -> Result<Pooled<'_>> {
+        let mut reruns = 0;
+        loop {
+            let mut client = self.client()?;
+            match self.seal_before_reading(&mut client) {
+                Err(e) if client.is_closed() && reruns < STALE_RERUNS => {
+                    reruns += 1;
+                    tracing::info!(
+                        schema = %self.schema,
+                        error = %e,
+                        "a pooled connection was closed (server restart or terminated \
+                         session); sealing on another"
+                    );
+                }
+                Err(e) => return Err(e),
+                Ok(()) => return Ok(client),
+            }
+        }
     }
 
     /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).

@@ -38,16 +38,11 @@ impl PgEngine {
         condition: &str,
         params: &[&(dyn postgres::types::ToSql + Sync)],
     ) -> Result<Vec<OutboxItem>> {
-        let rows = self
-            .client()?
-            .query(
-                &format!(
-                    "SELECT idempotency_key, revision, doc, seq FROM {}.items WHERE {condition}",
-                    self.s
-                ),
-                params,
-            )
-            .map_err(db("read items"))?;
+        let sql = format!(
+            "SELECT idempotency_key, revision, doc, seq FROM {}.items WHERE {condition}",
+            self.s
+        );
+        let rows = self.read(|client| client.query(&sql, params).map_err(db("read items")))?;
         rows.iter()
             .map(|row| self.versioned(row).map(|v| v.item))
             .collect()
@@ -99,18 +94,17 @@ impl PgEngine {
 
     /// The keys of the queued items due at `now`, oldest first.
     pub(crate) fn due_keys(&self, now: DateTime<Utc>) -> Result<Vec<String>> {
-        let rows = self
-            .client()?
-            .query(
-                &format!(
-                    "SELECT idempotency_key FROM {}.items
-                     WHERE state = 'queued' AND (next_attempt_at IS NULL OR next_attempt_at <= $1)
-                     ORDER BY created_at, idempotency_key",
-                    self.s
-                ),
-                &[&now],
-            )
-            .map_err(db("read the due items"))?;
+        let sql = format!(
+            "SELECT idempotency_key FROM {}.items
+             WHERE state = 'queued' AND (next_attempt_at IS NULL OR next_attempt_at <= $1)
+             ORDER BY created_at, idempotency_key",
+            self.s
+        );
+        let rows = self.read(|client| {
+            client
+                .query(&sql, &[&now])
+                .map_err(db("read the due items"))
+        })?;
         Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
@@ -135,29 +129,27 @@ impl PgEngine {
                 )
             }
         };
-        let mut client = self.client()?;
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT min(LEAST(COALESCE(next_attempt_at, $1), $1)) FILTER (WHERE next_attempt_at IS NULL),
-                            min(next_attempt_at) FILTER (WHERE next_attempt_at IS NOT NULL)
-                     FROM {scope} h WHERE NOT h.claimed"
-                ),
-                &[&now],
-            )
-            .map_err(db("read when the next item is due"))?;
-        let fresh: Option<DateTime<Utc>> = row.get(0);
-        let deferred: Option<DateTime<Utc>> = row.get(1);
-        let foreign: bool = client
-            .query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {s}.items WHERE state = 'queued' AND claimed
-                       AND claim_owner IS DISTINCT FROM $1)"
-                ),
-                &[&self.owner],
-            )
-            .map_err(db("read the claims"))?
-            .get(0);
+        let first = format!(
+            "SELECT min(LEAST(COALESCE(next_attempt_at, $1), $1)) FILTER (WHERE next_attempt_at IS NULL),
+                    min(next_attempt_at) FILTER (WHERE next_attempt_at IS NOT NULL)
+             FROM {scope} h WHERE NOT h.claimed"
+        );
+        let claims = format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.items WHERE state = 'queued' AND claimed
+               AND claim_owner IS DISTINCT FROM $1)"
+        );
+        let (fresh, deferred, foreign) = self.read(|client| {
+            let row = client
+                .query_one(&first, &[&now])
+                .map_err(db("read when the next item is due"))?;
+            let fresh: Option<DateTime<Utc>> = row.get(0);
+            let deferred: Option<DateTime<Utc>> = row.get(1);
+            let foreign: bool = client
+                .query_one(&claims, &[&self.owner])
+                .map_err(db("read the claims"))?
+                .get(0);
+            Ok((fresh, deferred, foreign))
+        })?;
         Ok((fresh.or(deferred), foreign))
     }
 

@@ -40,11 +40,12 @@ impl PgEngine {
 
     /// The stored settings, as last committed.
     pub(crate) fn stored_settings(&self) -> Result<Stored> {
-        let mut client = self.client()?;
-        let mut tx = client.begin();
-        let stored = self.read_settings(&mut tx)?;
-        tx.commit().map_err(db("end a read"))?;
-        Ok(stored)
+        self.read(|client| {
+            let mut tx = client.begin();
+            let stored = self.read_settings(&mut tx)?;
+            tx.commit().map_err(db("end a read"))?;
+            Ok(stored)
+        })
     }
 
     /// Applies the settings rules of `settings::plan` on open: a new outbox

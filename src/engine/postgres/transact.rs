@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use postgres::Row;
 
 use super::conn::{self, Conn, Step, Tx};
+use super::connect::STALE_RERUNS;
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};
 use crate::settings::{Settings, Stored};
@@ -150,7 +151,29 @@ impl PgEngine {
     ) -> Result<T> {
         let mut client = self.client()?;
         self.in_txn.fetch_add(1, Ordering::SeqCst);
-        let outcome = self.run_txn(&mut client, now, defaults, scope, f);
+        // A pooled connection found dead by the opening pipeline (nothing of
+        // the transaction can have committed, `f` has not run): run it again
+        // on the next one (see `connect`).
+        let mut reruns = 0;
+        let outcome = loop {
+            let mut opened = false;
+            match self.run_txn(&mut client, now, defaults, scope, &mut opened, &mut *f) {
+                Err(e) if !opened && client.is_closed() && reruns < STALE_RERUNS => {
+                    reruns += 1;
+                    tracing::info!(
+                        schema = %self.schema,
+                        error = %e,
+                        "a pooled connection was closed before the transaction began \
+                         (server restart or terminated session); running it on another"
+                    );
+                    match self.client() {
+                        Ok(fresh) => client = fresh,
+                        Err(e) => break Err(e),
+                    }
+                }
+                done => break done,
+            }
+        };
         let others = self.in_txn.fetch_sub(1, Ordering::SeqCst) - 1;
         let pending = matches!(outcome, Ok((_, true)));
         self.after_txn(&mut client, pending, others);
@@ -158,13 +181,15 @@ impl PgEngine {
     }
 
     /// [`transact`](Self::transact)'s transaction: `f`'s value, and whether
-    /// the commit left audit events pending.
+    /// the commit left audit events pending. `opened` is set once the
+    /// transaction's opening pipeline succeeded, before `f` runs.
     fn run_txn<T>(
         &self,
         client: &mut Conn,
         now: DateTime<Utc>,
         defaults: &Settings,
         scope: txn::Scope<'_>,
+        opened: &mut bool,
         f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<(T, bool)> {
         // A claim must name an owner whose lock is held: the transaction's
@@ -189,6 +214,7 @@ impl PgEngine {
                 }
             }
         };
+        *opened = true;
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
         Ok((value, committed.pending))
