@@ -65,6 +65,8 @@ mod batched_steps;
 mod concurrency;
 #[cfg(feature = "test-failpoints")]
 mod crash_repair;
+#[cfg(feature = "tokio")]
+mod current_thread_runtime;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod group_commit;
 #[cfg(feature = "test-failpoints")]

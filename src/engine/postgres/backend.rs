@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
+use super::connect::blocking_local;
 use super::{PgEngine, PgTxn, blocking};
 use crate::audit::{AuditRecord, AuditReport, Hasher, Head};
 use crate::builder::OutboxBuilder;
@@ -122,7 +123,7 @@ impl PgBackend {
         scope: Scope<'_>,
         f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
-        blocking(|| {
+        blocking_local(|| {
             self.engine()
                 .transact(self.clock.now(), &self.defaults, scope, f)
         })

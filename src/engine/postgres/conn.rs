@@ -33,6 +33,8 @@ use postgres::types::ToSql;
 use postgres::{Row, Statement};
 use tokio::runtime::Runtime;
 
+use super::connect::drive;
+
 /// A connection, the runtime that drives it, and its prepared statements.
 pub(crate) struct Conn {
     // Declared before `runtime`: dropped first, so the connection task sees
@@ -68,7 +70,7 @@ pub(crate) struct Done {
     pub(crate) count: u64,
 }
 
-type Pending<'f> = Pin<Box<dyn Future<Output = Result<Done, postgres::Error>> + 'f>>;
+type Pending<'f> = Pin<Box<dyn Future<Output = Result<Done, postgres::Error>> + Send + 'f>>;
 
 /// Polls `futures` together, in order, until all are done: the first poll of
 /// each sends its request, so requests leave in this order, together.
@@ -149,7 +151,7 @@ impl Conn {
         if let Some(statement) = self.statements.get(sql) {
             return Ok(statement.clone());
         }
-        let statement = self.runtime.block_on(self.client.prepare(sql))?;
+        let statement = drive(&self.runtime, self.client.prepare(sql))?;
         self.statements.insert(sql.to_owned(), statement.clone());
         Ok(statement)
     }
@@ -215,7 +217,7 @@ impl Conn {
                 };
             futures.push(future);
         }
-        Ok(self.runtime.block_on(join_in_order(futures)))
+        Ok(drive(&self.runtime, join_in_order(futures)))
     }
 
     /// Runs one statement outside any transaction (prepared on first use).
@@ -243,7 +245,7 @@ impl Conn {
 
     /// Runs `sql` (no parameters, possibly several statements) unprepared.
     pub(crate) fn batch_execute(&mut self, sql: &str) -> Result<(), postgres::Error> {
-        self.runtime.block_on(self.client.batch_execute(sql))
+        drive(&self.runtime, self.client.batch_execute(sql))
     }
 }
 

@@ -35,13 +35,74 @@ pub(super) const STALE_RERUNS: usize = IDLE_CONNECTIONS;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs `f`, which uses the synchronous client, so that the client may block
-/// the thread: on a worker thread of a multi-thread tokio runtime (a bot
-/// calling `enqueue` from async code, a handle dropped there), through
-/// `block_in_place`, since the client drives its own small runtime and must
-/// not be started inside another. Elsewhere (plain threads, the blocking pool
-/// the `_async` forms use) `f` just runs. On a current-thread runtime's own
-/// thread the client cannot run at all: use the `_async` forms there.
-pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+/// the thread:
+///
+/// - on a worker thread of a multi-thread tokio runtime (a bot calling
+///   `get` from async code, a handle dropped there), through
+///   `block_in_place`, since the client drives its own small runtime and
+///   must not be started inside another;
+/// - on a thread that runs a current-thread runtime (`#[tokio::main(flavor
+///   = "current_thread")]`, `#[tokio::test]`), where a runtime cannot be
+///   started and `block_in_place` is refused, on a scoped helper thread `f`
+///   is handed to. The calling thread waits, as for any blocking call, and
+///   so do that runtime's other tasks: the `_async` forms leave them running;
+/// - elsewhere (plain threads, the blocking pool the `_async` forms use),
+///   `f` just runs.
+///
+/// A panic in `f` is raised again on the calling thread.
+pub(crate) fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if on_a_current_thread_runtime() {
+        std::thread::scope(|scope| {
+            match std::thread::Builder::new()
+                .name("durable-outbox-pg".into())
+                .spawn_scoped(scope, f)
+            {
+                Ok(helper) => helper
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                Err(e) => panic!("could not start a thread for a PostgreSQL call: {e}"),
+            }
+        })
+    } else {
+        blocking_here(f)
+    }
+}
+
+/// Runs `future` to completion on `runtime` (a connection's own), waiting:
+/// on a thread inside a current-thread tokio runtime, where a runtime
+/// cannot be started, on a scoped helper thread (see [`blocking`]); the
+/// caller's code (a rule's closure) stays on the caller's thread, only the
+/// connection's input and output move.
+pub(crate) fn drive<F>(runtime: &tokio::runtime::Runtime, future: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    if on_a_current_thread_runtime() {
+        blocking(|| runtime.block_on(future))
+    } else {
+        runtime.block_on(future)
+    }
+}
+
+/// As [`blocking`], for an `f` that must stay on the calling thread (a
+/// transaction of the rules, whose closure need not be `Send`): its
+/// connections' input and output move to a helper thread instead (see
+/// [`drive`]), as does the owner session's.
+pub(crate) fn blocking_local<T>(f: impl FnOnce() -> T) -> T {
+    blocking_here(f)
+}
+
+/// Whether this thread runs a tokio runtime that is not multi-threaded (or
+/// works for one: its blocking pool, where a helper thread is merely not
+/// needed).
+fn on_a_current_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|handle| handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// `f` through `block_in_place` on a multi-thread runtime's worker, else as is.
+fn blocking_here<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
@@ -83,7 +144,7 @@ impl Connector {
 
     /// A reads/commits connection (see [`conn`]).
     pub(super) fn conn(&self) -> Result<Conn> {
-        Conn::connect(&self.config).map_err(|e| match e {
+        blocking(|| Conn::connect(&self.config)).map_err(|e| match e {
             conn::ConnectError::Postgres(e) => db("connect")(e),
             conn::ConnectError::Runtime(e) => Error::Database {
                 op: "connect",
@@ -205,12 +266,13 @@ impl PgEngine {
 
     /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).
     pub(super) fn give_back(&self, client: Conn) {
-        if client.is_closed() {
+        let mut idle = lock(&self.clients);
+        if !client.is_closed() && idle.len() < IDLE_CONNECTIONS {
+            idle.push(client);
             return;
         }
-        let mut idle = lock(&self.clients);
-        if idle.len() < IDLE_CONNECTIONS {
-            idle.push(client);
-        }
+        drop(idle);
+        // Its runtime cannot be dropped inside a current-thread runtime.
+        blocking(move || drop(client));
     }
 }

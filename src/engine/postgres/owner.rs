@@ -59,6 +59,12 @@ impl PgEngine {
     /// handle's sends in progress are alive, whatever other handles concluded
     /// meanwhile) and verified.
     pub(super) fn ensure_owner(&self) -> Result<()> {
+        // The owner session is a synchronous client: off a current-thread
+        // runtime's thread (see `connect::blocking`).
+        super::blocking(|| self.ensure_owner_here())
+    }
+
+    fn ensure_owner_here(&self) -> Result<()> {
         let asked = std::time::Instant::now();
         let mut liveness = lock(&self.liveness);
         if liveness.held_since(asked) {
@@ -90,6 +96,6 @@ impl PgEngine {
     )]
     pub(crate) fn own_lock_held(&self) -> Result<bool> {
         let asked = std::time::Instant::now();
-        Ok(lock(&self.liveness).held_since(asked))
+        Ok(super::blocking(|| lock(&self.liveness).held_since(asked)))
     }
 }
