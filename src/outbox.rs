@@ -627,57 +627,63 @@ impl Outbox {
     /// means the rules failed (or the transaction never began) and nothing
     /// was written. Finished keys leave the in-flight set; claims of a batch
     /// that did not commit do too.
+    ///
+    /// A panic in the rules (or in `ran`) is caught once the transaction has
+    /// unwound (nothing of it committed) and handed back with the members,
+    /// so the caller can answer each of them: `Err(payload)`.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn step_batch<M: AsMember>(
         &self,
         collect: impl FnOnce() -> Vec<M>,
         pick: Option<&Mutex<Picker>>,
         mut ran: impl FnMut(&[M]) -> Result<()>,
-    ) -> (Vec<M>, Result<drain::Batched>) {
+    ) -> (Vec<M>, std::thread::Result<Result<drain::Batched>>) {
         let mut collect = Some(collect);
         let mut members: Vec<M> = Vec::new();
         let mut claimed_here: Vec<ClaimId> = Vec::new();
-        let batched = self.transact(|actor, txn| {
-            // A rerun (the server rolled the attempt back) keeps the members
-            // it took and undoes what the attempt did outside the database.
-            let rerun = collect.is_none();
-            if let Some(collect) = collect.take() {
-                members = collect();
-            }
-            let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
-            if rerun {
-                let mut in_flight = actor.in_flight();
-                for claim in claimed_here.drain(..) {
-                    in_flight.remove(&claim);
+        let batched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.transact(|actor, txn| {
+                // A rerun (the server rolled the attempt back) keeps the members
+                // it took and undoes what the attempt did outside the database.
+                let rerun = collect.is_none();
+                if let Some(collect) = collect.take() {
+                    members = collect();
                 }
-                drop(in_flight);
+                let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
+                if rerun {
+                    let mut in_flight = actor.in_flight();
+                    for claim in claimed_here.drain(..) {
+                        in_flight.remove(&claim);
+                    }
+                    drop(in_flight);
+                    if let Some(picker) = picker.as_deref_mut() {
+                        picker.undo_attempt();
+                    }
+                }
                 if let Some(picker) = picker.as_deref_mut() {
-                    picker.undo_attempt();
+                    picker.begin_attempt();
                 }
-            }
-            if let Some(picker) = picker.as_deref_mut() {
-                picker.begin_attempt();
-            }
-            let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
-            let batched = drain::step_batch(actor, txn, &views, picker.as_deref_mut())?;
-            drop(picker);
-            claimed_here.extend(
-                batched
-                    .claimed
-                    .iter()
-                    .flatten()
-                    .map(|(item, _)| ClaimId::of(item)),
-            );
-            ran(&members)?;
-            Ok(batched)
-        });
+                let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
+                let batched = drain::step_batch(actor, txn, &views, picker.as_deref_mut())?;
+                drop(picker);
+                claimed_here.extend(
+                    batched
+                        .claimed
+                        .iter()
+                        .flatten()
+                        .map(|(item, _)| ClaimId::of(item)),
+                );
+                ran(&members)?;
+                Ok(batched)
+            })
+        }));
         let mut in_flight = self.in_flight();
         for member in &members {
             if let Some((claim, _)) = member.member().finished {
                 in_flight.remove(claim);
             }
         }
-        if batched.is_err() {
+        if !matches!(batched, Ok(Ok(_))) {
             // A claim that did not commit is not in flight.
             for claim in &claimed_here {
                 in_flight.remove(claim);

@@ -212,6 +212,15 @@ where
     /// Dropping the returned future instead of completing `shutdown` cancels
     /// running sends at once (as `SEND_CANCELLED`) and releases unstarted claims.
     ///
+    /// # Panics
+    ///
+    /// A panic in `send` does not stop the worker (above). A panic in the
+    /// outbox's own delivery rules (a bug, or an injected fault) is raised by
+    /// `run`, with its message, whether that step ran alone or batched with
+    /// other slots' steps; nothing of that step is written, and the sends it
+    /// would have recorded are settled by the next look as any unrecorded
+    /// claim is (ambiguous, never resent).
+    ///
     /// # Errors
     ///
     /// The first load or write error (e.g. [`Error::Io`], [`Error::Poisoned`])
@@ -457,6 +466,9 @@ enum Reply {
     Failed(Error),
     /// The batch's rules failed and nothing was written: step alone.
     Alone(Option<(ClaimId, SendResult)>, usize),
+    /// The batch's rules panicked and nothing was written: raise this panic
+    /// in the slot, as a panic in the rules of a single step is.
+    Panicked(Box<dyn std::any::Any + Send>),
 }
 
 impl Steps {
@@ -524,6 +536,22 @@ impl Steps {
         if !handed.get() {
             self.hand_over(&next);
         }
+        let result = match result {
+            Ok(result) => result,
+            Err(payload) => {
+                // Nothing was written: each member raises the panic (the
+                // first with its own payload, the others with its message),
+                // so whichever slot ends first stops the worker with it.
+                let message = panic_copy(payload.as_ref());
+                let mut payload = Some(payload);
+                for member in members {
+                    let raised: Box<dyn std::any::Any + Send> =
+                        payload.take().unwrap_or_else(|| Box::new(message.clone()));
+                    let _ = member.reply.send(Reply::Panicked(raised));
+                }
+                return;
+            }
+        };
         match result {
             Ok(batched) => answer(outbox, ctx, members, batched),
             Err(e) if ran.get() => {
@@ -548,7 +576,17 @@ impl Steps {
     }
 }
 
-/// A leader unwinding (a panic in the rules) before it handed leadership on:
+/// A panic's message, for the members of a batch beyond the first (a
+/// payload cannot be cloned).
+fn panic_copy(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a batched step panicked".to_owned())
+}
+
+/// A leader unwinding (a panic outside the rules) before it handed leadership on:
 /// the requests queued behind it are dropped, so their slots get an error
 /// instead of waiting forever for a leader nobody will start, and the next
 /// request leads again.
@@ -614,7 +652,7 @@ fn step_alone(
     };
     let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
     let (members, result) = outbox.step_batch(|| vec![alone], pick, |_| Ok(()));
-    let batched = result?;
+    let batched = result.unwrap_or_else(|payload| std::panic::resume_unwind(payload))?;
     let claimed = count_outcomes(ctx, batched);
     drop(members);
     Ok(claimed
@@ -732,6 +770,7 @@ where
     match answer.await {
         Ok(Reply::Done(tickets)) => Ok(tickets),
         Ok(Reply::Failed(e)) => Err(e),
+        Ok(Reply::Panicked(payload)) => std::panic::resume_unwind(payload),
         Ok(Reply::Alone(finished, claims)) => {
             let work = Arc::clone(shared);
             blocking(&shared.outbox, move || {
@@ -1180,7 +1219,7 @@ mod tests {
     }
 
     #[test]
-    fn a_leader_that_panics_fails_its_members_and_the_next_request_leads_again() {
+    fn a_panic_in_a_batchs_rules_is_raised_in_each_member_and_the_next_request_leads_again() {
         use crate::FailAction;
         let dir = tempfile::tempdir().expect("dir");
         let outbox = open(dir.path(), &[("step.batch", FailAction::Panic)]);
@@ -1195,21 +1234,34 @@ mod tests {
         let steps = Steps::default();
         let mut a = queue(&steps, delivered(&a), 0);
         let mut b = queue(&steps, delivered(&b), 0);
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            steps.lead(&outbox, &ctx, || panic!("nothing was handed on"));
-        }));
-        assert!(panicked.is_err(), "the failpoint did not panic");
+        steps.lead(&outbox, &ctx, || {
+            panic!("nothing was queued behind the batch")
+        });
         for (name, answer) in [("a", &mut a), ("b", &mut b)] {
-            assert!(
-                matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Closed)),
-                "{name} was left waiting for an answer nobody will send"
-            );
+            match answer.try_recv() {
+                Ok(Reply::Panicked(payload)) => assert_eq!(
+                    panic_copy(payload.as_ref()),
+                    "failpoint step.batch panicked",
+                    "{name} was handed another panic"
+                ),
+                Ok(_) => panic!("{name} was told something other than the panic"),
+                Err(e) => panic!("{name} was left without an answer: {e}"),
+            }
         }
         let queue = steps.queue();
         assert!(
             queue.waiting.is_empty() && !queue.gathering,
             "a later step would wait for a leader nobody starts"
         );
+        drop(queue);
+        // Nothing of the batch was written: both sends are still unrecorded
+        // claims, and neither key is left in flight.
+        assert!(outbox.in_flight().is_empty());
+        for key in ["a", "b"] {
+            let item = outbox.get(key).expect("get").expect("live");
+            assert_eq!(item.state(), crate::ItemState::Queued, "{key}");
+            assert!(item.transport_ref().is_none(), "{key}");
+        }
     }
 
     #[test]

@@ -429,3 +429,115 @@ on_both_engines! {
         outbox.verify_audit().unwrap();
     }
 }
+
+/// A panic in a batch's rules behaves as a panic in the rules of a single
+/// step does: `Worker::run` raises it (the same message), rather than
+/// returning an error about a vanished leader. Nothing of the batch was
+/// written; a worker started afterwards sends every item, none twice, and
+/// the chain verifies.
+#[test]
+fn a_panic_in_a_batchs_rules_is_raised_by_the_worker() {
+    const CHATS: usize = 8;
+    within(
+        "batched steps: a panic in a batch's rules is raised by the worker",
+        Duration::from_secs(120),
+        || {
+            let dir = tempfile::tempdir().unwrap();
+            let outbox = Outbox::builder(dir.path())
+                .rate_limit(u32::MAX, secs(60))
+                .failpoint("journal.write", FailAction::DelayMs(5))
+                .failpoint("step.batch", FailAction::Panic)
+                .open()
+                .unwrap();
+            let messages = (0..CHATS)
+                .flat_map(|c| (1..=2).map(move |r| msg(&format!("r{r}-c{c}"), &format!("c{c}"))))
+                .collect();
+            outbox.enqueue_many(messages).unwrap();
+            let sent = Arc::new(Mutex::new(Vec::new()));
+            let started = Arc::new(AtomicUsize::new(0));
+            let (gate, opened) = tokio::sync::watch::channel(false);
+            let transport = {
+                let (sent, started) = (Arc::clone(&sent), Arc::clone(&started));
+                move |item: OutboxItem| {
+                    let (sent, started) = (Arc::clone(&sent), Arc::clone(&started));
+                    let mut opened = opened.clone();
+                    async move {
+                        sent.lock().unwrap().push(item.idempotency_key().to_owned());
+                        started.fetch_add(1, Ordering::SeqCst);
+                        // The first round finishes all at once: the slots'
+                        // next steps share a batch.
+                        opened.wait_for(|open| *open).await.unwrap();
+                        Ok(Some(format!("tr-{}", item.idempotency_key())))
+                    }
+                }
+            };
+            let raised = runtime().block_on(async {
+                let running = tokio::spawn(
+                    outbox
+                        .worker(transport)
+                        .concurrency(CHATS)
+                        .run(std::future::pending()),
+                );
+                while started.load(Ordering::SeqCst) < CHATS {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                gate.send(true).unwrap();
+                match running.await {
+                    Err(join) if join.is_panic() => join.into_panic(),
+                    Err(join) => panic!("the worker's task failed otherwise: {join}"),
+                    Ok(ended) => panic!("the worker ended without raising the panic: {ended:?}"),
+                }
+            });
+            let message = raised
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| raised.downcast_ref::<&str>().map(|m| (*m).to_owned()))
+                .unwrap_or_default();
+            assert_eq!(message, "failpoint step.batch panicked");
+            assert!(outbox.failpoint_hits("step.batch") >= 1);
+            drop(outbox);
+
+            // A new worker on the reopened outbox finishes the job.
+            let reopened = Outbox::builder(dir.path())
+                .rate_limit(u32::MAX, secs(60))
+                .open()
+                .unwrap();
+            let again = Arc::clone(&sent);
+            run_worker(
+                &reopened,
+                CHATS,
+                move |item: OutboxItem| {
+                    let again = Arc::clone(&again);
+                    async move {
+                        again
+                            .lock()
+                            .unwrap()
+                            .push(item.idempotency_key().to_owned());
+                        Ok(Some(format!("tr-{}", item.idempotency_key())))
+                    }
+                },
+                |items| items.iter().all(|i| i.state() != ItemState::Queued),
+            )
+            .unwrap();
+            let sent = sent.lock().unwrap().clone();
+            let once: HashSet<&String> = sent.iter().collect();
+            assert_eq!(once.len(), sent.len(), "an item was sent twice: {sent:?}");
+            for item in reopened.list_items().unwrap() {
+                let key = item.idempotency_key();
+                match item.state() {
+                    // Sent: by either worker, exactly once.
+                    ItemState::Sent => assert!(once.contains(&key.to_owned()), "{key}"),
+                    // A send whose outcome the panicked batch did not record
+                    // is ambiguous, never resent.
+                    ItemState::Failed => assert_eq!(
+                        item.error_code(),
+                        Some(durable_outbox::AMBIGUOUS_AFTER_RESTART),
+                        "{key}"
+                    ),
+                    other => panic!("{key} ended {other:?}"),
+                }
+            }
+            reopened.verify_audit().unwrap();
+        },
+    );
+}
