@@ -516,6 +516,54 @@ fn assert_cooldown_survives(engine: &EngineUnderTest, meanwhile: impl FnOnce(&Ha
 }
 
 on_both_engines! {
+    /// `compact` drops the cooldowns whose moment has passed (a bot that
+    /// talked to many chats carries none of theirs for ever) and keeps those
+    /// still in force, judged at the handle's `now` as the rules judge them:
+    /// one dropped does not come back when the clock steps back, and a
+    /// compaction after the step keeps what is in force then.
+    fn compact_drops_ended_cooldowns_and_keeps_those_in_force(engine) {
+        let h = engine.harness_with(|b| {
+            b.max_inline_wait(std::time::Duration::ZERO)
+                .ordering(Ordering::Unordered)
+        });
+        h.enqueue("a", "chat-1");
+        h.enqueue("b", "chat-2");
+        let t0 = h.clock.now();
+        for (key, wait) in [("a", 30), ("b", 3_600)] {
+            let receipt = h
+                .outbox
+                .process(key, |_| Err(SendError::retryable("http_429").retry_after(secs(wait))))
+                .unwrap();
+            assert_eq!(receipt.outcome, Outcome::Deferred);
+            // The cooldown belongs to the destination, not to the item.
+            h.outbox.cancel(key, "ops", "not needed").unwrap();
+        }
+        let cooldown = |chat: &str| {
+            h.outbox
+                .rate_windows(None)
+                .unwrap()
+                .into_iter()
+                .find(|w| w.destination == chat)
+                .and_then(|w| w.cooldown_until)
+        };
+        let long = Some(t0 + chrono::Duration::seconds(3_600));
+        assert_eq!(cooldown("chat-1"), Some(t0 + chrono::Duration::seconds(30)));
+        h.clock.advance(secs(60));
+        h.outbox.compact().unwrap();
+        assert_eq!(cooldown("chat-2"), long, "a cooldown in force was dropped");
+        // The clock steps back to before chat-1's cooldown ended: a kept
+        // cooldown would hold chat-1 again; the dropped one does not.
+        h.clock.set(t0 + chrono::Duration::seconds(10));
+        assert_eq!(cooldown("chat-1"), None, "an ended cooldown was kept");
+        assert_eq!(cooldown("chat-2"), long);
+        h.outbox.compact().unwrap();
+        assert_eq!(cooldown("chat-2"), long);
+        // And it still holds chat-2 back.
+        h.enqueue("c", "chat-2");
+        let c = h.outbox.process("c", |_| panic!("sent into a cooldown")).unwrap();
+        assert_eq!(c.error_code.as_deref(), Some(DESTINATION_COOLDOWN));
+    }
+
     fn a_cooldown_outlives_the_cancel_of_the_item_that_got_it(engine) {
         assert_cooldown_survives(engine, |h| {
             h.reopen().cancel("a", "ops", "duplicate").unwrap();

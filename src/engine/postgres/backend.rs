@@ -285,6 +285,7 @@ impl PgBackend {
             schema = %self.schema(),
             sealed = done.sealed,
             pruned = done.pruned,
+            cooldowns = done.cooldowns,
             "compacted"
         );
         Ok(())

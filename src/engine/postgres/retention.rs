@@ -12,11 +12,19 @@
 //!    returns);
 //! 2. apply `history_retention` ([`PgEngine::apply_retention`]: under
 //!    `MaxAge`, the terminal items past it, outside every rate window, with
-//!    one `pruned` audit record; the same pass an open runs).
+//!    one `pruned` audit record; the same pass an open runs);
+//! 3. drop the destination cooldowns that ended at `now`
+//!    ([`PgEngine::drop_ended_cooldowns`]), as the file engine's compaction
+//!    does: a bot that talked to many chats would otherwise carry a row for
+//!    each for ever.
 //!
-//! Ended cooldowns are kept: readers compare them with their own clock, and
-//! with handles on several hosts, one whose clock runs ahead must not delete
-//! a cooldown another still honours. Each is one small row per destination.
+//! A cooldown ended when its moment is at or before `now`, the compacting
+//! handle's clock: the comparison the rules make (a cooldown holds while
+//! `until > now`), so one still in force for this handle is never dropped,
+//! and one dropped stays dropped whatever a clock does later. A handle on
+//! another host whose clock runs behind by `d` may see a cooldown end up to
+//! `d` early; an upsert that raises a cooldown meanwhile is re-checked by
+//! the server before the delete touches it, so a raised one is kept.
 //!
 //! Neither engine's compaction removes audit records: the chain is kept
 //! whole, and on PostgreSQL it always starts at genesis (there are no sealed
@@ -37,6 +45,8 @@ pub(crate) struct Compacted {
     pub(crate) sealed: usize,
     /// History items retention deleted.
     pub(crate) pruned: u64,
+    /// Ended destination cooldowns it dropped.
+    pub(crate) cooldowns: u64,
 }
 
 impl PgEngine {
@@ -55,7 +65,35 @@ impl PgEngine {
         };
         let pruned =
             super::retry::retrying("a retention prune", |_| self.apply_retention(settings, now))?;
-        Ok(Compacted { sealed, pruned })
+        let cooldowns = super::retry::retrying("dropping ended cooldowns", |_| {
+            self.drop_ended_cooldowns(now)
+        })?;
+        Ok(Compacted {
+            sealed,
+            pruned,
+            cooldowns,
+        })
+    }
+
+    /// Deletes the destination cooldowns that ended at or before `now` (see
+    /// the module docs); how many went. One statement: the server re-checks
+    /// each row it deletes against a concurrent raise.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub(crate) fn drop_ended_cooldowns(&self, now: DateTime<Utc>) -> Result<u64> {
+        let sql = format!(
+            "DELETE FROM {}.cooldowns WHERE until <= $1 RETURNING destination",
+            self.s
+        );
+        // Safe to run again on another connection (see `PgEngine::read`):
+        // a second run finds nothing more to delete.
+        self.read(|client| {
+            client
+                .query(&sql, &[&now])
+                .map(|rows| rows.len() as u64)
+                .map_err(db("drop ended cooldowns"))
+        })
     }
 }
 
