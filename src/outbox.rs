@@ -1114,7 +1114,7 @@ impl Outbox {
         match &self.inner.backend {
             Backend::File(engine) => engine.failpoint_hits(name),
             #[cfg(feature = "postgres")]
-            Backend::Postgres(_) => 0,
+            Backend::Postgres(engine) => engine.engine().faults.hits(name),
         }
     }
 
@@ -1123,6 +1123,12 @@ impl Outbox {
     fn audit_page(&self, after: u64) -> Result<Vec<AuditRecord>> {
         match &self.inner.backend {
             Backend::Postgres(engine) => crate::engine::postgres::blocking(|| {
+                // Counts the pages read (tests: the stream is paged).
+                engine
+                    .engine()
+                    .faults
+                    .check("postgres.audit_page")
+                    .map_err(|e| Error::io(self.location(), "read an audit page", e))?;
                 engine
                     .engine()
                     .audit_page(after, crate::engine::postgres::AUDIT_PAGE)
@@ -1387,7 +1393,11 @@ impl Outbox {
         match &self.inner.backend {
             Backend::File(engine) => engine.check_failpoint(name, op),
             #[cfg(feature = "postgres")]
-            Backend::Postgres(_) => Ok(()),
+            Backend::Postgres(engine) => engine
+                .engine()
+                .faults
+                .check(name)
+                .map_err(|e| Error::io(self.location(), op, e)),
         }
     }
 

@@ -828,11 +828,27 @@ fn a_server_restart_mid_send_makes_the_claim_ambiguous_then_the_finish_corrects_
 /// of 2,500 records comes out whole, in order, each linked to the one
 /// before; and the stream reads the table as it goes, so records sealed
 /// after it started, beyond the page it holds, still come out (a stream that
-/// read everything at the start would end at 2,500).
+/// read everything at the start would end at 2,500). With failpoints, the
+/// pages are counted as they are read: the 1,001st record is the first of
+/// the second page, so a stream that loaded everything at once fails.
 #[test]
 fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
     let Some(engine) = engine() else { return };
+    #[cfg(feature = "test-failpoints")]
+    let outbox = engine.open_with(|b| {
+        b.failpoint(
+            "postgres.audit_page",
+            durable_outbox::FailAction::DelayMs(0),
+        )
+    });
+    #[cfg(not(feature = "test-failpoints"))]
     let outbox = engine.open();
+    let pages = || -> u32 {
+        #[cfg(feature = "test-failpoints")]
+        return outbox.failpoint_hits("postgres.audit_page");
+        #[cfg(not(feature = "test-failpoints"))]
+        return 0;
+    };
     for batch in 0..5 {
         outbox
             .enqueue_many(
@@ -852,6 +868,15 @@ fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
     let mut previous = first.hash.clone();
     for record in records {
         let record = record.unwrap();
+        if cfg!(feature = "test-failpoints") && (record.seq == 1_000 || record.seq == 1_001) {
+            let expected = if record.seq == 1_000 { 1 } else { 2 };
+            assert_eq!(
+                pages(),
+                expected,
+                "record {} comes from page {expected} of 1,000 records",
+                record.seq
+            );
+        }
         assert_eq!(
             record.prev_hash, previous,
             "seq {} links to the one before",
@@ -868,4 +893,8 @@ fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
     );
     assert_eq!(previous, outbox.audit_head().unwrap().hash);
     assert_eq!(outbox.verify_audit().unwrap().records, 2_501);
+    if cfg!(feature = "test-failpoints") {
+        // Three pages of records, and the empty one that ends the stream.
+        assert_eq!(pages(), 4);
+    }
 }
