@@ -541,3 +541,117 @@ fn a_panic_in_a_batchs_rules_is_raised_by_the_worker() {
         },
     );
 }
+
+/// PostgreSQL aborts a batched step (serialization failure, SQLSTATE 40001,
+/// injected once by a trigger on the first transaction that finishes two
+/// items: only a batch of two or more members does) and the engine runs it
+/// again: the rerun keeps the batch's members (their finished sends are
+/// recorded, none is told its step failed; a rerun that dropped them stops
+/// the worker with "the leader of the step's batch is gone"), and the
+/// claims it makes instead of the aborted attempt's are each sent once:
+/// every item is sent once, each chat in order, the worker ends cleanly, and
+/// the chain verifies. (The aborted attempt's in-flight marks are taken back
+/// too; the rerun claims the same items, so a mark left over would not show
+/// here.)
+#[cfg(feature = "postgres")]
+#[test]
+fn a_batch_rerun_after_a_postgres_abort_keeps_its_members_and_sends_each_item_once() {
+    const CHATS: usize = 8;
+    const ROUNDS: usize = 3;
+    let Some(engine) = crate::engines::EngineUnderTest::postgres() else {
+        return;
+    };
+    let outbox = engine.open_with(|b| {
+        b.rate_limit(u32::MAX, secs(60))
+            .failpoint("step.batch", FailAction::DelayMs(0))
+    });
+    let messages = (1..=ROUNDS)
+        .flat_map(|r| (0..CHATS).map(move |c| msg(&format!("r{r}-c{c}"), &format!("c{c}"))))
+        .collect();
+    outbox.enqueue_many(messages).unwrap();
+    let url = engine.url();
+    let db = url.rsplit('/').next().unwrap().to_owned();
+    let server = crate::pg_server::PgServer::shared().unwrap();
+    server.psql(
+        &db,
+        "CREATE SEQUENCE public.batch_aborts;
+         CREATE FUNCTION public.abort_first_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+         DECLARE finishes int;
+         BEGIN
+             IF OLD.claimed AND NOT NEW.claimed THEN
+                 finishes := coalesce(nullif(current_setting('outbox_test.finishes', true), ''), '0')::int + 1;
+                 PERFORM set_config('outbox_test.finishes', finishes::text, true);
+                 IF finishes = 2 AND NOT (SELECT is_called FROM public.batch_aborts) THEN
+                     PERFORM nextval('public.batch_aborts');
+                     RAISE EXCEPTION 'injected conflict' USING ERRCODE = 'serialization_failure';
+                 END IF;
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER abort_first_batch BEFORE UPDATE ON durable_outbox.items
+             FOR EACH ROW EXECUTE FUNCTION public.abort_first_batch();",
+    );
+    let started = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let (gate, opened) = tokio::sync::watch::channel(0usize);
+    let transport = {
+        let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
+        move |item: OutboxItem| {
+            let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
+            let mut opened = opened.clone();
+            async move {
+                let key = item.idempotency_key().to_owned();
+                let round: usize = key[1..key.find('-').unwrap()].parse().unwrap();
+                sent.lock().unwrap().push(key.clone());
+                started.fetch_add(1, Ordering::SeqCst);
+                // Each round's sends finish together: the slots' next steps
+                // share batches.
+                opened.wait_for(|open| *open >= round).await.unwrap();
+                Ok(Some(format!("tr-{key}")))
+            }
+        }
+    };
+    let releaser = std::thread::spawn(move || {
+        for round in 1..=ROUNDS {
+            while started.load(Ordering::SeqCst) < round * CHATS {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            gate.send(round).unwrap();
+        }
+    });
+    let report = within(
+        "a batch rerun after a PostgreSQL abort",
+        DEADLOCK_LIMIT * 2,
+        || {
+            run_worker(&outbox, CHATS, transport, |items| {
+                items.iter().all(|i| i.state() == ItemState::Sent)
+            })
+        },
+    )
+    .expect("the worker ends cleanly: no member of the rerun batch was failed");
+    releaser.join().unwrap();
+    assert_eq!(
+        server.psql(&db, "SELECT is_called FROM public.batch_aborts"),
+        "t",
+        "no batch of two or more finished sends was aborted: nothing was rerun ({} batches)",
+        outbox.failpoint_hits("step.batch")
+    );
+    assert_eq!(report.sent, CHATS * ROUNDS, "{report:?}");
+    let sent = sent.lock().unwrap().clone();
+    let once: HashSet<&String> = sent.iter().collect();
+    assert_eq!(
+        (sent.len(), once.len()),
+        (CHATS * ROUNDS, CHATS * ROUNDS),
+        "an item was sent twice or not at all: {sent:?}"
+    );
+    for (chat, keys) in per_chat(&sent) {
+        let expected: Vec<String> = (1..=ROUNDS).map(|r| format!("r{r}-{chat}")).collect();
+        assert_eq!(keys, expected, "chat {chat} out of order");
+    }
+    for item in outbox.list_items().unwrap() {
+        let key = item.idempotency_key();
+        assert_eq!(item.transport_ref(), Some(format!("tr-{key}").as_str()));
+        assert_eq!(item.attempts(), 1, "{key}");
+    }
+    outbox.verify_audit().unwrap();
+}
