@@ -95,7 +95,10 @@ fn outboxes_in_two_schemas_of_one_database_are_apart() {
 
 /// Kills every owner session (each handle's advisory-lock connection) of
 /// this test's database as a network cut or a server restart would; handles
-/// take their lock again on their next call. Only this database's: the
+/// take their lock again on their next call. It returns once those sessions
+/// are gone (`pg_terminate_backend` only signals; a session still dying
+/// would hold its lock a moment longer, and a claim made meanwhile would be
+/// declared dead right after). Only this database's: the
 /// server is shared by tests running at the same time, each in its own
 /// database, and theirs must not be cut.
 pub(crate) fn cut_owner_sessions(engine: &EngineUnderTest) {
@@ -104,7 +107,7 @@ pub(crate) fn cut_owner_sessions(engine: &EngineUnderTest) {
     let server = crate::pg_server::PgServer::shared().unwrap();
     server.psql(
         &db,
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks
+        "SELECT count(pg_terminate_backend(pid, 30000)) FROM pg_locks
          WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     );
@@ -401,7 +404,7 @@ fn a_dropped_connection_is_a_typed_error_with_nothing_half_written_then_reconnec
     // Every session of the database ends, as in a failover or a cut.
     server.psql(
         &db,
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+        "SELECT count(pg_terminate_backend(pid, 30000)) FROM pg_stat_activity
          WHERE datname = current_database() AND pid <> pg_backend_pid()",
     );
     let batch = || {
