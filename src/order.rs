@@ -588,6 +588,56 @@ mod tests {
         assert_eq!(keys, ["z1", "x3", "y7", "b5", "a2"]);
     }
 
+    /// Serves `first`, then `fillers` more destinations, so that the picker
+    /// remembers `fillers + 1` turns.
+    fn picker_with_turns(first: &str, fillers: usize) -> Picker {
+        let mut picker = Picker::worker();
+        picker.served(first);
+        for i in 0..fillers {
+            picker.served(&format!("filler-{i}"));
+        }
+        picker
+    }
+
+    #[test]
+    fn up_to_the_memory_bound_a_chat_with_nothing_queued_keeps_its_turn() {
+        // A flooded chat whose message is in flight is no candidate meanwhile;
+        // with exactly SERVED_MEMORY turns remembered, a rank must not forget
+        // its turn, or its next message would jump a chat never served.
+        let mut picker = picker_with_turns("flood", SERVED_MEMORY - 1);
+        picker.rank(&mut [("other".to_owned(), key(1, 0, "o1"))]);
+        let mut candidates = vec![
+            ("flood".to_owned(), key(2, 0, "f2")),
+            ("new".to_owned(), key(3, 0, "n3")),
+        ];
+        picker.rank(&mut candidates);
+        assert_eq!(
+            candidates[0].0, "new",
+            "the chat never served goes before the flood, however old the flood's message"
+        );
+    }
+
+    #[test]
+    fn past_the_memory_bound_chats_with_nothing_queued_are_forgotten() {
+        // A worker that has served more chats than SERVED_MEMORY must not keep
+        // growing: the next rank forgets every chat that is not a candidate.
+        let mut picker = picker_with_turns("old", SERVED_MEMORY);
+        assert_eq!(picker.served.len(), SERVED_MEMORY + 1);
+        picker.rank(&mut [("other".to_owned(), key(1, 0, "o1"))]);
+        assert!(
+            picker.served.is_empty(),
+            "{} turns still remembered",
+            picker.served.len()
+        );
+        // Forgotten chats count as never served: enqueue order decides between them.
+        let mut candidates = vec![
+            ("old".to_owned(), key(3, 0, "old3")),
+            ("filler-0".to_owned(), key(2, 0, "f2")),
+        ];
+        picker.rank(&mut candidates);
+        assert_eq!(candidates[0].0, "filler-0");
+    }
+
     #[test]
     fn a_pass_takes_each_of_its_keys_once() {
         let mut picker = Picker::pass(["a".to_owned(), "b".to_owned()]);
