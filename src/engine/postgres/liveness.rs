@@ -163,3 +163,117 @@ pub(crate) fn refuse_transaction_pooling(first: &mut Client, second: &mut Client
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        reason = "tests panic loudly"
+    )]
+
+    use super::super::test_server::PgServer;
+    use super::*;
+
+    fn pid_of(client: &mut Client) -> i32 {
+        client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0)
+    }
+
+    /// `refuse_transaction_pooling` is the first line against a pooler; this
+    /// is the second, for one that passed it: at open and after a cut, the
+    /// owner lock must be held by the owner connection's own session, or
+    /// another host would take the lock as free and resend a live send.
+    #[test]
+    fn an_owner_lock_not_held_by_the_owner_connections_own_session_is_refused() {
+        let Some(server) = PgServer::shared() else {
+            return;
+        };
+        let db = server.database();
+        let connector = Connector::parse(&db.url()).unwrap();
+        let mut other = connector.connect().unwrap();
+        let mut liveness = Liveness::take(&connector, "outbox", "owner-1")
+            .unwrap()
+            .expect("a fresh owner id is free");
+        liveness
+            .verify(&mut other)
+            .expect("the lock is held by the session that took it: verified");
+        let lock_session = liveness.pid;
+
+        // The lock stays with the session that took it while the owner
+        // connection now talks to another one (as if a pooler moved it).
+        let mut stray = connector.connect().unwrap();
+        let stray_session = pid_of(&mut stray);
+        let _taken_in = std::mem::replace(&mut liveness.client, stray);
+        let refused = |result: Result<()>, what: &str| match result {
+            Err(Error::SessionLocksUnavailable { reason }) => {
+                assert!(
+                    reason.contains("transaction-mode pooler"),
+                    "{what}: {reason}"
+                );
+            }
+            other => panic!("{what}: must be refused, got {other:?}"),
+        };
+        refused(
+            liveness.verify(&mut other),
+            "the connection moved to another session",
+        );
+
+        // The connection's session is the one on record, but the server says
+        // another session holds the lock.
+        liveness.pid = stray_session;
+        assert_ne!(stray_session, lock_session);
+        refused(
+            liveness.verify(&mut other),
+            "the lock is held by another session",
+        );
+    }
+    /// What `ensure_owner` relies on before it takes the lock again: the lock
+    /// is reported held while its session lives and lost once the session is
+    /// gone (no clock: a slow handle is never declared dead), and a check that
+    /// began after a caller asked answers for that caller (the threads of a
+    /// handle that found the lock gone after a cut share the one check that
+    /// follows; one that found it lost takes it again).
+    #[test]
+    fn the_owner_lock_is_held_while_its_session_lives_and_a_later_check_answers_for_earlier_askers()
+    {
+        let Some(server) = PgServer::shared() else {
+            return;
+        };
+        let db = server.database();
+        let connector = Connector::parse(&db.url()).unwrap();
+        let mut liveness = Liveness::take(&connector, "outbox", "owner-2")
+            .unwrap()
+            .expect("a fresh owner id is free");
+        let asked_before = std::time::Instant::now();
+        assert!(
+            liveness.held_since(asked_before),
+            "a live session holds the lock"
+        );
+        let asked_after = std::time::Instant::now();
+
+        // The session ends (a network cut, as `pg_terminate_backend` makes it).
+        let mut admin = connector.connect().unwrap();
+        let ended: bool = admin
+            .query_one("SELECT pg_terminate_backend($1)", &[&liveness.pid])
+            .unwrap()
+            .get(0);
+        assert!(ended, "the owner session was terminated");
+
+        assert!(
+            liveness.held_since(asked_before),
+            "the check that began after this caller asked found the lock held: it answers for it"
+        );
+        assert!(
+            !liveness.held_since(asked_after),
+            "a caller who asked after that check gets a check of its own, which finds the session gone"
+        );
+        assert!(!liveness.is_held(), "the lock is lost with its session");
+        let retaken = Liveness::take(&connector, "outbox", "owner-2")
+            .unwrap()
+            .expect("the ended session released the lock: it can be taken again");
+        drop(retaken);
+    }
+}
