@@ -206,6 +206,7 @@ mod tests {
         // connection now talks to another one (as if a pooler moved it).
         let mut stray = connector.connect().unwrap();
         let stray_session = pid_of(&mut stray);
+        // The connection that took the lock stays open, so its session keeps it.
         let _taken_in = std::mem::replace(&mut liveness.client, stray);
         let refused = |result: Result<()>, what: &str| match result {
             Err(Error::SessionLocksUnavailable { reason }) => {
@@ -230,6 +231,7 @@ mod tests {
             "the lock is held by another session",
         );
     }
+
     /// What `ensure_owner` relies on before it takes the lock again: the lock
     /// is reported held while its session lives and lost once the session is
     /// gone (no clock: a slow handle is never declared dead), and a check that
@@ -254,10 +256,11 @@ mod tests {
         );
         let asked_after = std::time::Instant::now();
 
-        // The session ends (a network cut, as `pg_terminate_backend` makes it).
+        // The session ends (a network cut, as `pg_terminate_backend` makes
+        // it); the call waits until the server process is gone (PostgreSQL 14+).
         let mut admin = connector.connect().unwrap();
         let ended: bool = admin
-            .query_one("SELECT pg_terminate_backend($1)", &[&liveness.pid])
+            .query_one("SELECT pg_terminate_backend($1, 60000)", &[&liveness.pid])
             .unwrap()
             .get(0);
         assert!(ended, "the owner session was terminated");
