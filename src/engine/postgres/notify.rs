@@ -26,9 +26,15 @@ pub(crate) fn channel(schema: &str) -> String {
 /// The statement that sends a wake-up (parameter: the [`channel`]), outside
 /// any transaction (after the change it announces committed: the rules'
 /// commit sends it in the same pipeline, after its `COMMIT`): one short
-/// statement that writes no WAL, so it does not hold the notify queue's lock
-/// through a WAL flush.
-pub(crate) const WAKE_SQL: &str = "SELECT pg_notify($1, '')";
+/// statement, its own transaction. `pg_notify` gives that transaction an id,
+/// so it commits with a WAL record; committed synchronously it would wait for
+/// a WAL flush of its own (a fourth one per item on the W2 path, after the
+/// enqueue's, the claim's and the finish's), holding the notify queue's lock
+/// through it. It commits asynchronously instead: a wake-up is a hint (see
+/// above), and one that a server crash takes back announced a change that
+/// was durable before it.
+pub(crate) const WAKE_SQL: &str =
+    "SELECT pg_notify($1, ''), set_config('synchronous_commit', 'off', true)";
 
 /// A connection that listens for wake-ups.
 pub(crate) struct Listener {
