@@ -215,23 +215,9 @@ impl PgEngine {
     /// # Errors
     /// `op`'s error on a live connection (or on the last one tried), or
     /// [`Error::Database`] when no connection can be opened.
-    pub(super) fn read<T>(&self, mut op: impl FnMut(&mut Conn) -> Result<T>) -> Result<T> {
-        let mut reruns = 0;
-        loop {
-            let mut client = self.client()?;
-            match op(&mut client) {
-                Err(e) if client.is_closed() && reruns < STALE_RERUNS => {
-                    reruns += 1;
-                    tracing::info!(
-                        schema = %self.schema,
-                        error = %e,
-                        "a pooled connection was closed (server restart or terminated \
-                         session); reading again on another"
-                    );
-                }
-                done => return done,
-            }
-        }
+    pub(super) fn read<T>(&self, op: impl FnMut(&mut Conn) -> Result<T>) -> Result<T> {
+        self.on_a_live_connection("reading", op)
+            .map(|(_client, value)| value)
     }
 
     /// A pooled connection on which every audit event committed so far is
@@ -245,21 +231,34 @@ impl PgEngine {
     /// # Errors
     /// Sealing's errors, as [`read`](Self::read) returns them.
     pub(super) fn sealed_client(&self) -> Result<Pooled<'_>> {
+        self.on_a_live_connection("sealing", |client| self.seal_before_reading(client))
+            .map(|(client, ())| client)
+    }
+
+    /// Runs `op` (safe to run again) on a pooled connection, and again on
+    /// another while it fails on one that turned out closed, at most
+    /// [`STALE_RERUNS`] times; returns the connection it succeeded on with
+    /// its value. `doing` names the work in the log line of a rerun.
+    fn on_a_live_connection<T>(
+        &self,
+        doing: &'static str,
+        mut op: impl FnMut(&mut Conn) -> Result<T>,
+    ) -> Result<(Pooled<'_>, T)> {
         let mut reruns = 0;
         loop {
             let mut client = self.client()?;
-            match self.seal_before_reading(&mut client) {
+            match op(&mut client) {
                 Err(e) if client.is_closed() && reruns < STALE_RERUNS => {
                     reruns += 1;
                     tracing::info!(
                         schema = %self.schema,
                         error = %e,
                         "a pooled connection was closed (server restart or terminated \
-                         session); sealing on another"
+                         session); {doing} again on another"
                     );
                 }
                 Err(e) => return Err(e),
-                Ok(()) => return Ok(client),
+                Ok(value) => return Ok((client, value)),
             }
         }
     }
