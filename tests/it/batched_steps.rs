@@ -71,6 +71,87 @@ fn per_chat(sent: &[String]) -> BTreeMap<String, Vec<String>> {
     chats
 }
 
+/// The boxed future of [`released_by_rounds`]'s transport.
+type SendFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<String>, SendError>> + Send>>;
+
+/// A transport for `chats` chats of `rounds` messages each (keys
+/// "r{round}-c{chat}"): it records each send and holds it until every send of
+/// its round has started, then lets the round go all at once, so the slots'
+/// next steps fall together. Returns the transport and its [`Rounds`] (join
+/// the releaser once the worker has ended).
+fn released_by_rounds(
+    chats: usize,
+    rounds: usize,
+) -> (
+    impl Fn(OutboxItem) -> SendFuture + Send + Sync + 'static,
+    Rounds,
+) {
+    let started = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let (gate, opened) = tokio::sync::watch::channel(0usize);
+    let transport = {
+        let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
+        move |item: OutboxItem| -> SendFuture {
+            let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
+            let mut opened = opened.clone();
+            Box::pin(async move {
+                let key = item.idempotency_key().to_owned();
+                let round: usize = key[1..key.find('-').unwrap()].parse().unwrap();
+                sent.lock().unwrap().push(key.clone());
+                started.fetch_add(1, Ordering::SeqCst);
+                // Each round's sends finish together: the slots' next steps
+                // share batches.
+                opened.wait_for(|open| *open >= round).await.unwrap();
+                Ok(Some(format!("tr-{key}")))
+            })
+        }
+    };
+    let releaser = std::thread::spawn(move || {
+        for round in 1..=rounds {
+            while started.load(Ordering::SeqCst) < round * chats {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            gate.send(round).unwrap();
+        }
+    });
+    (transport, Rounds { sent, releaser })
+}
+
+/// What [`released_by_rounds`] hands back beside its transport.
+struct Rounds {
+    /// The keys in the order they were handed to `send`.
+    sent: Arc<Mutex<Vec<String>>>,
+    /// The thread that lets the rounds go.
+    releaser: std::thread::JoinHandle<()>,
+}
+
+/// Every one of `chats` × `rounds` items was sent exactly once, with its own
+/// transport ref and in one attempt, and each chat's sends left in enqueue
+/// order.
+fn each_item_sent_once_in_chat_order(
+    outbox: &Outbox,
+    sent: &[String],
+    chats: usize,
+    rounds: usize,
+) {
+    let once: HashSet<&String> = sent.iter().collect();
+    assert_eq!(
+        (sent.len(), once.len()),
+        (chats * rounds, chats * rounds),
+        "an item was sent twice or not at all: {sent:?}"
+    );
+    for (chat, keys) in per_chat(sent) {
+        let expected: Vec<String> = (1..=rounds).map(|r| format!("r{r}-{chat}")).collect();
+        assert_eq!(keys, expected, "chat {chat} out of order");
+    }
+    for item in outbox.list_items().unwrap() {
+        let key = item.idempotency_key();
+        assert_eq!(item.transport_ref(), Some(format!("tr-{key}").as_str()));
+        assert_eq!(item.attempts(), 1, "{key}");
+    }
+}
+
 /// Sixteen slots whose sends are let go a round at a time, all at once, with
 /// a slow journal write (under the lock, as a saturated lock would be): their
 /// steps pile up behind it and share transactions. Every item
@@ -98,32 +179,7 @@ fn slots_that_finish_together_share_one_transaction_and_keep_order() {
                 .collect();
             outbox.enqueue_many(messages).unwrap();
             let writes_before = outbox.failpoint_hits("journal.write");
-            let started = Arc::new(AtomicUsize::new(0));
-            let sent = Arc::new(Mutex::new(Vec::new()));
-            let (gate, opened) = tokio::sync::watch::channel(0usize);
-            let transport = {
-                let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
-                move |item: OutboxItem| {
-                    let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
-                    let mut opened = opened.clone();
-                    async move {
-                        let key = item.idempotency_key().to_owned();
-                        let round: usize = key[1..key.find('-').unwrap()].parse().unwrap();
-                        sent.lock().unwrap().push(key.clone());
-                        started.fetch_add(1, Ordering::SeqCst);
-                        opened.wait_for(|open| *open >= round).await.unwrap();
-                        Ok(Some(format!("tr-{key}")))
-                    }
-                }
-            };
-            let releaser = std::thread::spawn(move || {
-                for round in 1..=ROUNDS {
-                    while started.load(Ordering::SeqCst) < round * CHATS {
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                    gate.send(round).unwrap();
-                }
-            });
+            let (transport, Rounds { sent, releaser }) = released_by_rounds(CHATS, ROUNDS);
             let report = run_worker(&outbox, CHATS, transport, |items| {
                 items.iter().all(|i| i.state() == ItemState::Sent)
             })
@@ -141,17 +197,7 @@ fn slots_that_finish_together_share_one_transaction_and_keep_order() {
                 "{writes} journal entries for {steps} steps: the slots' steps were not batched"
             );
             let sent = sent.lock().unwrap().clone();
-            let once: HashSet<&String> = sent.iter().collect();
-            assert_eq!((sent.len(), once.len()), (CHATS * ROUNDS, CHATS * ROUNDS));
-            for (chat, keys) in per_chat(&sent) {
-                let expected: Vec<String> = (1..=ROUNDS).map(|r| format!("r{r}-{chat}")).collect();
-                assert_eq!(keys, expected, "chat {chat} out of order");
-            }
-            for item in outbox.list_items().unwrap() {
-                let key = item.idempotency_key();
-                assert_eq!(item.transport_ref(), Some(format!("tr-{key}").as_str()));
-                assert_eq!(item.attempts(), 1, "{key}");
-            }
+            each_item_sent_once_in_chat_order(&outbox, &sent, CHATS, ROUNDS);
             // The chain verifies; each item's records say queued, then sent.
             outbox.verify_audit().unwrap();
             let mut lifecycle: BTreeMap<String, Vec<AuditOutcome>> = BTreeMap::new();
@@ -591,34 +637,7 @@ fn a_batch_rerun_after_a_postgres_abort_keeps_its_members_and_sends_each_item_on
          CREATE TRIGGER abort_first_batch BEFORE UPDATE ON durable_outbox.items
              FOR EACH ROW EXECUTE FUNCTION public.abort_first_batch();",
     );
-    let started = Arc::new(AtomicUsize::new(0));
-    let sent = Arc::new(Mutex::new(Vec::new()));
-    let (gate, opened) = tokio::sync::watch::channel(0usize);
-    let transport = {
-        let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
-        move |item: OutboxItem| {
-            let (started, sent) = (Arc::clone(&started), Arc::clone(&sent));
-            let mut opened = opened.clone();
-            async move {
-                let key = item.idempotency_key().to_owned();
-                let round: usize = key[1..key.find('-').unwrap()].parse().unwrap();
-                sent.lock().unwrap().push(key.clone());
-                started.fetch_add(1, Ordering::SeqCst);
-                // Each round's sends finish together: the slots' next steps
-                // share batches.
-                opened.wait_for(|open| *open >= round).await.unwrap();
-                Ok(Some(format!("tr-{key}")))
-            }
-        }
-    };
-    let releaser = std::thread::spawn(move || {
-        for round in 1..=ROUNDS {
-            while started.load(Ordering::SeqCst) < round * CHATS {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            gate.send(round).unwrap();
-        }
-    });
+    let (transport, Rounds { sent, releaser }) = released_by_rounds(CHATS, ROUNDS);
     let report = within(
         "a batch rerun after a PostgreSQL abort",
         DEADLOCK_LIMIT * 2,
@@ -638,20 +657,6 @@ fn a_batch_rerun_after_a_postgres_abort_keeps_its_members_and_sends_each_item_on
     );
     assert_eq!(report.sent, CHATS * ROUNDS, "{report:?}");
     let sent = sent.lock().unwrap().clone();
-    let once: HashSet<&String> = sent.iter().collect();
-    assert_eq!(
-        (sent.len(), once.len()),
-        (CHATS * ROUNDS, CHATS * ROUNDS),
-        "an item was sent twice or not at all: {sent:?}"
-    );
-    for (chat, keys) in per_chat(&sent) {
-        let expected: Vec<String> = (1..=ROUNDS).map(|r| format!("r{r}-{chat}")).collect();
-        assert_eq!(keys, expected, "chat {chat} out of order");
-    }
-    for item in outbox.list_items().unwrap() {
-        let key = item.idempotency_key();
-        assert_eq!(item.transport_ref(), Some(format!("tr-{key}").as_str()));
-        assert_eq!(item.attempts(), 1, "{key}");
-    }
+    each_item_sent_once_in_chat_order(&outbox, &sent, CHATS, ROUNDS);
     outbox.verify_audit().unwrap();
 }
