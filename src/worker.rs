@@ -645,6 +645,7 @@ fn step_alone(
     claims: usize,
 ) -> Result<Vec<ClaimTicket>> {
     let (reply, _answer) = oneshot::channel();
+    let claim = finished.as_ref().map(|(claim, _)| claim.clone());
     let alone = Request {
         finished,
         claims,
@@ -652,7 +653,18 @@ fn step_alone(
     };
     let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
     let (members, result) = outbox.step_batch(|| vec![alone], pick, |_| Ok(()));
-    let batched = result.unwrap_or_else(|payload| std::panic::resume_unwind(payload))?;
+    let batched = match result.unwrap_or_else(|payload| std::panic::resume_unwind(payload)) {
+        Ok(batched) => batched,
+        Err(e) => {
+            // Nobody records this send after us: it is no longer ours to
+            // keep in flight (a later look settles it, as after a failed
+            // single step).
+            if let Some(claim) = &claim {
+                outbox.in_flight().remove(claim);
+            }
+            return Err(e);
+        }
+    };
     let claimed = count_outcomes(ctx, batched);
     drop(members);
     Ok(claimed
@@ -1215,6 +1227,62 @@ mod tests {
             assert_eq!(item.transport_ref(), Some(reference), "{key} was lost");
         }
         assert_eq!(tally.lock().expect("tally").report.sent, 2);
+        outbox.verify_audit().expect("audit");
+    }
+
+    /// Between a batch that failed in its rules and each member's own step,
+    /// the members' finished sends are still ours: a look at one of them in
+    /// between (another slot's step, a `process` of the key) must find it in
+    /// flight, not take it for an orphan and declare it ambiguous, and its
+    /// retryable failure is then recorded as a retry, not a terminal failure.
+    #[test]
+    fn a_send_waiting_to_step_alone_after_its_batch_failed_stays_in_flight() {
+        let dir = tempfile::tempdir().expect("dir");
+        let outbox = open(dir.path(), &[]);
+        let picker = Mutex::new(Picker::worker());
+        let [a, b] = two_claimed(&outbox, &picker);
+        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
+        let ctx = StepCtx {
+            picker: &picker,
+            stopping: &stopping,
+            tally: &tally,
+        };
+        let steps = Steps::default();
+        let unavailable: SendResult = Ok(Err(SendError::retryable("http_503")));
+        let answers = [
+            ("ghost", queue(&steps, delivered(&ghost()), 0)),
+            ("a", queue(&steps, delivered(&a), 0)),
+            ("b", queue(&steps, (b.clone(), unavailable), 0)),
+        ];
+        lead(&steps, &outbox, &ctx);
+        let looked = outbox
+            .process("b", |_| -> std::result::Result<Option<String>, SendError> {
+                panic!("b was sent again while its first send waited to be recorded")
+            })
+            .expect("look at b");
+        assert_eq!(
+            looked.outcome,
+            Outcome::InFlight,
+            "a finished send waiting to be recorded was taken for an orphan: {looked:?}"
+        );
+        for (name, mut answer) in answers {
+            let Ok(Reply::Alone(finished, claims)) = answer.try_recv() else {
+                panic!("{name} was not told to step alone after its batch failed");
+            };
+            let stepped = step_alone(&outbox, &ctx, finished, claims);
+            assert_eq!(stepped.is_err(), name == "ghost", "{name}");
+        }
+        let b = outbox.get("b").expect("get").expect("live");
+        assert_eq!(
+            b.state(),
+            crate::ItemState::Queued,
+            "b's retry was lost: {b:?}"
+        );
+        assert!(b.next_attempt_at().is_some(), "b is not due again: {b:?}");
+        assert!(
+            outbox.in_flight().is_empty(),
+            "a recorded send stayed in flight"
+        );
         outbox.verify_audit().expect("audit");
     }
 
