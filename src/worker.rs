@@ -1169,6 +1169,45 @@ mod tests {
         claims.try_into().expect("two claims")
     }
 
+    /// An outbox in a temporary directory with `a` (chat-a) and `b` (chat-b)
+    /// claimed by single steps, and a worker's step context over it.
+    struct TwoClaimed {
+        _dir: tempfile::TempDir,
+        outbox: Outbox,
+        picker: Mutex<Picker>,
+        stopping: AtomicBool,
+        tally: Mutex<Tally>,
+        /// a's claim, then b's.
+        claims: [ClaimId; 2],
+    }
+
+    impl TwoClaimed {
+        /// `faults` armed on the outbox; `stopping`: whether the worker is
+        /// shutting down (a step then claims nothing more).
+        fn new(faults: &[(&str, crate::FailAction)], stopping: bool) -> Self {
+            let dir = tempfile::tempdir().expect("dir");
+            let outbox = open(dir.path(), faults);
+            let picker = Mutex::new(Picker::worker());
+            let claims = two_claimed(&outbox, &picker);
+            Self {
+                _dir: dir,
+                outbox,
+                picker,
+                stopping: AtomicBool::new(stopping),
+                tally: Mutex::new(Tally::default()),
+                claims,
+            }
+        }
+
+        fn ctx(&self) -> StepCtx<'_> {
+            StepCtx {
+                picker: &self.picker,
+                stopping: &self.stopping,
+                tally: &self.tally,
+            }
+        }
+    }
+
     /// Queues a slot's step; the first queued starts the gathering.
     fn queue(
         steps: &Steps,
@@ -1194,29 +1233,27 @@ mod tests {
 
     #[test]
     fn a_members_rule_error_fails_only_that_member_and_the_others_rerun_alone() {
-        let dir = tempfile::tempdir().expect("dir");
-        let outbox = open(dir.path(), &[]);
-        let picker = Mutex::new(Picker::worker());
-        let [a, b] = two_claimed(&outbox, &picker);
-        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
-        let ctx = StepCtx {
-            picker: &picker,
-            stopping: &stopping,
-            tally: &tally,
-        };
+        let fixture = TwoClaimed::new(&[], true);
+        let TwoClaimed {
+            outbox,
+            tally,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
         let steps = Steps::default();
         // Recording a send of an item that does not exist fails in the rules.
         let answers = [
             ("ghost", queue(&steps, delivered(&ghost()), 0)),
-            ("a", queue(&steps, delivered(&a), 0)),
-            ("b", queue(&steps, delivered(&b), 0)),
+            ("a", queue(&steps, delivered(a), 0)),
+            ("b", queue(&steps, delivered(b), 0)),
         ];
-        lead(&steps, &outbox, &ctx);
+        lead(&steps, outbox, &ctx);
         for (name, mut answer) in answers {
             let Ok(Reply::Alone(finished, claims)) = answer.try_recv() else {
                 panic!("{name} was not told to step alone after its batch failed");
             };
-            match (name, step_alone(&outbox, &ctx, finished, claims)) {
+            match (name, step_alone(outbox, &ctx, finished, claims)) {
                 ("ghost", Err(Error::NotFound { key })) => assert_eq!(key, "ghost"),
                 ("a" | "b", Ok(tickets)) => assert!(tickets.is_empty()),
                 (_, other) => panic!("{name}: unexpected {:?}", other.map(|t| t.len())),
@@ -1237,24 +1274,21 @@ mod tests {
     /// retryable failure is then recorded as a retry, not a terminal failure.
     #[test]
     fn a_send_waiting_to_step_alone_after_its_batch_failed_stays_in_flight() {
-        let dir = tempfile::tempdir().expect("dir");
-        let outbox = open(dir.path(), &[]);
-        let picker = Mutex::new(Picker::worker());
-        let [a, b] = two_claimed(&outbox, &picker);
-        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
-        let ctx = StepCtx {
-            picker: &picker,
-            stopping: &stopping,
-            tally: &tally,
-        };
+        let fixture = TwoClaimed::new(&[], true);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
         let steps = Steps::default();
         let unavailable: SendResult = Ok(Err(SendError::retryable("http_503")));
         let answers = [
             ("ghost", queue(&steps, delivered(&ghost()), 0)),
-            ("a", queue(&steps, delivered(&a), 0)),
+            ("a", queue(&steps, delivered(a), 0)),
             ("b", queue(&steps, (b.clone(), unavailable), 0)),
         ];
-        lead(&steps, &outbox, &ctx);
+        lead(&steps, outbox, &ctx);
         let looked = outbox
             .process("b", |_| -> std::result::Result<Option<String>, SendError> {
                 panic!("b was sent again while its first send waited to be recorded")
@@ -1269,7 +1303,7 @@ mod tests {
             let Ok(Reply::Alone(finished, claims)) = answer.try_recv() else {
                 panic!("{name} was not told to step alone after its batch failed");
             };
-            let stepped = step_alone(&outbox, &ctx, finished, claims);
+            let stepped = step_alone(outbox, &ctx, finished, claims);
             assert_eq!(stepped.is_err(), name == "ghost", "{name}");
         }
         let b = outbox.get("b").expect("get").expect("live");
@@ -1289,20 +1323,17 @@ mod tests {
     #[test]
     fn a_panic_in_a_batchs_rules_is_raised_in_each_member_and_the_next_request_leads_again() {
         use crate::FailAction;
-        let dir = tempfile::tempdir().expect("dir");
-        let outbox = open(dir.path(), &[("step.batch", FailAction::Panic)]);
-        let picker = Mutex::new(Picker::worker());
-        let [a, b] = two_claimed(&outbox, &picker);
-        let (stopping, tally) = (AtomicBool::new(true), Mutex::new(Tally::default()));
-        let ctx = StepCtx {
-            picker: &picker,
-            stopping: &stopping,
-            tally: &tally,
-        };
+        let fixture = TwoClaimed::new(&[("step.batch", FailAction::Panic)], true);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
         let steps = Steps::default();
-        let mut a = queue(&steps, delivered(&a), 0);
-        let mut b = queue(&steps, delivered(&b), 0);
-        steps.lead(&outbox, &ctx, || {
+        let mut a = queue(&steps, delivered(a), 0);
+        let mut b = queue(&steps, delivered(b), 0);
+        steps.lead(outbox, &ctx, || {
             panic!("nothing was queued behind the batch")
         });
         for (name, answer) in [("a", &mut a), ("b", &mut b)] {
@@ -1340,23 +1371,21 @@ mod tests {
         let counted = open(probe.path(), &[("journal.fsync", FailAction::DelayMs(0))]);
         two_claimed(&counted, &Mutex::new(Picker::worker()));
         let setup = counted.failpoint_hits("journal.fsync");
-        let dir = tempfile::tempdir().expect("dir");
-        let outbox = open(
-            dir.path(),
+        let fixture = TwoClaimed::new(
             &[("journal.fsync", FailAction::ErrorOnHit(setup + 1))],
+            false,
         );
-        let picker = Mutex::new(Picker::worker());
-        let [a, b] = two_claimed(&outbox, &picker);
-        let (stopping, tally) = (AtomicBool::new(false), Mutex::new(Tally::default()));
-        let ctx = StepCtx {
-            picker: &picker,
-            stopping: &stopping,
-            tally: &tally,
-        };
+        let TwoClaimed {
+            outbox,
+            tally,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
         let steps = Steps::default();
-        let mut b = queue(&steps, delivered(&b), 0);
-        let mut a = queue(&steps, delivered(&a), 1);
-        lead(&steps, &outbox, &ctx);
+        let mut b = queue(&steps, delivered(b), 0);
+        let mut a = queue(&steps, delivered(a), 1);
+        lead(&steps, outbox, &ctx);
         match b.try_recv() {
             Ok(Reply::Failed(Error::Io { op: "fsync", .. })) => {}
             Ok(Reply::Failed(e)) => panic!("b failed with {e}"),
