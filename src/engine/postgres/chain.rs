@@ -102,16 +102,6 @@ impl PgEngine {
                 &[&i64::try_from(after).unwrap_or(i64::MAX), &limit],
             )
             .map_err(db("read the audit log"))?;
-        rows.iter()
-            .map(|row| {
-                let seq: i64 = row.get(0);
-                let line: &str = row.get(1);
-                serde_json::from_str(line).map_err(|e| Error::InvalidRecord {
-                    path: PathBuf::from(format!("postgres:{}.audit", self.schema)),
-                    location: format!("seq {seq}"),
-                    reason: format!("not an audit record: {e}"),
-                })
-            })
-            .collect()
+        rows.iter().map(|row| self.record_of_row(row)).collect()
     }
 }
