@@ -33,7 +33,7 @@
 use chrono::{DateTime, Utc};
 
 use super::sealing::system_event;
-use super::{PgEngine, Seal, db, txn};
+use super::{PgEngine, Seal, db};
 use crate::audit::AuditOutcome;
 use crate::error::Result;
 use crate::settings::Settings;
@@ -125,11 +125,9 @@ impl PgEngine {
         let mut client = self.client()?;
         let mut tx = client.begin();
         let s = &self.s;
-        self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events (the pruned items' last ones among them) go on the
         // chain first: the prune's record comes after them.
-        let head = self.lock_head(&mut tx)?;
-        let (_, head) = self.seal_pending_in(&mut tx, head)?;
+        let head = self.begin_outbox_write(&mut tx)?;
         let gone: Vec<String> = tx
             .query(
                 &format!(

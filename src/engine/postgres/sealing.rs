@@ -386,6 +386,18 @@ impl PgEngine {
         Ok(())
     }
 
+    /// Opens a writer that records an event about the outbox itself (stored
+    /// settings, a retention prune) in `tx`: passes the writers' gate
+    /// exclusively, locks the audit head and seals every pending event onto
+    /// the chain first, so the writer's own record comes after them. Returns
+    /// the head its record follows.
+    pub(super) fn begin_outbox_write(&self, tx: &mut Tx<'_>) -> Result<Head> {
+        self.pass_gate(tx, super::txn::Scope::Any)?;
+        let head = self.lock_head(tx)?;
+        let (_, head) = self.seal_pending_in(tx, head)?;
+        Ok(head)
+    }
+
     /// Locks the audit head row in `tx` (a sealer's lock) and returns it.
     pub(super) fn lock_head(&self, tx: &mut Tx<'_>) -> Result<Head> {
         let row = tx

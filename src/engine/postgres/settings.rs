@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 
 use super::conn::Tx;
 use super::sealing::system_event;
-use super::{PgEngine, db, txn};
+use super::{PgEngine, db};
 use crate::audit::AuditOutcome;
 use crate::error::Result;
 use crate::settings::{Settings, Stored};
@@ -63,10 +63,8 @@ impl PgEngine {
         let mut client = self.client()?;
         let mut tx = client.begin();
         let s = &self.s;
-        self.pass_gate(&mut tx, txn::Scope::Any)?;
         // Pending events go on the chain first: this record comes after them.
-        let head = self.lock_head(&mut tx)?;
-        let (_, head) = self.seal_pending_in(&mut tx, head)?;
+        let head = self.begin_outbox_write(&mut tx)?;
         let stored = self.read_settings(&mut tx)?;
         let items: i64 = tx
             .query_one(&format!("SELECT count(*) FROM {s}.items"), &[])
