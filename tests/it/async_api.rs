@@ -12,16 +12,8 @@ use std::time::Duration;
 use durable_outbox::{ItemState, Outcome, SEND_CANCELLED, SEND_PANICKED, SendError};
 
 use crate::engines::on_both_engines;
-use crate::harness::{DEADLOCK_LIMIT, Harness, msg, secs, within};
+use crate::harness::{DEADLOCK_LIMIT, Harness, msg, runtime, secs, within};
 use durable_outbox::FailureClass;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 on_both_engines! {
     fn process_async_delivers_with_the_claim_durable_before_the_future_runs(engine) {

@@ -18,15 +18,7 @@ use std::time::Duration;
 use durable_outbox::{AuditOutcome, Error, FailAction, ItemState, Outbox, OutboxItem, SendError};
 
 use crate::engines::on_both_engines;
-use crate::harness::{DEADLOCK_LIMIT, msg, secs, within};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
+use crate::harness::{DEADLOCK_LIMIT, msg, runtime, secs, within};
 
 /// Runs a worker with `concurrency` slots until `done` holds for the
 /// outbox's items, then shuts it down and returns its report.

@@ -177,6 +177,17 @@ pub fn msg(key: &str, destination: &str) -> NewMessage {
     }
 }
 
+/// A two-thread tokio runtime for the async tests (`process_async`, the
+/// worker): small, as the machines that run the suite have two cores.
+#[cfg(feature = "tokio")]
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }

@@ -17,17 +17,9 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::engines::{EngineUnderTest, on_both_engines};
 use crate::harness::msg;
-use crate::harness::{DEADLOCK_LIMIT, secs};
+use crate::harness::{DEADLOCK_LIMIT, runtime, secs};
 
 const WATCHDOG: Duration = Duration::from_secs(60);
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// Awaits `f` under the watchdog; a hang fails naming `what`.
 async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
