@@ -205,8 +205,18 @@ impl<'i> ItemWrite<'i> {
             )),
         }
         if let Some(times) = &self.times {
-            // One statement: drop the times the item no longer has, add the
-            // new ones (the two never touch the same row).
+            // One statement: the `DELETE` drops the rows of times the item
+            // no longer has; the `INSERT` writes every time it has, and
+            // `ON CONFLICT DO NOTHING` skips those already stored (the rows
+            // the `DELETE` keeps: both parts read the statement's snapshot,
+            // so the `INSERT` still sees them). The `DELETE` only ever keeps
+            // a row the `INSERT` also wants, so the two parts remove and add
+            // disjoint sets of rows. That holds because a key's destination
+            // never changes (an enqueue of a key names the same message, or
+            // is refused): were it to change, a time kept under the old
+            // destination would be skipped by the `INSERT` and then deleted
+            // (a CTE's `DELETE` that the query does not read runs after it),
+            // losing the send from the new destination's window.
             out.push((
                 format!(
                     "WITH gone AS (
