@@ -32,10 +32,10 @@
 
 use chrono::{DateTime, Utc};
 
-use super::sealing::system_event;
 use super::{PgEngine, Seal, db};
 use crate::audit::AuditOutcome;
 use crate::error::Result;
+use crate::rules::record::system_event_of;
 use crate::settings::Settings;
 
 /// What one compaction did.
@@ -155,7 +155,7 @@ impl PgEngine {
             gone.len(),
             crate::clock::format_timestamp(cutoff)
         );
-        let event = system_event(AuditOutcome::Pruned, &head, "history-retention", note, now);
+        let event = system_event_of(AuditOutcome::Pruned, &head, "history-retention", note, now);
         self.append_system_record(&mut tx, &head, &event)?;
         tx.commit().map_err(db("commit a retention prune"))?;
         Ok(gone.len() as u64)

@@ -42,12 +42,11 @@
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
-use chrono::{DateTime, Utc};
 use postgres::Row;
 
 use super::conn::{Conn, Step, Tx};
 use super::{PgEngine, db};
-use crate::audit::{AuditEvent, AuditOutcome, AuditRecord, Head};
+use crate::audit::{AuditEvent, AuditRecord, Head};
 use crate::error::{Error, Result};
 
 /// How many of a handle's commits may leave their events pending while
@@ -57,18 +56,6 @@ const SEAL_EVERY: u64 = 32;
 
 /// How many pending events one sealing transaction moves at most.
 const SEAL_BATCH: i64 = 1_000;
-
-/// An audit event about the outbox, not an item (`settings`, a retention
-/// prune): the rules' one constructor, so both engines hash the same record.
-pub(super) fn system_event(
-    outcome: AuditOutcome,
-    head: &Head,
-    subject: &str,
-    note: String,
-    now: DateTime<Utc>,
-) -> AuditEvent {
-    crate::rules::record::system_event_of(outcome, head, subject, note, now)
-}
 
 /// Sealed records to write and the head they end at.
 struct SealedWrite {

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use chrono::{DateTime, Utc};
 
 use super::conn::Tx;
-use super::sealing::system_event;
 use super::{PgEngine, db};
 use crate::audit::AuditOutcome;
 use crate::error::Result;
+use crate::rules::record::system_event_of;
 use crate::settings::{Settings, Stored};
 use crate::store::{settings_from_json, settings_to_json};
 
@@ -95,7 +95,7 @@ impl PgEngine {
             } else {
                 "stored on first explicit use"
             };
-            let event = system_event(
+            let event = system_event_of(
                 AuditOutcome::Settings,
                 &head,
                 "settings",
