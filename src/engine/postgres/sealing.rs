@@ -40,7 +40,7 @@
 //! commits: the chain orders records, not commits of unrelated items.
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use postgres::Row;
 
@@ -56,6 +56,19 @@ const SEAL_EVERY: u64 = 32;
 
 /// How many pending events one sealing transaction moves at most.
 const SEAL_BATCH: i64 = 1_000;
+
+/// A thread's turn to seal after its commit (`PgEngine::sealing` set), given
+/// back when dropped: when the sealing ends, and also when a panic unwinds
+/// through it. A turn never given back would stop every later sealing after
+/// a commit of the handle, leaving each commit's events pending until a
+/// reader of the chain sealed them.
+struct Sealing<'a>(&'a AtomicBool);
+
+impl Drop for Sealing<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
 
 /// Sealed records to write and the head they end at.
 struct SealedWrite {
@@ -315,6 +328,7 @@ impl PgEngine {
             return;
         }
         while !self.sealing.swap(true, Ordering::SeqCst) {
+            let held = Sealing(&self.sealing);
             let taken = self.unsealed.swap(0, Ordering::SeqCst);
             // A failpoint here stands for a crash (or a lost connection)
             // between the commit and its sealing.
@@ -323,7 +337,7 @@ impl PgEngine {
                 .check("postgres.seal_after_commit")
                 .map_err(|e| Error::io(self.place(), "seal after commit", e))
                 .and_then(|()| self.seal_pending(client, Seal::IfFree));
-            self.sealing.store(false, Ordering::SeqCst);
+            drop(held);
             if let Err(e) = sealed {
                 // Still pending: the next sealer (or reader) takes them.
                 self.unsealed.fetch_add(taken, Ordering::SeqCst);

@@ -408,3 +408,80 @@ fn a_version_1_schema_migrates_forward_keeping_items_and_their_order() {
         .unwrap();
     assert_eq!(head.as_deref(), Some("b-first"));
 }
+
+/// How many committed audit events wait to be sealed.
+fn pending(db: &super::test_server::PgDatabase<'_>) -> usize {
+    db.psql(&format!(
+        "SELECT count(*) FROM {DEFAULT_SCHEMA}.audit_pending"
+    ))
+    .trim()
+    .parse()
+    .unwrap()
+}
+
+/// A panic inside a transaction of the rules (a bug in a rule, or in what it
+/// calls) unwinds out of the call and commits nothing; the handle goes on
+/// as before: its next call, alone, seals its own commit's events before it
+/// returns, as if the panicking transaction had never run (it does not stay
+/// counted as running, which would leave each commit's events pending).
+#[test]
+fn a_panic_in_a_transaction_leaves_later_commits_sealed_when_they_return() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    enqueue(&engine, item("before", "chat"));
+    assert_eq!(pending(&db), 0, "a lone call seals its own commit");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine.transact(
+            Utc::now(),
+            &defaults(),
+            Scope::Any,
+            |_| -> crate::Result<()> { panic!("a bug in a rule") },
+        )
+    }));
+    assert!(panicked.is_err(), "the panic reaches the caller");
+    for n in 0..3 {
+        enqueue(&engine, item(&format!("after-{n}"), "chat"));
+        assert_eq!(
+            pending(&db),
+            0,
+            "after-{n}: a lone call after a panicked transaction left its events pending"
+        );
+    }
+    assert_eq!(engine.verify_audit().unwrap().records, 4);
+}
+
+/// A panic while a thread seals after its commit (here a fault point; in
+/// production a bug) does not stop the handle's sealing for good: the next
+/// commit is sealed when its call returns.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_panic_while_sealing_after_a_commit_leaves_later_commits_sealed() {
+    use crate::FailAction;
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    engine
+        .faults
+        .arm("postgres.seal_after_commit", FailAction::Panic);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        enqueue(&engine, item("a", "chat"));
+    }));
+    assert!(panicked.is_err(), "the sealing panicked");
+    assert_eq!(pending(&db), 1, "committed, not sealed");
+    // The fault is gone (armed again as a pass).
+    engine
+        .faults
+        .arm("postgres.seal_after_commit", FailAction::DelayMs(0));
+    enqueue(&engine, item("b", "chat"));
+    assert_eq!(
+        pending(&db),
+        0,
+        "the next commit after a panicked sealing was not sealed"
+    );
+    assert_eq!(engine.verify_audit().unwrap().records, 2);
+}

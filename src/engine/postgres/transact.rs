@@ -3,7 +3,7 @@
 //! probe, the item's row), retries of aborted attempts, and the best-effort
 //! sealing after the commit.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
 use postgres::Row;
@@ -150,7 +150,7 @@ impl PgEngine {
         f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         let mut client = self.client()?;
-        self.in_txn.fetch_add(1, Ordering::SeqCst);
+        let running = Running::enter(&self.in_txn);
         // A pooled connection found dead by the opening pipeline (nothing of
         // the transaction can have committed, `f` has not run): run it again
         // on the next one (see `connect`).
@@ -174,7 +174,7 @@ impl PgEngine {
                 done => break done,
             }
         };
-        let others = self.in_txn.fetch_sub(1, Ordering::SeqCst) - 1;
+        let others = running.leave();
         let pending = matches!(outcome, Ok((_, true)));
         self.after_txn(&mut client, pending, others);
         outcome.map(|(value, _)| value)
@@ -218,5 +218,39 @@ impl PgEngine {
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
         Ok((value, committed.pending))
+    }
+}
+
+/// One transaction of the rules counted among the handle's running ones
+/// (`PgEngine::in_txn`) for as long as this lives: it leaves the count when
+/// the transaction ends, and also when a panic (a bug in a rule, or in code it
+/// calls) unwinds through it. A count left raised would make the handle
+/// believe a transaction still runs for ever, so each later call would leave
+/// its commit's events pending for another call to seal, until `SEAL_EVERY`
+/// of them wait (see `PgEngine::after_txn`).
+struct Running<'a> {
+    count: &'a AtomicU64,
+    left: bool,
+}
+
+impl<'a> Running<'a> {
+    fn enter(count: &'a AtomicU64) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self { count, left: false }
+    }
+
+    /// Leaves the count; returns how many other transactions of the handle
+    /// are still running.
+    fn leave(mut self) -> u64 {
+        self.left = true;
+        self.count.fetch_sub(1, Ordering::SeqCst) - 1
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if !self.left {
+            self.count.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
