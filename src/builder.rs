@@ -54,7 +54,7 @@ pub struct OutboxBuilder {
     /// Connectors whose platform deduplicates by transaction id, with the
     /// window within which it does.
     pub(crate) idempotent: std::collections::BTreeMap<String, Duration>,
-    #[cfg(feature = "test-failpoints")]
+    #[cfg(any(test, feature = "test-failpoints"))]
     pub(crate) failpoints: Vec<(String, crate::failpoint::FailAction)>,
     /// Where the outbox lives when it is not a directory: a PostgreSQL URL
     /// and schema ([`Outbox::postgres`]).
@@ -156,7 +156,7 @@ impl OutboxBuilder {
             explicit: Stored::default(),
             update_settings: false,
             idempotent: std::collections::BTreeMap::new(),
-            #[cfg(feature = "test-failpoints")]
+            #[cfg(any(test, feature = "test-failpoints"))]
             failpoints: Vec::new(),
             #[cfg(feature = "postgres")]
             postgres: None,
@@ -465,7 +465,7 @@ impl OutboxBuilder {
     }
 
     /// Arms a test failpoint on this outbox (feature `test-failpoints` only).
-    #[cfg(feature = "test-failpoints")]
+    #[cfg(any(test, feature = "test-failpoints"))]
     #[doc(hidden)]
     pub fn failpoint(mut self, name: &str, action: crate::failpoint::FailAction) -> Self {
         self.failpoints.push((name.to_owned(), action));

@@ -1,4 +1,6 @@
-//! Named fault-injection points, compiled in only with the `test-failpoints` feature.
+//! Named fault-injection points, compiled in only with the `test-failpoints` feature
+//! and in the crate's own unit tests (so every unit test builds under every
+//! feature combination, `tokio` alone included).
 //!
 //! Each open outbox carries its own [`Failpoints`] (set on the builder, or read from
 //! the `DURABLE_OUTBOX_FAILPOINTS` environment variable by child processes in crash
@@ -8,7 +10,7 @@
 use std::io;
 
 /// What a failpoint does when it is hit.
-#[cfg(feature = "test-failpoints")]
+#[cfg(any(test, feature = "test-failpoints"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailAction {
     /// Return an injected I/O error (`EIO`) from the step.
@@ -27,7 +29,7 @@ pub enum FailAction {
     DelayMs(u32),
 }
 
-#[cfg(feature = "test-failpoints")]
+#[cfg(any(test, feature = "test-failpoints"))]
 mod enabled {
     use super::FailAction;
     use std::collections::HashMap;
@@ -130,15 +132,16 @@ mod enabled {
     }
 }
 
-#[cfg(feature = "test-failpoints")]
+#[cfg(any(test, feature = "test-failpoints"))]
 pub use enabled::Failpoints;
 
-/// The failpoints of one open outbox: nothing, without the `test-failpoints` feature.
-#[cfg(not(feature = "test-failpoints"))]
+/// The failpoints of one open outbox: nothing, without the `test-failpoints` feature
+/// (outside the unit tests).
+#[cfg(not(any(test, feature = "test-failpoints")))]
 #[derive(Debug, Default)]
 pub(crate) struct Failpoints;
 
-#[cfg(not(feature = "test-failpoints"))]
+#[cfg(not(any(test, feature = "test-failpoints")))]
 impl Failpoints {
     pub(crate) fn from_env() -> Self {
         Self
@@ -157,7 +160,7 @@ impl Failpoints {
     }
 }
 
-#[cfg_attr(not(feature = "test-failpoints"), allow(dead_code))]
+#[cfg_attr(not(any(test, feature = "test-failpoints")), allow(dead_code))]
 fn injected(name: &str) -> io::Error {
     io::Error::other(format!("injected fault at failpoint {name}"))
 }

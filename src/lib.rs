@@ -133,7 +133,7 @@ pub use crate::audit::{
 pub use crate::builder::OutboxBuilder;
 pub use crate::clock::{Clock, ManualClock, Sleeper, SystemClock, ThreadSleeper};
 pub use crate::error::{AuditFault, Error, Result};
-#[cfg(feature = "test-failpoints")]
+#[cfg(any(test, feature = "test-failpoints"))]
 #[doc(hidden)]
 pub use crate::failpoint::FailAction;
 pub use crate::filter::{BulkReport, ItemFilter};

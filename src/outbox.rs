@@ -1121,7 +1121,7 @@ impl Outbox {
 
     /// How often the armed test failpoint `name` was reached on this handle
     /// (feature `test-failpoints` only; the file engine's points, 0 elsewhere).
-    #[cfg(feature = "test-failpoints")]
+    #[cfg(any(test, feature = "test-failpoints"))]
     #[doc(hidden)]
     pub fn failpoint_hits(&self, name: &str) -> u32 {
         match &self.inner.backend {

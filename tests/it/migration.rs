@@ -9,10 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use durable_outbox::{
-    AMBIGUOUS_AFTER_RESTART, AuditLog, Error, ItemState, ManualClock, Migration, Outbox,
-    OutboxBuilder, SendError,
-};
+use durable_outbox::{AuditLog, Error, ManualClock, Migration, Outbox, OutboxBuilder, SendError};
 
 use crate::harness::{START, msg, secs};
 use crate::pg_server::{PgDatabase, PgServer};
@@ -456,6 +453,7 @@ fn a_directory_that_is_not_an_outbox_is_refused() {
 #[test]
 fn an_open_outbox_is_refused_and_a_dead_claim_becomes_ambiguous_on_postgres() {
     use crate::processes::{wait_for_line, worker};
+    use durable_outbox::{AMBIGUOUS_AFTER_RESTART, ItemState};
 
     let Some(db) = database() else { return };
     let dir = tempfile::tempdir().unwrap();

@@ -106,9 +106,9 @@ impl FileEngine {
                 hold_since: None,
             },
         )?;
-        #[cfg_attr(not(feature = "test-failpoints"), allow(unused_mut))]
+        #[cfg_attr(not(any(test, feature = "test-failpoints")), allow(unused_mut))]
         let mut faults = Failpoints::from_env();
-        #[cfg(feature = "test-failpoints")]
+        #[cfg(any(test, feature = "test-failpoints"))]
         for (name, action) in &builder.failpoints {
             faults.arm(name, *action);
         }
@@ -172,7 +172,7 @@ impl FileEngine {
     }
 
     /// How often the armed test failpoint `name` was reached.
-    #[cfg(feature = "test-failpoints")]
+    #[cfg(any(test, feature = "test-failpoints"))]
     pub(crate) fn failpoint_hits(&self, name: &str) -> u32 {
         self.faults.hits(name)
     }

@@ -57,7 +57,7 @@ impl PgBackend {
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
         let engine = blocking(|| PgEngine::open(&target.url, &target.schema, hasher))?;
-        #[cfg(feature = "test-failpoints")]
+        #[cfg(any(test, feature = "test-failpoints"))]
         for (name, action) in &builder.failpoints {
             engine.faults.arm(name, *action);
         }

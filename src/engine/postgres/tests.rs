@@ -456,7 +456,6 @@ fn a_panic_in_a_transaction_leaves_later_commits_sealed_when_they_return() {
 /// A panic while a thread seals after its commit (here a fault point; in
 /// production a bug) does not stop the handle's sealing for good: the next
 /// commit is sealed when its call returns.
-#[cfg(feature = "test-failpoints")]
 #[test]
 fn a_panic_while_sealing_after_a_commit_leaves_later_commits_sealed() {
     use crate::FailAction;
