@@ -668,6 +668,17 @@ impl Outbox {
                     picker.begin_attempt();
                 }
                 let views: Vec<drain::Member<'_>> = members.iter().map(AsMember::member).collect();
+                // When the rules fail part-way (an engine error in a read
+                // after some claims were made), those claims' in-flight
+                // marks stay: `claimed_here` learns claims only from a
+                // result. Harmless: such a claim never committed, a mark is
+                // matched against the claim an item carries (owner, attempt
+                // and time: `Actor::is_sending`), and a later claim of ours
+                // that would carry the same stamp is made a microsecond
+                // later instead (`lifecycle::apart_from_our_sends`), so no
+                // committed claim ever matches a leftover mark. What it
+                // costs is a few bytes per claim of a failed attempt and, at
+                // a clock that has not moved since, that microsecond.
                 let batched = drain::step_batch(actor, txn, &views, picker.as_deref_mut())?;
                 drop(picker);
                 claimed_here.extend(
