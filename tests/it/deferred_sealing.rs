@@ -349,3 +349,183 @@ fn a_host_killed_between_a_commit_and_its_sealing_loses_nothing() {
     let file = export(&engine);
     assert_eq!(AuditLog::verify(file.path()).unwrap().records, 3);
 }
+
+/// Runs `outbox_write` (a retention prune or a stored-settings change: a
+/// writer that passes the writers' gate alone and seals a record about the
+/// outbox) while `dying` cancels `key`, so that the cancellation commits
+/// after `outbox_write` sealed what was pending before it began and before
+/// it passes the gate. The cancellation's event stays pending (`dying`'s
+/// sealing after a commit fails), so only `outbox_write` can seal it before
+/// its own record. The order is forced with locks, not timing: a session of
+/// the test holds `key`'s row, so the cancellation waits inside its
+/// transaction, holding the gate shared; `outbox_write` starts once that
+/// wait is seen and queues at the gate; the row is let go once that wait is
+/// seen too. The manual clock moves by `advance` after the cancellation took
+/// its time and before `outbox_write` takes its own.
+#[cfg(feature = "test-failpoints")]
+fn an_outbox_write_racing_a_commit<T: Send>(
+    engine: &EngineUnderTest,
+    dying: &Outbox,
+    key: &str,
+    advance: Duration,
+    outbox_write: impl FnOnce() -> T + Send,
+) -> T {
+    let mut session = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    let mut probe = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    // Until a session of this database waits for a lock of this kind.
+    let mut wait_for = |condition: &str| {
+        let sql = format!(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock' AND {condition}"
+        );
+        while probe.query_one(&sql, &[]).unwrap().get::<_, i64>(0) == 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    within(
+        "an outbox write racing a commit ends (lock order: gate, then rows)",
+        DEADLOCK_LIMIT,
+        || {
+            session
+                .batch_execute(&format!(
+                    "BEGIN; SELECT 1 FROM durable_outbox.items
+                     WHERE idempotency_key = '{key}' FOR UPDATE"
+                ))
+                .unwrap();
+            std::thread::scope(|scope| {
+                let cancelling = scope.spawn(|| dying.cancel(key, "ops", "not needed"));
+                // The cancellation waits for the row.
+                wait_for("wait_event <> 'advisory'");
+                engine.clock.advance(advance);
+                let writing = scope.spawn(outbox_write);
+                // The outbox write waits at the gate.
+                wait_for("wait_event = 'advisory'");
+                session.batch_execute("ROLLBACK").unwrap();
+                let cancelled = cancelling.join().unwrap().unwrap();
+                assert_eq!(cancelled.state(), ItemState::Failed, "cancelled");
+                writing.join().unwrap()
+            })
+        },
+    )
+}
+
+/// Where the records of `key`, and the first record with `outcome`, are on
+/// the chain (their positions), read through the handle's audit stream.
+#[cfg(feature = "test-failpoints")]
+fn positions(outbox: &Outbox, key: &str, outcome: AuditOutcome) -> (Vec<usize>, usize) {
+    let records: Vec<_> = outbox
+        .audit_records()
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let of_key = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.idempotency_key == key)
+        .map(|(i, _)| i)
+        .collect();
+    let at = records
+        .iter()
+        .position(|r| r.outcome == outcome)
+        .unwrap_or_else(|| panic!("no {outcome:?} record on the chain"));
+    (of_key, at)
+}
+
+/// A retention prune that passes the gate while an item's last change is
+/// committed and not yet sealed seals that change first: the chain holds
+/// the pruned item's whole life (queued, cancelled) once each, then the
+/// `pruned` record, never a record of an item after the record of its
+/// deletion; the item is gone and the chain verifies, online and offline.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_prune_seals_the_pending_last_change_of_an_item_it_deletes_before_its_own_record() {
+    use durable_outbox::{FailAction, Retention};
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let configure = |b: durable_outbox::OutboxBuilder| {
+        b.rate_limit(u32::MAX, Duration::from_secs(60))
+            .history_after(Duration::from_secs(60))
+            .history_retention(Retention::MaxAge(Duration::from_secs(3600)))
+    };
+    let dying = engine
+        .open_with(|b| configure(b).failpoint("postgres.seal_after_commit", FailAction::Error));
+    let bot = engine.open_with(configure);
+    dying.enqueue(msg("old", "chat-old")).unwrap();
+    // Cancelled at the start, pruned three hours later (past the hour kept).
+    an_outbox_write_racing_a_commit(
+        &engine,
+        &dying,
+        "old",
+        Duration::from_secs(3 * 3600),
+        || {
+            bot.compact().unwrap();
+        },
+    );
+    assert!(
+        bot.get("old").unwrap().is_none(),
+        "past its retention age: pruned"
+    );
+    // Read before the chain is (its reader seals first).
+    let pending = count(&engine, "audit_pending");
+    let (old, pruned) = positions(&bot, "old", AuditOutcome::Pruned);
+    assert_eq!(old.len(), 2, "queued and cancelled, each once");
+    assert!(
+        old.iter().all(|&at| at < pruned),
+        "a record of the pruned item is on the chain after the prune's \
+         (positions {old:?}, prune at {pruned})"
+    );
+    assert_eq!(
+        bot.history("old")
+            .unwrap()
+            .iter()
+            .map(|r| r.outcome)
+            .collect::<Vec<_>>(),
+        [AuditOutcome::Queued, AuditOutcome::Cancelled]
+    );
+    assert_eq!(pending, 0, "compact left an event pending");
+    assert_eq!(bot.verify_audit().unwrap().records, 3);
+    let file = export(&engine);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 3);
+}
+
+/// A stored-settings change (a handle opened with `update_settings`) that
+/// passes the gate while another handle's change is committed and not yet
+/// sealed seals that change first: the `settings` record comes after every
+/// change committed before it, each once; the new value is in force and the
+/// chain verifies.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_settings_change_seals_the_changes_committed_before_it_first() {
+    use durable_outbox::FailAction;
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let dying = engine.open_with(|b| {
+        b.rate_limit(u32::MAX, Duration::from_secs(60))
+            .max_attempts(3)
+            .failpoint("postgres.seal_after_commit", FailAction::Error)
+    });
+    dying.enqueue(msg("k", "chat-k")).unwrap();
+    let updated = an_outbox_write_racing_a_commit(&engine, &dying, "k", Duration::ZERO, || {
+        engine.open_with(|b| {
+            b.rate_limit(u32::MAX, Duration::from_secs(60))
+                .max_attempts(9)
+                .update_settings()
+        })
+    });
+    assert_eq!(updated.settings().unwrap().max_attempts(), 9);
+    // Read before the chain is (its reader seals first).
+    let pending = count(&engine, "audit_pending");
+    let (k, settings) = positions(&updated, "k", AuditOutcome::Settings);
+    assert_eq!(k.len(), 2, "queued and cancelled, each once");
+    assert!(
+        k.iter().all(|&at| at < settings),
+        "a change committed before the settings change is on the chain after \
+         its record (positions {k:?}, settings at {settings})"
+    );
+    assert_eq!(pending, 0, "a handle's open left an event pending");
+    assert_eq!(updated.verify_audit().unwrap().records, 3);
+    let file = export(&engine);
+    assert_eq!(AuditLog::verify(file.path()).unwrap().records, 3);
+}
