@@ -81,6 +81,8 @@ mod matrix_delivery;
 mod power_loss;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod processes;
+#[cfg(all(feature = "postgres", feature = "tokio"))]
+mod unrecorded_sends;
 #[cfg(feature = "tokio")]
 mod worker;
 #[cfg(all(unix, feature = "tokio", feature = "test-failpoints"))]

@@ -1,0 +1,94 @@
+//! A send whose outcome could not be recorded is never left looking in
+//! flight: once the call or the worker that ran it has returned the error,
+//! the item keeps its claim, and the next look of the same handle settles it
+//! as ambiguous (it may have been delivered, so it is never sent again),
+//! whichever path failed to record it.
+
+use std::sync::mpsc;
+
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, ItemState, OutboxItem, Outcome};
+
+use crate::engines::EngineUnderTest;
+use crate::harness::{DEADLOCK_LIMIT, msg, runtime, uncapped, within};
+
+/// A worker whose record of a finished send fails in its batch's rules
+/// (here a lock wait ended by the database's `lock_timeout`, as a DBA may
+/// set it), and again when that send is recorded in a step of its own,
+/// stops with the error; the send is then no longer counted as running, so
+/// the handle's next look settles the item as ambiguous instead of reporting
+/// it in flight for as long as the handle lives.
+#[test]
+fn a_worker_send_whose_record_failed_batched_and_alone_is_settled_by_the_next_look() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let url = engine.url();
+    let name = url.rsplit('/').next().unwrap();
+    // Every session opened from now on gives up a lock wait after 300 ms.
+    crate::pg_server::PgServer::shared().unwrap().psql(
+        name,
+        &format!("ALTER DATABASE \"{name}\" SET lock_timeout = '300ms'"),
+    );
+    let outbox = engine.open_real_clock_with(uncapped);
+    outbox.enqueue(msg("a", "chat-a")).unwrap();
+    let mut session = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let (sending, started) = mpsc::channel::<String>();
+    let (go, finish) = tokio::sync::watch::channel(false);
+    let transport = move |item: OutboxItem| {
+        let sending = sending.clone();
+        let mut finish = finish.clone();
+        async move {
+            sending.send(item.idempotency_key().to_owned()).unwrap();
+            finish.wait_for(|go| *go).await.unwrap();
+            Ok(Some("tr-a".to_owned()))
+        }
+    };
+    let rt = runtime();
+    let ended = within(
+        "a worker whose record of a send failed stops",
+        DEADLOCK_LIMIT,
+        || {
+            let running = rt.spawn(
+                outbox
+                    .worker(transport)
+                    .concurrency(1)
+                    .run(std::future::pending()),
+            );
+            assert_eq!(started.recv().unwrap(), "a");
+            // While a is being sent, the test's session takes its row: the
+            // worker's record of the send waits for it and times out, in
+            // its batch and then alone.
+            session
+                .batch_execute(
+                    "BEGIN; SELECT 1 FROM durable_outbox.items
+                     WHERE idempotency_key = 'a' FOR UPDATE",
+                )
+                .unwrap();
+            go.send(true).unwrap();
+            rt.block_on(running).unwrap()
+        },
+    );
+    match ended {
+        Err(Error::Database { .. }) => {}
+        other => panic!("the worker must stop with the database's error: {other:?}"),
+    }
+    session.batch_execute("ROLLBACK").unwrap();
+    let item = outbox.get("a").unwrap().unwrap();
+    assert!(
+        item.dispatch_claimed(),
+        "the claim stayed, the result did not"
+    );
+
+    let looked = outbox.process("a", |_| panic!("a was sent again")).unwrap();
+    assert_eq!(
+        looked.outcome,
+        Outcome::Failed,
+        "the unrecorded send still looks in flight: {looked:?}"
+    );
+    let item = outbox.get("a").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(AMBIGUOUS_AFTER_RESTART))
+    );
+    outbox.verify_audit().unwrap();
+}
