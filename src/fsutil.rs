@@ -47,6 +47,142 @@ pub(crate) fn open_private(path: &Path, append: bool) -> io::Result<File> {
     options.open(path)
 }
 
+/// Stops reads through `file` from updating the file's access time
+/// (`O_NOATIME`), for a file that is read right after another writer wrote
+/// it, on every transaction: on a `relatime` mount each such read after a
+/// write updates the access time and dirties the inode again, as the write
+/// just did (`perf record -e ext4:ext4_mark_inode_dirty`: one from `pwrite`,
+/// one from `pread`'s `touch_atime`). Nothing reads these files' access times.
+/// Linux allows the flag to the file's owner only: for a file another user
+/// owns (an outbox shared by a group) reads keep updating it, as before.
+pub(crate) fn no_access_time(file: &File) {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+        if let Ok(flags) = fcntl_getfl(file) {
+            // EPERM (not the owner) is the documented fallback above.
+            let _ = fcntl_setfl(file, flags | OFlags::NOATIME);
+        }
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = file;
+}
+
+/// Reads into `buf` from `offset` until it is full or the file ends; returns
+/// how many bytes were read. Unlike `File::read_to_end`, which `stat`s the
+/// file to size its buffer (and so asks for its timestamps: see
+/// [`identity`]), it makes no call but the reads.
+pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match read_once_at(file, &mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(unix)]
+fn read_once_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    std::os::unix::fs::FileExt::read_at(file, buf, offset)
+}
+
+#[cfg(not(unix))]
+fn read_once_at(mut file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use std::io::{Read, Seek, SeekFrom};
+    file.seek(SeekFrom::Start(offset))?;
+    file.read(buf)
+}
+
+/// A file's identity and length: what is needed to notice that it was
+/// replaced or grew, without its timestamps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub(crate) dev: u64,
+    pub(crate) ino: u64,
+    pub(crate) len: u64,
+}
+
+/// The identity and length of the file at `path` (`None` if there is none),
+/// without asking for its timestamps: on Linux 6.13+ (multigrain timestamps)
+/// a `stat` that reads a file's modification or change time makes the next
+/// write to that file take a fine-grained timestamp, which dirties its inode
+/// on every write instead of once per clock tick; on ext4 without a journal
+/// each dirty inode then costs an extra write at the next `fdatasync` of any
+/// file whose inode shares its inode-table block. Files written on every
+/// transaction (the journal, the audit log) are probed with this.
+pub(crate) fn identity(path: &Path) -> io::Result<Option<Identity>> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use rustix::fs::{AtFlags, CWD, StatxFlags};
+        match rustix::fs::statx(
+            CWD,
+            path,
+            AtFlags::empty(),
+            StatxFlags::INO | StatxFlags::SIZE,
+        ) {
+            Ok(stat) => return Ok(Some(identity_of_statx(&stat))),
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            // No `statx` (an old kernel, a sandbox): the portable call below.
+            Err(rustix::io::Errno::NOSYS | rustix::io::Errno::PERM) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    match fs::metadata(path) {
+        Ok(meta) => Ok(Some(identity_of_metadata(&meta))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// As [`identity`], for an open file.
+pub(crate) fn identity_of(file: &File) -> io::Result<Identity> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use rustix::fs::{AtFlags, StatxFlags};
+        match rustix::fs::statx(
+            file,
+            "",
+            AtFlags::EMPTY_PATH,
+            StatxFlags::INO | StatxFlags::SIZE,
+        ) {
+            Ok(stat) => return Ok(identity_of_statx(&stat)),
+            Err(rustix::io::Errno::NOSYS | rustix::io::Errno::PERM) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(identity_of_metadata(&file.metadata()?))
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn identity_of_statx(stat: &rustix::fs::Statx) -> Identity {
+    Identity {
+        // The encoding `std`'s `MetadataExt::dev` gives for the same file.
+        dev: rustix::fs::makedev(stat.stx_dev_major, stat.stx_dev_minor),
+        ino: stat.stx_ino,
+        len: stat.stx_size,
+    }
+}
+
+/// The identity and length in `meta`.
+pub(crate) fn identity_of_metadata(meta: &fs::Metadata) -> Identity {
+    #[cfg(unix)]
+    let (dev, ino) = {
+        use std::os::unix::fs::MetadataExt;
+        (meta.dev(), meta.ino())
+    };
+    #[cfg(not(unix))]
+    let (dev, ino) = (0, 0);
+    Identity {
+        dev,
+        ino,
+        len: meta.len(),
+    }
+}
+
 /// Opens an existing file for reading (and writing, if `write`), refusing to
 /// follow a symlink at the last path component: a planted link must never make
 /// the outbox read or write someone else's file.
@@ -238,3 +374,6 @@ pub(crate) fn sweep_temp_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(removed)
 }
+
+#[cfg(test)]
+pub(crate) mod tests;

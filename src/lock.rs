@@ -70,7 +70,7 @@ impl<T> DirLock<T> {
         let path = dir.join(LOCK_FILE);
         let file = fsutil::open_private(&path, false)
             .map_err(|e| Error::io(&path, "open lock file", e))?;
-        no_access_time(&file);
+        crate::fsutil::no_access_time(&file);
         Ok(Self {
             path,
             inner: Mutex::new(Slot {
@@ -138,7 +138,7 @@ impl CounterProbe {
     /// Opens `outbox.lock` in `dir` for reading (never through a symlink).
     pub(crate) fn open(dir: &Path) -> io::Result<Self> {
         let file = fsutil::open_existing(&dir.join(LOCK_FILE), false)?;
-        no_access_time(&file);
+        crate::fsutil::no_access_time(&file);
         Ok(Self { file })
     }
 
@@ -150,27 +150,6 @@ impl CounterProbe {
             _ => None,
         }
     }
-}
-
-/// Stops reads of the lock file through `file` from updating its access time
-/// (`O_NOATIME`). Every transaction reads the change counter right after some
-/// transaction wrote it; on a `relatime` mount each such read after a write
-/// would update the access time and dirty the inode again, as the write just
-/// did (`perf record -e ext4:ext4_mark_inode_dirty`: one from `pwrite`, one
-/// from `pread`'s `touch_atime`). Nothing reads the lock file's access time.
-/// Linux allows the flag to the file's owner only: for a file another user
-/// owns (an outbox shared by a group) reads keep updating it, as before.
-fn no_access_time(file: &File) {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
-        if let Ok(flags) = fcntl_getfl(file) {
-            // EPERM (not the owner) is the documented fallback above.
-            let _ = fcntl_setfl(file, flags | OFlags::NOATIME);
-        }
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    let _ = file;
 }
 
 /// Reads exactly `buf.len()` bytes at offset 0; `false` if the file is shorter.

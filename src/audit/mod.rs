@@ -749,17 +749,8 @@ pub(crate) struct AuditTail {
     file_id: Option<(u64, u64)>,
 }
 
-fn file_identity(meta: &fs::Metadata) -> (u64, u64) {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        (meta.dev(), meta.ino())
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = meta;
-        (0, 0)
-    }
+fn file_identity(id: &fsutil::Identity) -> (u64, u64) {
+    (id.dev, id.ino)
 }
 
 impl AuditTail {
@@ -904,11 +895,8 @@ impl AuditTail {
         let Ok(mut file) = fsutil::open_existing(&self.path, false) else {
             return Ok(false);
         };
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(&self.path, "stat", e))?
-            .len();
-        if len < offset {
+        let identity = fsutil::identity_of(&file).map_err(|e| Error::io(&self.path, "stat", e))?;
+        if identity.len < offset {
             return Ok(false);
         }
         // The last record before `offset`: records are at most a few KiB.
@@ -931,11 +919,7 @@ impl AuditTail {
             return Ok(false);
         }
         self.verified_len = offset;
-        self.file_id = Some(file_identity(
-            &file
-                .metadata()
-                .map_err(|e| Error::io(&self.path, "stat", e))?,
-        ));
+        self.file_id = Some(file_identity(&identity));
         self.lines = head.seq.saturating_sub(self.base.seq);
         self.recent.clear();
         self.recent.push_back(head.clone());
@@ -972,12 +956,10 @@ impl AuditTail {
     /// Reads and verifies whatever other writers appended since the last call, and
     /// quarantines a torn tail left by a crash. O(new bytes).
     pub(crate) fn catch_up(&mut self) -> Result<()> {
-        // One stat in the common case where nobody appended since we last looked.
-        let meta = match fs::metadata(&self.path) {
-            Ok(meta) => Some(meta),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io(&self.path, "stat", e)),
-        };
+        // One stat in the common case where nobody appended since we last
+        // looked; without the timestamps, so the next append's stays coarse
+        // (see `fsutil::identity`).
+        let meta = fsutil::identity(&self.path).map_err(|e| Error::io(&self.path, "stat", e))?;
         let rotated = match (self.file_id, &meta) {
             (Some(id), Some(meta)) => id != file_identity(meta),
             (Some(_), None) => true,
@@ -997,7 +979,7 @@ impl AuditTail {
             ));
         };
         self.file_id.get_or_insert(file_identity(&meta));
-        let len = meta.len();
+        let len = meta.len;
         if len == self.verified_len {
             self.torn = None;
             return Ok(());
@@ -1078,11 +1060,20 @@ impl AuditTail {
     /// Sealed segments were fsynced before they were sealed: only a clean tear
     /// is tolerated there (and then reported by the caller).
     fn absorb_from(&mut self, path: &Path, active: bool) -> Result<()> {
-        let len = fs::metadata(path)
+        let opened;
+        // The descriptor this tail writes with, when it has one: the same file
+        // (`catch_up` compared identities), and its reads leave the access
+        // time alone.
+        let file = if let (Some(file), true) = (&self.file, active) {
+            file
+        } else {
+            opened = fsutil::open_existing(path, false).map_err(|e| Error::io(path, "open", e))?;
+            fsutil::no_access_time(&opened);
+            &opened
+        };
+        let len = fsutil::identity_of(file)
             .map_err(|e| Error::io(path, "stat", e))?
-            .len();
-        let mut file =
-            fsutil::open_existing(path, false).map_err(|e| Error::io(path, "open", e))?;
+            .len;
         if len < self.verified_len {
             return Err(broken(
                 path,
@@ -1093,11 +1084,10 @@ impl AuditTail {
                 },
             ));
         }
-        file.seek(SeekFrom::Start(self.verified_len))
-            .map_err(|e| Error::io(path, "seek", e))?;
-        let mut fresh = Vec::with_capacity((len - self.verified_len) as usize);
-        file.read_to_end(&mut fresh)
+        let mut fresh = vec![0; usize::try_from(len - self.verified_len).unwrap_or(usize::MAX)];
+        let read = fsutil::read_at(file, &mut fresh, self.verified_len)
             .map_err(|e| Error::io(path, "read", e))?;
+        fresh.truncate(read);
 
         let mut chain = Chain {
             hasher: &self.hasher,
@@ -1269,9 +1259,9 @@ impl AuditTail {
                 fsutil::sync_dir(&self.dir)
                     .map_err(|e| Error::io(&self.dir, "fsync directory", e))?;
             }
-            let meta = file
-                .metadata()
-                .map_err(|e| Error::io(&self.path, "stat", e))?;
+            // Appends are followed by other handles' reads of this descriptor.
+            fsutil::no_access_time(&file);
+            let meta = fsutil::identity_of(&file).map_err(|e| Error::io(&self.path, "stat", e))?;
             self.file_id = Some(file_identity(&meta));
             self.file = Some(file);
         }

@@ -131,3 +131,40 @@ fn a_shrunken_log_is_reported_not_followed() {
     std::fs::write(tail.path(), b"").unwrap();
     assert!(tail.catch_up().is_err());
 }
+
+/// Another handle's catch-up between appends (every transaction of a second
+/// process) must not make each append dirty the log's inode: on Linux 6.13+
+/// a `stat` that reads the times, or a read that updates the access time,
+/// does, and on ext4 without a journal every dirty inode costs an extra write
+/// at the next `fdatasync` of the journal whose inode shares its block.
+#[test]
+fn a_catch_up_between_appends_leaves_the_logs_inode_clean() {
+    use crate::fsutil::tests::{ROUNDS, inode_dirtyings};
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Failpoints::none();
+    let mut ours = AuditTail::new(dir.path(), Hasher::Plain);
+    let mut theirs = AuditTail::new(dir.path(), Hasher::Plain);
+    ours.append_records(&next_records(&ours, 1), &faults)
+        .unwrap();
+    theirs.catch_up().unwrap();
+    // Both descriptors open, so the rounds measure the steady state.
+    theirs
+        .append_records(&next_records(&theirs, 1), &faults)
+        .unwrap();
+    ours.catch_up().unwrap();
+    let path = ours.path().to_path_buf();
+    let dirtied = inode_dirtyings(&path, || {
+        for _ in 0..ROUNDS {
+            let record = next_records(&ours, 1);
+            ours.append_records(&record, &faults).unwrap();
+            theirs.catch_up().unwrap();
+            assert_eq!(theirs.head(), ours.head());
+        }
+    });
+    if let Some(dirtied) = dirtied {
+        assert!(
+            dirtied <= ROUNDS / 2,
+            "{dirtied} inode dirtyings of the log in {ROUNDS} appends, each caught up on by another handle"
+        );
+    }
+}

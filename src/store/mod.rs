@@ -429,7 +429,10 @@ impl Store {
     /// Call with the directory lock held.
     pub(crate) fn refresh<'a>(&self, loaded: &'a mut Option<Loaded>) -> Result<&'a mut Loaded> {
         let snapshot = stamp(&self.path)?;
-        let journal = stamp(&self.journal_path)?;
+        // Identity only: asking for the journal's timestamps would make the next
+        // entry's write dirty its inode (see `fsutil::identity`).
+        let journal = fsutil::identity(&self.journal_path)
+            .map_err(|e| Error::io(&self.journal_path, "stat", e))?;
         let reload = match loaded.as_ref() {
             None => true,
             Some(current) => {
@@ -497,6 +500,8 @@ impl Store {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(loaded),
             Err(e) => return Err(Error::io(&self.journal_path, "open", e)),
         };
+        // Other processes' entries are read through it right after they are written.
+        fsutil::no_access_time(&file);
         let meta = file
             .metadata()
             .map_err(|e| Error::io(&self.journal_path, "stat", e))?;
@@ -908,6 +913,7 @@ impl Store {
                 Error::io(&self.journal_path, "open", e),
             )
         })?;
+        fsutil::no_access_time(&file);
         let (dev, ino) = match stamp(&self.journal_path) {
             Ok(Some(s)) => (s.dev, s.ino),
             Ok(None) => {
