@@ -23,6 +23,8 @@ pub enum FailAction {
     KillOnHit(u32),
     /// Panic in the calling thread.
     Panic,
+    /// Panic only on the n-th hit (1-based), pass otherwise.
+    PanicOnHit(u32),
     /// Sleep this many milliseconds, then pass: a slow step (e.g. a slow
     /// fdatasync) without a fault. Hits are counted, as for every armed point
     /// (see `Outbox::failpoint_hits`).
@@ -56,7 +58,7 @@ mod enabled {
                 .insert(name.to_owned(), (action, 0));
         }
 
-        /// Reads `name=error;name2=kill;name3=error@2;name4=kill@5;name5=delay@20` from the environment.
+        /// Reads `name=error;name2=kill;name3=error@2;name4=kill@5;name5=delay@20;name6=panic@3` from the environment.
         pub(crate) fn from_env() -> Self {
             let this = Self::default();
             if let Ok(spec) = std::env::var("DURABLE_OUTBOX_FAILPOINTS") {
@@ -71,6 +73,12 @@ mod enabled {
                             }
                         }
                         "panic" => FailAction::Panic,
+                        other if other.starts_with("panic@") => {
+                            match other.trim_start_matches("panic@").parse() {
+                                Ok(n) => FailAction::PanicOnHit(n),
+                                Err(_) => FailAction::Panic,
+                            }
+                        }
                         other if other.starts_with("delay@") => {
                             match other.trim_start_matches("delay@").parse() {
                                 Ok(ms) => FailAction::DelayMs(ms),
@@ -126,7 +134,10 @@ mod enabled {
                         .status();
                     std::process::abort();
                 }
-                FailAction::Panic => panic!("failpoint {name} panicked"),
+                FailAction::PanicOnHit(n) if n != hits => Ok(()),
+                FailAction::Panic | FailAction::PanicOnHit(_) => {
+                    panic!("failpoint {name} panicked")
+                }
             }
         }
     }

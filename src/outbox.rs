@@ -650,6 +650,10 @@ impl Outbox {
                 // it took and undoes what the attempt did outside the database.
                 let rerun = collect.is_none();
                 ran_ok = false;
+                if collect.is_some() {
+                    // A fault on the way in, before the batch has members.
+                    self.check_failpoint("step.collect", "batched step")?;
+                }
                 if let Some(collect) = collect.take() {
                     members = collect();
                 }

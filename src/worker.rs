@@ -524,14 +524,12 @@ impl Steps {
             },
         );
         if members.is_empty() {
-            // The transaction never began (a poisoned handle, a lock error):
-            // every member finds out on its own.
+            // The batch failed before it collected its members (the
+            // transaction never began: a poisoned handle, a lock error; or
+            // a panic on the way in): the requests it was started for are
+            // its members, and are told below as if collected (to step
+            // alone after an error, to raise the panic after a panic).
             members = std::mem::take(&mut self.queue().waiting);
-            for member in members.drain(..) {
-                let _ = member
-                    .reply
-                    .send(Reply::Alone(member.finished, member.claims));
-            }
         }
         if !handed.get() {
             self.hand_over(&next);
@@ -1356,6 +1354,52 @@ mod tests {
         // Nothing of the batch was written: both sends are still unrecorded
         // claims, and neither key is left in flight.
         assert!(outbox.in_flight().is_empty());
+        for key in ["a", "b"] {
+            let item = outbox.get(key).expect("get").expect("live");
+            assert_eq!(item.state(), crate::ItemState::Queued, "{key}");
+            assert!(item.transport_ref().is_none(), "{key}");
+        }
+    }
+
+    /// A panic on the way into a batch, before it has collected its members:
+    /// the requests it was started for are its members and each is handed
+    /// the panic, not told to step alone (which would drop it).
+    #[test]
+    fn a_panic_before_a_batch_collects_its_members_is_raised_in_each_request() {
+        use crate::FailAction;
+        let fixture = TwoClaimed::new(&[("step.collect", FailAction::Panic)], true);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
+        let steps = Steps::default();
+        let mut a = queue(&steps, delivered(a), 0);
+        let mut b = queue(&steps, delivered(b), 0);
+        steps.lead(outbox, &ctx, || {
+            panic!("nothing was queued behind the batch")
+        });
+        for (name, answer) in [("a", &mut a), ("b", &mut b)] {
+            match answer.try_recv() {
+                Ok(Reply::Panicked(payload)) => assert_eq!(
+                    panic_copy(payload.as_ref()),
+                    "failpoint step.collect panicked",
+                    "{name} was handed another panic"
+                ),
+                Ok(Reply::Alone(..)) => {
+                    panic!("{name} was told to step alone: the panic was dropped")
+                }
+                Ok(_) => panic!("{name} was told something other than the panic"),
+                Err(e) => panic!("{name} was left without an answer: {e}"),
+            }
+        }
+        let queue = steps.queue();
+        assert!(
+            queue.waiting.is_empty() && !queue.gathering,
+            "a later step would wait for a leader nobody starts"
+        );
+        drop(queue);
         for key in ["a", "b"] {
             let item = outbox.get(key).expect("get").expect("live");
             assert_eq!(item.state(), crate::ItemState::Queued, "{key}");

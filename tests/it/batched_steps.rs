@@ -580,6 +580,81 @@ fn a_panic_in_a_batchs_rules_is_raised_by_the_worker() {
     );
 }
 
+/// A panic on the way into a batch, before it has collected its members
+/// (`step.collect` armed to panic once, at the first step of the slots'
+/// second round, which several of them share), is raised by `Worker::run`
+/// too: the requests the batch was started for are its members. Dropping it
+/// and letting them step alone would go on as if nothing happened, hiding a
+/// bug in the rules' way in.
+#[test]
+fn a_panic_before_a_batch_collects_its_members_is_raised_by_the_worker() {
+    const CHATS: usize = 8;
+    within(
+        "batched steps: a panic before a batch collects its members is raised by the worker",
+        Duration::from_secs(120),
+        || {
+            let dir = tempfile::tempdir().unwrap();
+            // Hit 1: the step that claims the first round (the worker's fill).
+            let outbox = Outbox::builder(dir.path())
+                .rate_limit(u32::MAX, secs(60))
+                .failpoint("step.collect", FailAction::PanicOnHit(2))
+                .open()
+                .unwrap();
+            let messages = (0..CHATS)
+                .flat_map(|c| (1..=2).map(move |r| msg(&format!("r{r}-c{c}"), &format!("c{c}"))))
+                .collect();
+            outbox.enqueue_many(messages).unwrap();
+            let started = Arc::new(AtomicUsize::new(0));
+            let (gate, opened) = tokio::sync::watch::channel(false);
+            let transport = {
+                let started = Arc::clone(&started);
+                move |item: OutboxItem| {
+                    let started = Arc::clone(&started);
+                    let mut opened = opened.clone();
+                    async move {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        opened.wait_for(|open| *open).await.unwrap();
+                        Ok(Some(format!("tr-{}", item.idempotency_key())))
+                    }
+                }
+            };
+            let probe = outbox.clone();
+            let raised = runtime().block_on(async {
+                // Shuts the worker down once nothing is queued: a worker that
+                // dropped the panic ends cleanly instead of raising it.
+                let drained = async move {
+                    while probe
+                        .list_items()
+                        .is_ok_and(|items| items.iter().any(|i| i.state() == ItemState::Queued))
+                    {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                };
+                let running = tokio::spawn(outbox.worker(transport).concurrency(CHATS).run(drained));
+                while started.load(Ordering::SeqCst) < CHATS {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                gate.send(true).unwrap();
+                match running.await {
+                    Err(join) if join.is_panic() => join.into_panic(),
+                    Err(join) => panic!("the worker's task failed otherwise: {join}"),
+                    Ok(ended) => panic!(
+                        "the worker ended without raising the panic before its batch collected: {ended:?}"
+                    ),
+                }
+            });
+            let message = raised
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| raised.downcast_ref::<&str>().map(|m| (*m).to_owned()))
+                .unwrap_or_default();
+            assert_eq!(message, "failpoint step.collect panicked");
+            assert!(outbox.failpoint_hits("step.collect") >= 2);
+            outbox.verify_audit().unwrap();
+        },
+    );
+}
+
 /// PostgreSQL aborts a batched step (serialization failure, SQLSTATE 40001,
 /// injected once by a trigger on the first transaction that finishes two
 /// items: only a batch of two or more members does) and the engine runs it
