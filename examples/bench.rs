@@ -44,7 +44,10 @@
 //! async (`--features tokio`, `--workload async --concurrency C [--send-us U]`):
 //! enqueue N messages (untimed, `enqueue_many`), then one `process_due_async`
 //! with C sends in flight, each sleeping U µs (tokio's timer); prints
-//! `async_per_s` = N / drain time, to compare with C / U.
+//! `async_per_s` = N / drain time, to compare with C / U (`bound_per_s`), and
+//! the sends' measured mean length `send_mean_ms` with the bound it allows,
+//! `bound_at_send_mean_per_s` = C / that mean (tokio's timer rounds a sleep up
+//! to its next millisecond tick, so a 20 ms send takes about 21 ms).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -631,17 +634,25 @@ fn drain_async(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Err
         .enable_all()
         .build()?;
     let send_us = args.send_us;
+    // Total time spent inside sends, in ns, to report their real mean length.
+    let sending = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let spent = std::sync::Arc::clone(&sending);
     let start = Instant::now();
-    let report = runtime.block_on(outbox.process_due_async(
-        args.concurrency,
-        move |item| async move {
+    let report = runtime.block_on(outbox.process_due_async(args.concurrency, move |item| {
+        let spent = std::sync::Arc::clone(&spent);
+        async move {
+            let began = Instant::now();
             if send_us > 0 {
                 tokio::time::sleep(Duration::from_micros(send_us)).await;
             }
+            let took = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            spent.fetch_add(took, std::sync::atomic::Ordering::Relaxed);
             Ok(Some(format!("tr-{}", item.idempotency_key())))
-        },
-    ))?;
+        }
+    }))?;
     let drain_s = start.elapsed().as_secs_f64();
+    let send_mean_ms =
+        sending.load(std::sync::atomic::Ordering::Relaxed) as f64 / n.max(1) as f64 / 1e6;
     if report.sent != n {
         return Err(format!("drained {} of {n}: {report:?}", report.sent).into());
     }
@@ -654,6 +665,8 @@ fn drain_async(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Err
         "concurrency": args.concurrency, "send_us": send_us, "wall_s": drain_s,
         "async_per_s": (n as f64 / drain_s).round(),
         "bound_per_s": if send_us > 0 { (args.concurrency as f64 * 1e6 / send_us as f64).round() } else { 0.0 },
+        "send_mean_ms": (send_mean_ms * 1000.0).round() / 1000.0,
+        "bound_at_send_mean_per_s": if send_mean_ms > 0.0 { (args.concurrency as f64 * 1e3 / send_mean_ms).round() } else { 0.0 },
     }))
 }
 
