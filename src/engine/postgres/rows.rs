@@ -138,11 +138,10 @@ pub(super) fn column_disagreeing(row: &Row, item: &OutboxItem) -> Option<&'stati
 }
 
 /// One item's write, ready to run: its row (an `INSERT`, or an `UPDATE` of
-/// the revision read; the statements of [`rows`]) and, when they changed since
+/// the revision read) and, when they changed since
 /// `before`, its send times (`rate_times`) and its destination's cooldown
 /// (`cooldowns`, only ever raised).
 pub(crate) struct ItemWrite<'i> {
-    item: &'i OutboxItem,
     row: NewRow<'i>,
     /// `Some`: update the row at this revision; `None`: insert it.
     revision: Option<i64>,
@@ -171,7 +170,6 @@ impl<'i> ItemWrite<'i> {
         let cooldown_unchanged =
             before.is_some_and(|before| before.cooldown_until == item.cooldown_until);
         Self {
-            item,
             row: NewRow::of(item),
             revision: match expect {
                 Expect::Absent => None,
@@ -182,14 +180,25 @@ impl<'i> ItemWrite<'i> {
         }
     }
 
-    /// The statements of this write in schema `s` (quoted), in order. An
-    /// insert of a `strict` write fails on a row that exists (its
-    /// transaction aborts) instead of inserting nothing.
-    pub(crate) fn statements(&self, s: &str, strict: bool) -> Vec<Statement<'_>> {
-        let item = self.item;
-        let mut out: Vec<Statement<'_>> = Vec::with_capacity(3);
-        match &self.revision {
-            None => out.push((
+    /// This write as one statement in schema `s` (quoted): the row's
+    /// `INSERT` or `UPDATE`, with the send times, the cooldown and `pending`
+    /// audit events (documents from `pending_docs`, inserted in order) as
+    /// data-modifying `WITH` parts of it. The statement's row count is the
+    /// row write's. One statement, not one per table: each statement costs
+    /// the server and the client a round of parse-free but still real work
+    /// (bind, executor start and end, a reply), which was most of the CPU an
+    /// item took. The parts touch different tables, so the one snapshot they
+    /// share changes nothing they write. An insert of a `strict` write fails
+    /// on a row that exists (its transaction aborts) instead of inserting
+    /// nothing.
+    pub(crate) fn statement<'p>(
+        &'p self,
+        s: &str,
+        strict: bool,
+        pending: Option<&'p Vec<String>>,
+    ) -> Statement<'p> {
+        let (main, mut params, op) = match &self.revision {
+            None => (
                 if strict {
                     strict_insert_item_sql(s)
                 } else {
@@ -197,51 +206,68 @@ impl<'i> ItemWrite<'i> {
                 },
                 self.row.params().to_vec(),
                 "insert an item",
-            )),
-            Some(revision) => out.push((
+            ),
+            Some(revision) => (
                 update_item_sql(s),
                 self.row.update_params(revision).to_vec(),
                 "update an item",
-            )),
-        }
+            ),
+        };
+        // `$1` is the item's key and `$2` its destination in both forms.
+        let mut parts: Vec<String> = Vec::with_capacity(4);
         if let Some(times) = &self.times {
-            // One statement: the `DELETE` drops the rows of times the item
-            // no longer has; the `INSERT` writes every time it has, and
-            // `ON CONFLICT DO NOTHING` skips those already stored (the rows
-            // the `DELETE` keeps: both parts read the statement's snapshot,
-            // so the `INSERT` still sees them). The `DELETE` only ever keeps
-            // a row the `INSERT` also wants, so the two parts remove and add
-            // disjoint sets of rows. That holds because a key's destination
-            // never changes (an enqueue of a key names the same message, or
-            // is refused): were it to change, a time kept under the old
-            // destination would be skipped by the `INSERT` and then deleted
-            // (a CTE's `DELETE` that the query does not read runs after it),
-            // losing the send from the new destination's window.
-            out.push((
-                format!(
-                    "WITH gone AS (
-                       DELETE FROM {s}.rate_times
-                       WHERE idempotency_key = $1 AND NOT (at = ANY($3) AND destination = $2))
-                     INSERT INTO {s}.rate_times (idempotency_key, destination, at)
-                     SELECT $1, $2, t FROM unnest($3::timestamptz[]) AS t
-                     ON CONFLICT DO NOTHING"
-                ),
-                vec![&item.idempotency_key, &item.destination, times],
-                "index an item's send times",
+            // `gone` drops the rows of times the item no longer has; `added`
+            // writes every time it has, and `ON CONFLICT DO NOTHING` skips
+            // those already stored (the rows `gone` keeps: both parts read
+            // the statement's snapshot, so `added` still sees them). `gone`
+            // only ever keeps a row `added` also wants, so the two remove and
+            // add disjoint sets of rows, in whichever order PostgreSQL runs
+            // them (neither is read by the statement). That holds because a
+            // key's destination never changes (an enqueue of a key names the
+            // same message, or is refused): were it to change, a time kept
+            // under the old destination would be skipped by `added` and then
+            // deleted by `gone` if it ran after, losing the send from the new
+            // destination's window.
+            params.push(times);
+            let n = params.len();
+            parts.push(format!(
+                "gone AS (DELETE FROM {s}.rate_times
+                   WHERE idempotency_key = $1 AND NOT (at = ANY(${n}) AND destination = $2)),
+                 added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at)
+                   SELECT $1, $2, t FROM unnest(${n}::timestamptz[]) AS t
+                   ON CONFLICT DO NOTHING)"
             ));
         }
         if let Some(until) = &self.cooldown {
             // The cooldown belongs to the destination: only ever raised.
-            out.push((
-                format!(
-                    "INSERT INTO {s}.cooldowns (destination, until) VALUES ($1, $2)
-                     ON CONFLICT (destination) DO UPDATE
-                     SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until)"
-                ),
-                vec![&item.destination, until],
-                "record a destination cooldown",
+            params.push(until);
+            let n = params.len();
+            parts.push(format!(
+                "cooled AS (INSERT INTO {s}.cooldowns (destination, until) VALUES ($2, ${n})
+                   ON CONFLICT (destination) DO UPDATE
+                   SET until = GREATEST({s}.cooldowns.until, EXCLUDED.until))"
             ));
         }
-        out
+        if let Some(docs) = pending.filter(|docs| !docs.is_empty()) {
+            params.push(docs);
+            let n = params.len();
+            parts.push(format!("pended AS ({})", pending_insert_sql(s, n)));
+        }
+        let sql = if parts.is_empty() {
+            main
+        } else {
+            format!("WITH {}\n{main}", parts.join(",\n"))
+        };
+        (sql, params, op)
     }
+}
+
+/// Inserts pending audit events (parameter `$n`: their documents, from
+/// `pending_docs`) into `audit_pending` in order: their ids, from the
+/// table's sequence, follow the order given.
+pub(super) fn pending_insert_sql(s: &str, n: usize) -> String {
+    format!(
+        "INSERT INTO {s}.audit_pending (event)
+         SELECT doc FROM unnest(${n}::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n"
+    )
 }

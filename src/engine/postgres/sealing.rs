@@ -125,14 +125,11 @@ fn head_of_row(row: &Row) -> Head {
 
 impl PgEngine {
     /// Inserts pending events (parameter: their documents, from
-    /// [`pending_docs`]) in order, returning their ids.
+    /// [`pending_docs`]) in order: a transaction that wrote no item but
+    /// sealed events (an item's write carries its transaction's events,
+    /// see `rows::ItemWrite::statement`).
     pub(super) fn pending_sql(&self) -> String {
-        format!(
-            "INSERT INTO {}.audit_pending (event)
-             SELECT doc FROM unnest($1::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n
-             RETURNING id",
-            self.s
-        )
+        super::rows::pending_insert_sql(&self.s, 1)
     }
 
     /// Seals the pending events onto the chain (see "Deferred sealing"), in

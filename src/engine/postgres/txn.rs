@@ -262,6 +262,10 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// times in its cap's window and its cooldown, kept for
     /// [`destination_times`](Self::destination_times) and
     /// [`destination_cooldown`](Self::destination_cooldown).
+    ///
+    /// What is read is read by one statement (after the lock's, so its
+    /// snapshot holds every decision committed before the lock was granted):
+    /// the head, the times and the cooldown as one row, not three statements.
     fn read_line(&mut self, destination: &str, head: bool) -> Result<Vec<postgres::Row>> {
         let s = self.engine.s.clone();
         let changed = self.changed_keys();
@@ -271,62 +275,75 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                AND NOT (idempotency_key = ANY($2))
              ORDER BY seq, created_at, idempotency_key LIMIT 1"
         );
-        let times_sql = format!(
-            "SELECT idempotency_key, at FROM {s}.rate_times WHERE destination = $1 AND at >= $2"
-        );
-        let cooldown_sql = format!("SELECT until FROM {s}.cooldowns WHERE destination = $1");
         let fetch = self.one_item && !self.lines.contains_key(destination);
-        let since = self.line_since(destination);
-        let head_params: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &changed];
-        let times_params: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &since];
-        let cooldown_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&destination];
-        let mut steps: Vec<(Step<'_>, &'static str)> = Vec::with_capacity(3);
-        if head {
-            steps.push((
-                Step::Query(&head_sql, &head_params),
-                "read a destination's head",
-            ));
-        }
-        if fetch {
-            steps.push((Step::Query(&times_sql, &times_params), "read send times"));
-            steps.push((
-                Step::QueryOpt(&cooldown_sql, &cooldown_params),
-                "read a destination's cooldown",
-            ));
-        }
-        if steps.is_empty() {
+        if !fetch && !head {
             return Ok(Vec::new());
         }
-        let mut done = self
-            .after_destination_lock(destination, &steps)?
-            .into_iter();
-        let head_rows = if head {
-            done.next().map(|d| d.rows).unwrap_or_default()
-        } else {
-            Vec::new()
+        let since = self.line_since(destination);
+        // The window's times with their keys (two arrays in one order), and
+        // the cooldown; `since` is the last parameter.
+        let line_parts = |since: &str| {
+            format!(
+                "(SELECT array_agg(idempotency_key ORDER BY at, idempotency_key) AS keys,
+                         array_agg(at ORDER BY at, idempotency_key) AS ats
+                  FROM {s}.rate_times WHERE destination = $1 AND at >= {since}) t"
+            )
         };
-        if fetch {
-            let times = done
-                .next()
-                .map(|d| d.rows)
-                .unwrap_or_default()
-                .iter()
-                .map(|row| (row.get(0), row.get(1)))
-                .collect();
-            let cooldown = done
-                .next()
-                .and_then(|mut d| d.rows.pop())
-                .map(|row| row.get(0));
-            self.lines.insert(
-                destination.to_owned(),
-                Line {
-                    since,
-                    times,
-                    cooldown,
-                },
-            );
+        let cooldown = format!("(SELECT until FROM {s}.cooldowns WHERE destination = $1)");
+        let line_sql = if head {
+            format!(
+                "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}
+                 FROM {} LEFT JOIN LATERAL ({head_sql}) h ON true",
+                line_parts("$3")
+            )
+        } else {
+            format!(
+                "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown}
+                 FROM {}",
+                line_parts("$2")
+            )
+        };
+        let with_head: [&(dyn postgres::types::ToSql + Sync); 3] = [&destination, &changed, &since];
+        let without_head: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &since];
+        let step = match (fetch, head) {
+            (true, true) => (
+                Step::QueryOne(&line_sql, &with_head),
+                "read a destination's line",
+            ),
+            (true, false) => (
+                Step::QueryOne(&line_sql, &without_head),
+                "read a destination's line",
+            ),
+            (false, _) => (
+                Step::Query(&head_sql, &with_head[..2]),
+                "read a destination's head",
+            ),
+        };
+        let mut done = self
+            .after_destination_lock(destination, &[step])?
+            .into_iter();
+        let mut rows = done.next().map(|d| d.rows).unwrap_or_default();
+        if !fetch {
+            return Ok(rows);
         }
-        Ok(head_rows)
+        let Some(row) = rows.pop() else {
+            return Ok(Vec::new());
+        };
+        let keys: Vec<String> = row.get::<_, Option<Vec<String>>>(4).unwrap_or_default();
+        let ats: Vec<DateTime<Utc>> = row
+            .get::<_, Option<Vec<DateTime<Utc>>>>(5)
+            .unwrap_or_default();
+        let cooldown: Option<DateTime<Utc>> = row.get(6);
+        self.lines.insert(
+            destination.to_owned(),
+            Line {
+                since,
+                times: keys.into_iter().zip(ats).collect(),
+                cooldown,
+            },
+        );
+        let has_head = head && row.get::<_, Option<&str>>(0).is_some();
+        Ok(if has_head { vec![row] } else { Vec::new() })
     }
 
     /// Remembers rows read by a query of this transaction (not locked: a
@@ -396,15 +413,28 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn next_seq(&mut self, destination: &str) -> Result<u64> {
-        let sql = format!("SELECT nextval('{}.enqueue_seq')", self.engine.s);
-        let done = self.after_destination_lock(
-            destination,
-            &[(Step::QueryOne(&sql, &[]), "take an enqueue sequence")],
-        )?;
-        let seq: i64 = done
-            .first()
-            .and_then(|d| d.rows.first())
-            .map_or(0, |row| row.get(0));
+        let s = &self.engine.s;
+        let lock = self.one_item && !self.destinations.contains(destination);
+        let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
+        // With the lock, one statement: the sequence is taken in its
+        // projection, so after the lock in its `FROM` was granted (the
+        // sequence does not depend on the statement's snapshot).
+        let row = if lock {
+            self.tx.query_one(
+                &format!(
+                    "SELECT nextval('{s}.enqueue_seq') FROM (SELECT pg_advisory_xact_lock($1)) l"
+                ),
+                &[&key],
+            )
+        } else {
+            self.tx
+                .query_one(&format!("SELECT nextval('{s}.enqueue_seq')"), &[])
+        }
+        .map_err(db("take an enqueue sequence"))?;
+        if lock {
+            self.destinations.insert(destination.to_owned());
+        }
+        let seq: i64 = row.get(0);
         Ok(u64::try_from(seq).unwrap_or(0))
     }
 
@@ -769,14 +799,16 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 (key, ItemWrite::new(item, expect, before))
             })
             .collect();
-        // Each item's row write, and the statements that follow it.
-        let mut rows_at: Vec<(usize, &String)> = Vec::with_capacity(writes.len());
-        let mut statements = Vec::new();
-        for (key, write) in &writes {
-            rows_at.push((statements.len(), *key));
-            statements.extend(write.statements(&self.engine.s, sure));
-        }
+        // Each item's write is one statement; the last carries the pending
+        // events (their ids are taken there, after every row lock).
         let docs = pending_docs(&self.events)?;
+        let mut rows_at: Vec<(usize, &String)> = Vec::with_capacity(writes.len());
+        let mut statements = Vec::with_capacity(writes.len());
+        for (at, (key, write)) in writes.iter().enumerate() {
+            rows_at.push((at, *key));
+            let last = at + 1 == writes.len();
+            statements.push(write.statement(&self.engine.s, sure, last.then_some(&docs)));
+        }
         let pending_sql = self.engine.pending_sql();
         let pending_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&docs];
         let channel = notify::channel(&self.engine.schema);
@@ -785,7 +817,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             .iter()
             .map(|(sql, params, op)| (Step::Execute(sql, params), *op))
             .collect();
-        if !docs.is_empty() {
+        if !docs.is_empty() && writes.is_empty() {
             steps.push((
                 Step::Execute(&pending_sql, &pending_params),
                 "write pending audit events",
