@@ -484,3 +484,67 @@ fn a_panic_while_sealing_after_a_commit_leaves_later_commits_sealed() {
     );
     assert_eq!(engine.verify_audit().unwrap().records, 2);
 }
+
+/// A one-item transaction reads its destination's send times with their
+/// items' keys in one statement (`txn::read_line`): the times of an item the
+/// transaction changed are its new ones, not the committed ones, so each
+/// committed time must stay paired with its own key.
+#[test]
+fn a_destination_s_send_times_stay_paired_with_their_items_in_one_transaction() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    for key in ["a", "b", "c"] {
+        enqueue(&engine, item(key, "chat-1"));
+    }
+    // PostgreSQL keeps microseconds.
+    let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 6);
+    // Committed send times, in an order that is not the keys' order:
+    // a latest, b earliest.
+    let ago = |secs: i64| now - chrono::Duration::seconds(secs);
+    let (at_a, at_b, at_c) = (ago(1), ago(3), ago(2));
+    let mut client = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    for (key, at) in [("a", at_a), ("b", at_b), ("c", at_c)] {
+        client
+            .execute(
+                "INSERT INTO durable_outbox.rate_times (idempotency_key, destination, at)
+                 VALUES ($1, 'chat-1', $2)",
+                &[&key, &at],
+            )
+            .unwrap();
+    }
+    let mut settings = defaults();
+    settings.rates.per_destination = crate::RateLimit {
+        count: 10,
+        window: Duration::from_secs(60),
+    };
+    let times = engine
+        .transact(now, &settings, Scope::OneItem("a"), |txn| {
+            let all = txn.destination_times("chat-1", ago(30))?;
+            // `a` changed in this transaction (still queued, unclaimed: it
+            // counts no time of its own now).
+            txn.item_mut("a")?.attempts = 0;
+            let without_a = txn.destination_times("chat-1", ago(30))?;
+            Ok((all, without_a))
+        })
+        .unwrap();
+    let sorted = |mut v: Vec<chrono::DateTime<Utc>>| {
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(times.0),
+        vec![at_b, at_c, at_a],
+        "every committed time"
+    );
+    assert_eq!(
+        sorted(times.1),
+        vec![at_b, at_c],
+        "a's committed time, and only a's, left out once a changed"
+    );
+}
