@@ -25,6 +25,15 @@ before and after the run, less what a run of one item writes, tables
 included): a figure the machine's load hardly moves, unlike items/s;
 every run's JSON goes to stderr. The server is stopped and its directory
 removed at the end (also on Ctrl-C).
+
+And CPU per item, server and client apart, for ours, `--before` and the
+floor: the server's is what the postmaster and its children used during the
+run (for ours less a run of one item, as for WAL) (`/proc`: the postmaster's own and reaped children's user + system time,
+plus the time of the children still alive; the backends of a run exit at its
+end and are reaped into it), the client's is the bench's own figure of its
+timed part (`client_cpu_ms_per_item`; absent from older benches) or, for
+`pgbench`, its user + system time. On a machine shared with other work these
+move less than items/s do.
 """
 import argparse
 import json
@@ -94,6 +103,37 @@ class Server:
     def url(self, db="bench"):
         return f"postgres://postgres@127.0.0.1:{self.port}/{db}"
 
+    def cpu_s(self):
+        """CPU seconds used so far by the postmaster and its children (see
+        the module's doc)."""
+        with open(os.path.join(self.data, "postmaster.pid")) as f:
+            pid = int(f.readline())
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def times(p):
+            with open(f"/proc/{p}/stat") as f:
+                return [int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15]]
+
+        total = sum(times(pid))
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        for child in children:
+            try:
+                total += sum(times(child)[:2])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return total / tick
+
+    def settle(self):
+        """Waits (up to 5 s) until only this query's own session is connected
+        to `bench`: a finished run's backends have exited and been reaped."""
+        for _ in range(50):
+            if self.psql("bench", "SELECT count(*) FROM pg_stat_activity "
+                                  "WHERE datname = 'bench' "
+                                  "AND backend_type = 'client backend'") == "1":
+                return
+            time.sleep(0.1)
+
     def psql(self, db, sql):
         return subprocess.run(
             [os.path.join(self.bin, "psql"), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1",
@@ -159,16 +199,23 @@ def main():
         wal = {}
         base = {}
 
+        cpu = {}
+
         def run_bench(bench, threads, n, schema):
-            """Runs W2 on a fresh schema; its output and the WAL it wrote."""
+            """Runs W2 on a fresh schema; its output, the WAL it wrote and the
+            server's CPU seconds."""
             start = server.psql("bench", "SELECT pg_current_wal_insert_lsn()")
+            server.settle()
+            cpu_start = server.cpu_s()
             out = subprocess.run(
                 [bench, "--workload", "w2", "--threads", str(threads), "--n", str(n),
                  "--destinations", d, "--postgres", server.url(), "--schema", schema],
                 check=True, capture_output=True, text=True).stdout
+            server.settle()
+            cpu_used = server.cpu_s() - cpu_start
             used = float(server.psql(
                 "bench", f"SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '{start}')"))
-            return out, used
+            return out, used, cpu_used
 
         def ours(threads, n, bench=BENCH, name=None):
             counter[0] += 1
@@ -177,20 +224,37 @@ def main():
                 # taken off each run's WAL, so WAL per item is the workload's.
                 # The server's other clients are idle meanwhile (cases run in
                 # turns).
-                base[bench] = run_bench(bench, 1, 1, f"w2_base_{counter[0]}")[1]
-            out, used = run_bench(bench, threads, n, f"w2_{threads}_{counter[0]}")
+                base[bench] = run_bench(bench, 1, 1, f"w2_base_{counter[0]}")[1:]
+            out, used, cpu_used = run_bench(bench, threads, n, f"w2_{threads}_{counter[0]}")
+            line = last_json(out)
             if name:
-                wal.setdefault(name, []).append((used - base[bench]) / (n - 1))
-            return last_json(out)["w2_per_s"]
+                base_wal, base_cpu = base[bench]
+                wal.setdefault(name, []).append((used - base_wal) / (n - 1))
+                # Less what opening the outbox, the untimed check after the
+                # run and one item cost (the base run), as for WAL.
+                cpu.setdefault(name, []).append(
+                    (1000 * (cpu_used - base_cpu) / (n - 1), line.get("client_cpu_ms_per_item")))
+            return line["w2_per_s"]
 
         def floor(clients):
+            server.settle()
+            cpu_start = server.cpu_s()
+            own_start = os.times()
             out = subprocess.run(
                 [os.path.join(server.bin, "pgbench"), "-n", "-c", str(clients),
                  "-j", str(min(clients, 2)), "-T", str(args.pgbench_secs), "-f", script,
                  "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
                 check=True, capture_output=True, text=True).stdout
+            server.settle()
+            own = os.times()
+            client_s = (own.children_user - own_start.children_user
+                        + own.children_system - own_start.children_system)
             tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
                        if l.startswith("tps ="))
+            items = tps * args.pgbench_secs
+            cpu.setdefault(f"pgbench floor {clients} client{'s' if clients > 1 else ''}",
+                           []).append((1000 * (server.cpu_s() - cpu_start) / items,
+                                       1000 * client_s / items))
             # One pgbench transaction of this script is two UPDATE
             # transactions, i.e. one item: tps is items/s already.
             print(json.dumps({"impl": "pgbench", "clients": clients, "items_per_s": tps}),
@@ -248,6 +312,16 @@ def main():
         for name, values in wal.items():
             print(f"| {name} | {statistics.median(values):,.0f} | "
                   f"{', '.join(f'{v:,.0f}' for v in values)} |")
+        print()
+        print("| CPU per item (median, ms) | server | client | runs (server/client) |")
+        print("|---|---:|---:|---|")
+        for name, values in cpu.items():
+            srv = statistics.median(v[0] for v in values)
+            clients = [v[1] for v in values if v[1] is not None]
+            cli = f"{statistics.median(clients):.2f}" if clients else "n/a"
+            runs = ", ".join(f"{v[0]:.2f}/{'n/a' if v[1] is None else f'{v[1]:.2f}'}"
+                             for v in values)
+            print(f"| {name} | {srv:.2f} | {cli} | {runs} |")
         print()
         print(f"file engine / ours at T=8: "
               f"{med['file engine T=8'] / med['ours (PostgreSQL) T=8']:.2f}x")
