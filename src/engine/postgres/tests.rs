@@ -548,3 +548,40 @@ fn a_destination_s_send_times_stay_paired_with_their_items_in_one_transaction() 
         "a's committed time, and only a's, left out once a changed"
     );
 }
+
+/// An enqueue's place in line is taken under its destination's lock, held
+/// until the transaction ends (`txn::next_seq`: the lock and `nextval` are
+/// one statement): a decision that reads the line never passes over a
+/// sequence taken but not yet committed.
+#[test]
+fn an_enqueue_sequence_is_taken_under_its_destination_s_lock() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    let mut other = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    let destination_lock = super::lock_key(DEFAULT_SCHEMA, "dest:chat-1");
+    let free = |client: &mut postgres::Client| -> bool {
+        client
+            .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&destination_lock])
+            .unwrap()
+            .get(0)
+    };
+    let seqs = engine
+        .transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
+            let first = txn.next_seq("chat-1")?;
+            assert!(
+                !free(&mut other),
+                "the destination's lock is held once a sequence is taken"
+            );
+            let second = txn.next_seq("chat-1")?;
+            Ok((first, second))
+        })
+        .unwrap();
+    assert!(seqs.1 > seqs.0, "each call takes a new sequence: {seqs:?}");
+    assert!(free(&mut other), "the lock ends with the transaction");
+}
