@@ -159,6 +159,7 @@ impl Group {
                 state.syncing = false;
                 let failure = match synced.result {
                     Ok(()) => {
+                        crate::profile::group(synced.cover.saturating_sub(state.durable));
                         state.durable = state.durable.max(synced.cover);
                         None
                     }

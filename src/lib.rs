@@ -114,6 +114,7 @@ mod migrate;
 mod order;
 mod outbox;
 mod pacing;
+mod profile;
 mod rate;
 mod receipt;
 mod retry;

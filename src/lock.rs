@@ -56,6 +56,8 @@ struct Slot<T> {
     counter: u64,
     /// Whether this hold has bumped the counter already.
     bumped: bool,
+    /// When this process took the `flock` (feature `commit-profile` only).
+    flocked_at: crate::profile::Mark,
 }
 
 /// Proof that the directory lock is held; gives access to the guarded `T`.
@@ -81,6 +83,7 @@ impl<T> DirLock<T> {
                 seen: None,
                 counter: 0,
                 bumped: false,
+                flocked_at: crate::profile::Mark::now(),
             }),
         })
     }
@@ -100,6 +103,7 @@ impl<T> DirLock<T> {
             }
             inner.held = true;
             inner.bumped = false;
+            inner.flocked_at = crate::profile::Mark::now();
             let mut buf = [0u8; 8];
             let counter = match read_exact_at(&inner.file, &mut buf) {
                 Ok(true) => u64::from_le_bytes(buf),
@@ -303,6 +307,9 @@ impl<T> Drop for DirGuard<'_, T> {
             return;
         }
         self.inner.pending = false;
+        if self.inner.held {
+            self.inner.flocked_at.end(crate::profile::Span::Flock);
+        }
         self.inner.held = false;
         if let Err(e) = self.inner.file.unlock() {
             tracing::error!(path = %self.path.display(), error = %e, "failed to release the outbox lock");

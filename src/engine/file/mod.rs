@@ -32,6 +32,7 @@ use crate::fsutil;
 use crate::history::History;
 use crate::item::{ItemState, OutboxItem};
 use crate::lock::{self, DirLock, OwnerLease};
+use crate::profile::{Mark, Span};
 use crate::rate::{DestinationWindow, RateLimit};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
 use crate::rules::record::system_event;
@@ -517,7 +518,16 @@ impl FileEngine {
     /// Returns once this handle's journal entry `ticket` (and every earlier
     /// one) is durable, syncing the journal if no other thread is.
     fn wait_durable(&self, ticket: u64) -> Result<()> {
-        let result = self.group.wait_durable(ticket, || self.sync_group());
+        self.wait_durable_led(ticket).0
+    }
+
+    /// As [`wait_durable`](Self::wait_durable), and whether this thread led a sync.
+    fn wait_durable_led(&self, ticket: u64) -> (Result<()>, bool) {
+        let mut led = false;
+        let result = self.group.wait_durable(ticket, || {
+            led = true;
+            self.sync_group()
+        });
         if result.is_err() {
             self.poisoned.store(true, Ordering::Release);
             // Nothing of this handle's will be synced any more: never keep
@@ -526,7 +536,7 @@ impl FileEngine {
                 guard.set_pending(false);
             }
         }
-        result
+        (result, led)
     }
 
     /// The lock with no commit group open: every entry this handle wrote is
@@ -557,11 +567,13 @@ impl FileEngine {
             cover: u64::MAX,
             result: Err(e),
         };
+        let mark = Mark::now();
         let (cover, file, last_record) = {
             let mut guard = match inner.lock.lock() {
                 Ok(guard) => guard,
                 Err(e) => return failed(e),
             };
+            let _ = mark.end(Span::LeadLockWait1);
             guard.hold_syncs += 1;
             if guard.hold_syncs >= crate::commit::MIN_SYNCS_PER_HOLD
                 && guard
@@ -578,14 +590,17 @@ impl FileEngine {
                 loaded.and_then(|l| l.journal_audit.last().map(|r| r.seq)),
             )
         };
+        let mark = mark.end(Span::LeadHold1);
         let synced = file.map_or(Ok(()), |file| {
             crate::store::sync_journal(&file, &inner.faults)
                 .map_err(|e| Error::io(inner.store.journal_path(), "fsync", e))
         });
+        let mark = mark.end(Span::Sync);
         let mut guard = match inner.lock.lock() {
             Ok(guard) => guard,
             Err(e) => return failed(e),
         };
+        let mark = mark.end(Span::LeadLockWait2);
         let result = synced.and_then(|()| {
             inner
                 .faults
@@ -629,6 +644,8 @@ impl FileEngine {
             guard.set_pending(false);
             inner.group.set_closing(false);
         }
+        drop(guard);
+        let _ = mark.end(Span::LeadHold2);
         Synced {
             cover,
             result: Ok(()),
@@ -674,8 +691,11 @@ impl FileEngine {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
+        let start = Mark::now();
         inner.group.wait_open();
+        let mark = start.end(Span::TxnWaitOpen);
         let mut guard = inner.lock.lock()?;
+        let mark = mark.end(Span::TxnLockWait);
         // Again under the lock: a group that failed meanwhile has let the
         // `flock` go, and nothing may be written after it.
         if self.is_poisoned() {
@@ -695,6 +715,7 @@ impl FileEngine {
         } else {
             locked.parts(&inner.store)?
         };
+        let mark = mark.end(Span::TxnFresh);
         let mut txn = FileTxn {
             base: loaded,
             history,
@@ -708,6 +729,7 @@ impl FileEngine {
             last_seq: loaded.index.lines.max_seq(),
         };
         let value = f(&mut txn);
+        let mark = mark.end(Span::TxnRules);
         let wrote = match value {
             Ok(_) if txn.changed() => {
                 let FileTxn {
@@ -741,7 +763,21 @@ impl FileEngine {
             guard.set_pending(true);
         }
         drop(guard);
-        self.wait_durable(ticket)?;
+        let mark = if wrote {
+            mark.end(Span::TxnAppend)
+        } else {
+            mark
+        };
+        let (durable, led) = self.wait_durable_led(ticket);
+        durable?;
+        if wrote {
+            let _ = mark.end(if led {
+                Span::LeaderWait
+            } else {
+                Span::FollowerWait
+            });
+            let _ = start.end(Span::TxnTotal);
+        }
         value
     }
 
@@ -764,6 +800,12 @@ impl FileEngine {
             self.poisoned.store(true, Ordering::Release);
         }
         result
+    }
+}
+
+impl Drop for FileEngine {
+    fn drop(&mut self) {
+        crate::profile::report();
     }
 }
 
