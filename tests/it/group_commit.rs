@@ -73,6 +73,51 @@ fn every_thread_gets_its_own_result_and_a_refused_call_fails_nobody_else() {
     );
 }
 
+/// Threads that each commit again as soon as their last commit is durable
+/// share each sync, all of them: the first one back does not sync alone while
+/// the others arrive (which split eight threads into groups of one and seven,
+/// about four transactions per fdatasync). The sync is slowed to 50 ms so the
+/// scheduler has that long to bring every released thread back.
+#[test]
+fn threads_released_by_a_sync_share_the_next_one() {
+    const EACH: usize = 10;
+    within(
+        "group commit: released threads share the next sync",
+        DEADLOCK_LIMIT,
+        || {
+            let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::DelayMs(50)));
+            let before = h.outbox.failpoint_hits("journal.fsync");
+            let start = std::sync::Barrier::new(THREADS);
+            std::thread::scope(|scope| {
+                for t in 0..THREADS {
+                    let (outbox, start) = (&h.outbox, &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        for i in 0..EACH {
+                            outbox
+                                .enqueue(msg(&format!("k-{t}-{i}"), &format!("chat-{t}")))
+                                .unwrap();
+                        }
+                    });
+                }
+            });
+            let syncs = (h.outbox.failpoint_hits("journal.fsync") - before) as usize;
+            let commits = THREADS * EACH;
+            println!(
+                "{commits} commits of {THREADS} threads in {syncs} syncs: {:.1} per sync",
+                commits as f64 / syncs as f64
+            );
+            // All eight in every group would be 10 syncs; groups of one and
+            // seven take 20.
+            assert!(
+                syncs * 6 <= commits,
+                "{commits} commits took {syncs} syncs: fewer than 6 per sync"
+            );
+            assert_eq!(h.reopen().list_items().unwrap().len(), commits);
+        },
+    );
+}
+
 /// What one call of the fault campaign returned.
 enum Answer {
     Durable(String),

@@ -693,6 +693,7 @@ impl FileEngine {
         }
         let start = Mark::now();
         inner.group.wait_open();
+        let underway = inner.group.begin();
         let mark = start.end(Span::TxnWaitOpen);
         let mut guard = inner.lock.lock()?;
         let mark = mark.end(Span::TxnLockWait);
@@ -763,6 +764,7 @@ impl FileEngine {
             guard.set_pending(true);
         }
         drop(guard);
+        drop(underway);
         let mark = if wrote {
             mark.end(Span::TxnAppend)
         } else {
