@@ -65,6 +65,10 @@ pub(crate) struct Group {
     gathering: AtomicBool,
     /// [`GATHER_LIMIT`], longer in tests that must not depend on the scheduler.
     gather_limit: Duration,
+    /// Another process wrote since this one last held the directory lock:
+    /// the lock is shared, so leaders do not wait for released threads (see
+    /// [`Group::set_shared`]).
+    shared: AtomicBool,
 }
 
 impl Default for Group {
@@ -76,6 +80,7 @@ impl Default for Group {
             settled: AtomicU64::new(0),
             gathering: AtomicBool::new(false),
             gather_limit: GATHER_LIMIT,
+            shared: AtomicBool::new(false),
         }
     }
 }
@@ -196,6 +201,16 @@ impl Group {
         }
     }
 
+    /// Records whether another process wrote since this one last held the
+    /// directory lock. While it does, a group that drains lets the `flock`
+    /// go to the other process, so a leader must not wait for the threads the
+    /// last sync released: every group would drain and hand the lock over,
+    /// each handing costing the other process a catch-up. Only transactions
+    /// that arrive together are gathered then (and `MAX_HOLD` shares the lock).
+    pub(crate) fn set_shared(&self, shared: bool) {
+        self.shared.store(shared, Ordering::Relaxed);
+    }
+
     /// Marks a transaction as under way until the returned value drops: call
     /// once it may write (past [`wait_open`](Self::wait_open)), drop once its
     /// entry is written or it wrote nothing, and before waiting to be durable.
@@ -258,7 +273,7 @@ impl Group {
             }
             if !state.syncing {
                 state.syncing = true;
-                let (expect, patience) = if state.closing {
+                let (expect, patience) = if state.closing || self.shared.load(Ordering::Relaxed) {
                     (0, Duration::ZERO)
                 } else {
                     (state.expect, state.last_sync)
@@ -614,6 +629,44 @@ mod tests {
         assert!(
             start.elapsed() < std::time::Duration::from_millis(500),
             "a lone thread waited {:?} for others before its sync",
+            start.elapsed()
+        );
+    }
+
+    #[test]
+    fn with_another_process_writing_a_leader_does_not_wait_for_released_threads() {
+        let group = Group {
+            gather_limit: std::time::Duration::from_secs(10),
+            ..Group::default()
+        };
+        let first = std::sync::atomic::AtomicBool::new(true);
+        let lead = |cover| {
+            if first.swap(false, Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            Synced {
+                cover,
+                result: Ok(()),
+            }
+        };
+        // Two members share a slow sync; then only one of them comes back,
+        // while another process shares the lock.
+        drop(group.begin());
+        drop(group.begin());
+        group
+            .wait_durable(2, || lead(2))
+            .map_err(|e| e.to_string())
+            .unwrap();
+        group.set_shared(true);
+        let start = std::time::Instant::now();
+        drop(group.begin());
+        group
+            .wait_durable(3, || lead(3))
+            .map_err(|e| e.to_string())
+            .unwrap();
+        assert!(
+            start.elapsed() < std::time::Duration::from_millis(500),
+            "with the lock shared, a leader waited {:?} for a released thread",
             start.elapsed()
         );
     }

@@ -703,6 +703,10 @@ impl FileEngine {
             return Err(Error::Poisoned);
         }
         let stale = self.is_stale(&guard)?;
+        if !guard.is_pending() {
+            // The first transaction of this hold of the `flock`.
+            inner.group.set_shared(stale);
+        }
         let (locked, mut writes) = guard.split();
         let (audit, loaded, history) = if stale {
             // Another process wrote since we last looked (or never looked):
