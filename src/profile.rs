@@ -144,6 +144,10 @@ mod enabled {
             Self
         }
 
+        #[expect(
+            clippy::unused_self,
+            reason = "the same signature as with the feature, where the mark is read"
+        )]
         pub(crate) fn end(self, _span: Span) -> Self {
             Self
         }
