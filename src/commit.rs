@@ -379,6 +379,35 @@ mod tests {
     }
 
     #[test]
+    fn a_ticket_just_past_a_syncs_cover_waits_for_a_sync_of_its_own() {
+        let group = Group::default();
+        let syncs = AtomicU64::new(0);
+        let lead = |cover| {
+            syncs.fetch_add(1, Ordering::SeqCst);
+            Synced {
+                cover,
+                result: Ok(()),
+            }
+        };
+        group
+            .wait_durable(1, || lead(1))
+            .map_err(|e| e.to_string())
+            .unwrap();
+        // Ticket 2 was written after that sync: only a sync covering it may
+        // report it durable.
+        group
+            .wait_durable(2, || lead(2))
+            .map_err(|e| e.to_string())
+            .unwrap();
+        assert_eq!(
+            syncs.load(Ordering::SeqCst),
+            2,
+            "a ticket the last sync did not cover was reported durable without a sync"
+        );
+        assert_eq!(group.state().durable, 2);
+    }
+
+    #[test]
     fn a_failed_sync_fails_its_tickets_and_every_later_one() {
         let group = Group::default();
         let first = group.wait_durable(2, || Synced {
