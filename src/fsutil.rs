@@ -97,6 +97,21 @@ fn read_once_at(mut file: &File, buf: &mut [u8], offset: u64) -> io::Result<usiz
     file.read(buf)
 }
 
+/// Writes all of `buf` at `offset`, leaving the file's cursor alone on Unix.
+pub(crate) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::write_all_at(file, buf, offset)
+    }
+    #[cfg(not(unix))]
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut file = file;
+        file.seek(SeekFrom::Start(offset))?;
+        file.write_all(buf)
+    }
+}
+
 /// A file's identity and length: what is needed to notice that it was
 /// replaced or grew, without its timestamps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,8 +22,6 @@ mod v1;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
 use std::io::{self, Read};
-#[cfg(not(unix))]
-use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -33,7 +31,7 @@ use crate::audit::{AuditRecord, Head};
 use crate::clock::{format_timestamp, parse_timestamp};
 use crate::error::{Error, Result};
 use crate::failpoint::Failpoints;
-use crate::fsutil::{self, ReplaceFailure};
+use crate::fsutil::{self, ReplaceFailure, read_at, write_all_at};
 use crate::history::Retention;
 use crate::item::{Claim, ItemState, OutboxItem};
 use crate::message::content_hash;
@@ -1041,45 +1039,6 @@ fn read_remnant(file: &File, offset: u64, probe: &[u8]) -> io::Result<Vec<u8>> {
             return Ok(buf);
         }
     }
-}
-
-#[cfg(unix)]
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    use std::os::unix::fs::FileExt;
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
-}
-
-#[cfg(unix)]
-fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
-    std::os::unix::fs::FileExt::write_all_at(file, buf, offset)
-}
-
-#[cfg(not(unix))]
-fn read_at(mut file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    file.seek(SeekFrom::Start(offset))?;
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read(&mut buf[done..])? {
-            0 => break,
-            n => done += n,
-        }
-    }
-    Ok(done)
-}
-
-#[cfg(not(unix))]
-fn write_all_at(mut file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
-    file.seek(SeekFrom::Start(offset))?;
-    file.write_all(buf)
 }
 
 /// One item as a checksummed line (the journal's framing), for history segments.
