@@ -527,7 +527,8 @@ impl Steps {
                 Ok(())
             },
         );
-        if members.is_empty() {
+        let taken_from_queue = members.is_empty();
+        if taken_from_queue {
             // The batch failed before it collected its members (the
             // transaction never began: a poisoned handle, a lock error; or
             // a panic on the way in): the requests it was started for are
@@ -544,6 +545,19 @@ impl Steps {
                 // Nothing was written: each member raises the panic (the
                 // first with its own payload, the others with its message),
                 // so whichever slot ends first stops the worker with it.
+                // Nobody records the members' finished sends now: they are
+                // no longer ours to keep in flight (a later look settles
+                // them). `step_batch` took out those of members it
+                // collected; requests taken from the queue above, after a
+                // panic before the collection, are taken out here.
+                if taken_from_queue {
+                    let mut in_flight = outbox.in_flight();
+                    for member in &members {
+                        if let Some((claim, _)) = &member.finished {
+                            in_flight.remove(claim);
+                        }
+                    }
+                }
                 let message = panic_copy(payload.as_ref());
                 let mut payload = Some(payload);
                 for member in members {
@@ -1434,6 +1448,51 @@ mod tests {
             assert_eq!(item.state(), crate::ItemState::Queued, "{key}");
             assert!(item.transport_ref().is_none(), "{key}");
         }
+    }
+
+    /// After a panic on the way into a batch, the requests it was started
+    /// for are told the panic, so nobody will record their finished sends:
+    /// those sends must leave this handle's in-flight set, as a panic in the
+    /// rules makes them. A send left marked in flight is never settled while
+    /// the handle lives: every look reports it in flight, so its item is
+    /// never failed as ambiguous and, under per-destination order, its
+    /// destination's line stays blocked.
+    #[test]
+    fn a_panic_before_a_batch_collects_its_members_leaves_none_of_their_sends_in_flight() {
+        use crate::FailAction;
+        let fixture = TwoClaimed::new(&[("step.collect", FailAction::PanicOnHit(1))], true);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let ctx = fixture.ctx();
+        let steps = Steps::default();
+        let mut answers = [
+            queue(&steps, delivered(a), 0),
+            queue(&steps, delivered(b), 0),
+        ];
+        lead(&steps, outbox, &ctx);
+        for answer in &mut answers {
+            assert!(matches!(answer.try_recv(), Ok(Reply::Panicked(_))));
+        }
+        assert!(
+            outbox.in_flight().is_empty(),
+            "sends nobody will record were left in flight"
+        );
+        // What a user sees: a look settles the unrecorded send (it may have
+        // left: failed as ambiguous, never sent again) instead of reporting
+        // it in flight for as long as the handle lives.
+        let looked = outbox
+            .process("a", |_| -> std::result::Result<Option<String>, SendError> {
+                panic!("a was sent again after its send's fate was lost")
+            })
+            .expect("look at a");
+        assert_eq!(
+            looked.outcome,
+            Outcome::Failed,
+            "a's unrecorded send was not settled: {looked:?}"
+        );
     }
 
     #[test]
