@@ -6,7 +6,7 @@
 
 use std::sync::mpsc;
 
-use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, ItemState, OutboxItem, Outcome};
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, FailAction, ItemState, OutboxItem, Outcome};
 
 use crate::engines::EngineUnderTest;
 use crate::harness::{DEADLOCK_LIMIT, msg, runtime, uncapped, within};
@@ -90,5 +90,93 @@ fn a_worker_send_whose_record_failed_batched_and_alone_is_settled_by_the_next_lo
         (item.state(), item.error_code()),
         (ItemState::Failed, Some(AMBIGUOUS_AFTER_RESTART))
     );
+    outbox.verify_audit().unwrap();
+}
+
+/// A panic on the way into a worker's batched step, before the batch has
+/// collected its members (`step.collect` armed to panic once, at the first
+/// step of the slots that finished their sends), is raised by `Worker::run`,
+/// and nobody records those finished sends: once the run has raised it, the
+/// handle's next looks settle every unrecorded send as ambiguous. None may
+/// look in flight for as long as the handle lives (its chat's line would
+/// stay blocked). Requests queued behind the panicked batch are recorded by
+/// the next one, so a look may briefly find one of them in flight: each key
+/// is looked at until it is not, under a generous deadline.
+#[test]
+fn a_worker_send_whose_batch_panicked_before_collecting_it_is_settled_by_the_next_look() {
+    const CHATS: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    // Hit 1: the worker's fill claims every chat's item; hit 2: the first
+    // step of the slots after their sends.
+    let outbox = uncapped(durable_outbox::Outbox::builder(dir.path()))
+        .failpoint("step.collect", FailAction::PanicOnHit(2))
+        .open()
+        .unwrap();
+    let keys: Vec<String> = (0..CHATS).map(|c| format!("k{c}")).collect();
+    outbox
+        .enqueue_many(keys.iter().map(|k| msg(k, &format!("chat-{k}"))).collect())
+        .unwrap();
+    let (sending, started) = mpsc::channel::<String>();
+    let (go, finish) = tokio::sync::watch::channel(false);
+    let transport = move |item: OutboxItem| {
+        let sending = sending.clone();
+        let mut finish = finish.clone();
+        async move {
+            sending.send(item.idempotency_key().to_owned()).unwrap();
+            finish.wait_for(|go| *go).await.unwrap();
+            Ok(Some(format!("tr-{}", item.idempotency_key())))
+        }
+    };
+    // Kept alive until the looks are done: later batches run on its pool.
+    let rt = runtime();
+    within(
+        "a worker whose batch panicked before collecting its members raises the panic",
+        DEADLOCK_LIMIT,
+        || {
+            let running = rt.spawn(
+                outbox
+                    .worker(transport)
+                    .concurrency(CHATS)
+                    .run(std::future::pending()),
+            );
+            for _ in 0..CHATS {
+                started.recv().unwrap();
+            }
+            go.send(true).unwrap();
+            match rt.block_on(running) {
+                Err(join) if join.is_panic() => {}
+                other => panic!("the worker did not raise the panic: {other:?}"),
+            }
+        },
+    );
+    assert_eq!(outbox.failpoint_hits("step.collect"), 2);
+    let deadline = std::time::Instant::now() + DEADLOCK_LIMIT;
+    let mut ambiguous = 0;
+    for key in &keys {
+        let looked = loop {
+            let looked = outbox
+                .process(key, |_| panic!("{key} was sent again"))
+                .unwrap();
+            if looked.outcome != Outcome::InFlight || std::time::Instant::now() > deadline {
+                break looked;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_ne!(
+            looked.outcome,
+            Outcome::InFlight,
+            "{key}'s unrecorded send still looks in flight: {looked:?}"
+        );
+        let item = outbox.get(key).unwrap().unwrap();
+        match item.state() {
+            ItemState::Sent => assert_eq!(item.transport_ref(), Some(format!("tr-{key}").as_str())),
+            ItemState::Failed => {
+                assert_eq!(item.error_code(), Some(AMBIGUOUS_AFTER_RESTART), "{key}");
+                ambiguous += 1;
+            }
+            other @ ItemState::Queued => panic!("{key} ended {other:?}"),
+        }
+    }
+    assert!(ambiguous >= 1, "the panicked batch had a member");
     outbox.verify_audit().unwrap();
 }
