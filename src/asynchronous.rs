@@ -223,15 +223,45 @@ impl Drop for ClaimTicket {
         };
         let claim = self.claim.clone();
         let before = std::mem::replace(&mut self.before, self.item.clone());
-        let release = move || {
+        off_the_runtime(move || {
             if let Err(e) = outbox.release(&claim, &before) {
                 // The claim stays; the next touch fails it as ambiguous.
                 tracing::error!(key = claim.key(), error = %e, "could not release an unsent claim");
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(release)),
-            Err(_) => release(),
+        });
+    }
+}
+
+/// Runs `work` on the current runtime's blocking pool, or right here outside
+/// a runtime, for a guard's `Drop` that must write. A pool whose runtime is
+/// shutting down drops the task it is handed without running it: `work` then
+/// runs where it is dropped. Skipping it would leave the guarded claim in
+/// place and marked in flight: an unused claim would be failed as ambiguous
+/// by a later open although its send never started, and the handle, used on
+/// after its runtime, would report the item in flight for the rest of its life.
+fn off_the_runtime(work: impl FnOnce() + Send + 'static) {
+    let once = RunOnce(Some(work));
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(move || once.run())),
+        Err(_) => once.run(),
+    }
+}
+
+/// Work that runs exactly once: when asked, or else when dropped.
+struct RunOnce<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> RunOnce<F> {
+    fn run(mut self) {
+        if let Some(work) = self.0.take() {
+            work();
+        }
+    }
+}
+
+impl<F: FnOnce()> Drop for RunOnce<F> {
+    fn drop(&mut self) {
+        if let Some(work) = self.0.take() {
+            work();
         }
     }
 }
@@ -471,17 +501,13 @@ impl Drop for CancelGuard {
             return;
         };
         let claim = self.claim.clone();
-        let record = move || {
+        off_the_runtime(move || {
             if let Err(e) = outbox.abandon(&claim, SEND_CANCELLED) {
                 // The claim stays; the next touch of the item fails it as
                 // ambiguous instead, since it is no longer in flight here.
                 tracing::error!(key = claim.key(), error = %e, "could not record a cancelled send");
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(record)),
-            Err(_) => record(),
-        }
+        });
     }
 }
 

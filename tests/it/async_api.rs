@@ -292,6 +292,97 @@ fn a_process_async_cancelled_while_claiming_gives_the_claim_back() {
     );
 }
 
+/// A runtime shut down while a claim waits on its blocking pool (here behind
+/// the directory lock): the claim commits after the runtime stopped taking
+/// work, its caller is gone, and the unused claim is still given back
+/// untouched, not left to fail as ambiguous later although its send never
+/// started. The handle, used on after the runtime, then sends it.
+#[test]
+fn a_claim_committed_after_its_runtime_shut_down_is_given_back() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let lock = std::fs::File::open(h.path("outbox.lock")).unwrap();
+    lock.lock().unwrap();
+    let rt = runtime();
+    let (asked, asking) = std::sync::mpsc::channel::<()>();
+    let outbox = h.outbox.clone();
+    rt.spawn(async move {
+        asked.send(()).unwrap();
+        outbox
+            .process_async("k", |_| async { panic!("sent from a runtime shut down") })
+            .await
+    });
+    asking.recv().unwrap();
+    // Give the claim time to reach the lock, then stop the runtime without
+    // waiting for its blocking pool.
+    std::thread::sleep(Duration::from_millis(100));
+    rt.shutdown_background();
+    lock.unlock().unwrap();
+    let mut item = h.outbox.get("k").unwrap().unwrap();
+    for _ in 0..500 {
+        if !item.dispatch_claimed() && item.attempts() == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        item = h.outbox.get("k").unwrap().unwrap();
+    }
+    assert_eq!(
+        (item.state(), item.attempts(), item.dispatch_claimed()),
+        (ItemState::Queued, 0, false),
+        "an unused claim was not given back after its runtime shut down"
+    );
+    let r = h.outbox.process("k", |_| Ok(Some("tg-1".into()))).unwrap();
+    assert_eq!(
+        r.outcome,
+        Outcome::Sent,
+        "never sent before, so it goes now"
+    );
+}
+
+/// A send running when its runtime is shut down is dropped with the runtime's
+/// tasks: it may have left, so it is recorded as `send_cancelled` (failed,
+/// never resent), as a send future dropped by its caller is, even though the
+/// blocking pool takes no more work by then.
+#[test]
+fn a_send_running_when_its_runtime_shut_down_is_recorded_as_cancelled() {
+    let h = Harness::new();
+    h.enqueue("k", "chat-1");
+    let rt = runtime();
+    let (started, starting) = std::sync::mpsc::channel::<()>();
+    let mut started = Some(started);
+    let outbox = h.outbox.clone();
+    rt.spawn(async move {
+        outbox
+            .process_async("k", move |_| {
+                if let Some(started) = started.take() {
+                    started.send(()).unwrap();
+                }
+                std::future::pending::<Result<Option<String>, SendError>>()
+            })
+            .await
+    });
+    starting.recv().unwrap();
+    rt.shutdown_background();
+    let mut item = h.outbox.get("k").unwrap().unwrap();
+    for _ in 0..500 {
+        if item.state() != ItemState::Queued {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        item = h.outbox.get("k").unwrap().unwrap();
+    }
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(SEND_CANCELLED)),
+        "a send dropped with its runtime was not recorded as cancelled: {item:?}"
+    );
+    let r = h
+        .outbox
+        .process("k", |_| panic!("k was sent again"))
+        .unwrap();
+    assert_eq!(r.outcome, Outcome::Failed);
+}
+
 on_both_engines! {
     /// The async forms keep the same guarantees; a send future dropped
     /// mid-flight fails its item as ambiguous (`send_cancelled`), never resent.
