@@ -6,7 +6,9 @@
 
 use std::sync::mpsc;
 
-use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, FailAction, ItemState, OutboxItem, Outcome};
+#[cfg(feature = "test-failpoints")]
+use durable_outbox::FailAction;
+use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, ItemState, OutboxItem, Outcome};
 
 use crate::engines::EngineUnderTest;
 use crate::harness::{DEADLOCK_LIMIT, msg, runtime, uncapped, within};
@@ -102,6 +104,7 @@ fn a_worker_send_whose_record_failed_batched_and_alone_is_settled_by_the_next_lo
 /// stay blocked). Requests queued behind the panicked batch are recorded by
 /// the next one, so a look may briefly find one of them in flight: each key
 /// is looked at until it is not, under a generous deadline.
+#[cfg(feature = "test-failpoints")]
 #[test]
 fn a_worker_send_whose_batch_panicked_before_collecting_it_is_settled_by_the_next_look() {
     const CHATS: usize = 4;
