@@ -1361,10 +1361,13 @@ mod tests {
         outbox.verify_audit().expect("audit");
     }
 
-    #[test]
-    fn a_panic_in_a_batchs_rules_is_raised_in_each_member_and_the_next_request_leads_again() {
+    /// Two claimed sends queued as one batch whose failpoint `point` panics:
+    /// each member is handed that panic (not told to step alone, which would
+    /// drop it), the queue is left for the next request to lead, nothing of
+    /// the batch was written and neither send is left in flight.
+    fn each_member_is_handed_the_panic_of(point: &str) {
         use crate::FailAction;
-        let fixture = TwoClaimed::new(&[("step.batch", FailAction::Panic)], true);
+        let fixture = TwoClaimed::new(&[(point, FailAction::Panic)], true);
         let TwoClaimed {
             outbox,
             claims: [a, b],
@@ -1381,53 +1384,7 @@ mod tests {
             match answer.try_recv() {
                 Ok(Reply::Panicked(payload)) => assert_eq!(
                     panic_copy(payload.as_ref()),
-                    "failpoint step.batch panicked",
-                    "{name} was handed another panic"
-                ),
-                Ok(_) => panic!("{name} was told something other than the panic"),
-                Err(e) => panic!("{name} was left without an answer: {e}"),
-            }
-        }
-        let queue = steps.queue();
-        assert!(
-            queue.waiting.is_empty() && !queue.gathering,
-            "a later step would wait for a leader nobody starts"
-        );
-        drop(queue);
-        // Nothing of the batch was written: both sends are still unrecorded
-        // claims, and neither key is left in flight.
-        assert!(outbox.in_flight().is_empty());
-        for key in ["a", "b"] {
-            let item = outbox.get(key).expect("get").expect("live");
-            assert_eq!(item.state(), crate::ItemState::Queued, "{key}");
-            assert!(item.transport_ref().is_none(), "{key}");
-        }
-    }
-
-    /// A panic on the way into a batch, before it has collected its members:
-    /// the requests it was started for are its members and each is handed
-    /// the panic, not told to step alone (which would drop it).
-    #[test]
-    fn a_panic_before_a_batch_collects_its_members_is_raised_in_each_request() {
-        use crate::FailAction;
-        let fixture = TwoClaimed::new(&[("step.collect", FailAction::Panic)], true);
-        let TwoClaimed {
-            outbox,
-            claims: [a, b],
-            ..
-        } = &fixture;
-        let ctx = fixture.ctx();
-        let steps = Steps::default();
-        let mut a = queue(&steps, delivered(a), 0);
-        let mut b = queue(&steps, delivered(b), 0);
-        steps.lead(outbox, &ctx, || {
-            panic!("nothing was queued behind the batch")
-        });
-        for (name, answer) in [("a", &mut a), ("b", &mut b)] {
-            match answer.try_recv() {
-                Ok(Reply::Panicked(payload)) => assert_eq!(
-                    panic_copy(payload.as_ref()),
-                    "failpoint step.collect panicked",
+                    format!("failpoint {point} panicked"),
                     "{name} was handed another panic"
                 ),
                 Ok(Reply::Alone(..)) => {
@@ -1443,11 +1400,26 @@ mod tests {
             "a later step would wait for a leader nobody starts"
         );
         drop(queue);
+        // Both sends are still unrecorded claims, and neither is in flight.
+        assert!(outbox.in_flight().is_empty());
         for key in ["a", "b"] {
             let item = outbox.get(key).expect("get").expect("live");
             assert_eq!(item.state(), crate::ItemState::Queued, "{key}");
             assert!(item.transport_ref().is_none(), "{key}");
         }
+    }
+
+    #[test]
+    fn a_panic_in_a_batchs_rules_is_raised_in_each_member_and_the_next_request_leads_again() {
+        each_member_is_handed_the_panic_of("step.batch");
+    }
+
+    /// A panic on the way into a batch, before it has collected its members:
+    /// the requests it was started for are its members and each is handed
+    /// the panic.
+    #[test]
+    fn a_panic_before_a_batch_collects_its_members_is_raised_in_each_request() {
+        each_member_is_handed_the_panic_of("step.collect");
     }
 
     /// After a panic on the way into a batch, the requests it was started
