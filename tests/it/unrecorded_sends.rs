@@ -13,6 +13,32 @@ use durable_outbox::{AMBIGUOUS_AFTER_RESTART, Error, ItemState, OutboxItem, Outc
 use crate::engines::EngineUnderTest;
 use crate::harness::{DEADLOCK_LIMIT, msg, runtime, uncapped, within};
 
+/// One send of [`held_sends`].
+type HeldSend = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Option<String>, durable_outbox::SendError>> + Send>,
+>;
+
+/// A transport whose sends report their key on the returned receiver, then
+/// hold until the returned sender says go, and deliver as `tr-{key}`.
+fn held_sends() -> (
+    mpsc::Receiver<String>,
+    tokio::sync::watch::Sender<bool>,
+    impl Fn(OutboxItem) -> HeldSend + Send + Sync + 'static,
+) {
+    let (sending, started) = mpsc::channel::<String>();
+    let (go, finish) = tokio::sync::watch::channel(false);
+    let transport = move |item: OutboxItem| {
+        let sending = sending.clone();
+        let mut finish = finish.clone();
+        Box::pin(async move {
+            sending.send(item.idempotency_key().to_owned()).unwrap();
+            finish.wait_for(|go| *go).await.unwrap();
+            Ok(Some(format!("tr-{}", item.idempotency_key())))
+        }) as HeldSend
+    };
+    (started, go, transport)
+}
+
 /// A worker whose record of a finished send fails in its batch's rules
 /// (here a lock wait ended by the database's `lock_timeout`, as a DBA may
 /// set it), and again when that send is recorded in a step of its own,
@@ -34,17 +60,7 @@ fn a_worker_send_whose_record_failed_batched_and_alone_is_settled_by_the_next_lo
     let outbox = engine.open_real_clock_with(uncapped);
     outbox.enqueue(msg("a", "chat-a")).unwrap();
     let mut session = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-    let (sending, started) = mpsc::channel::<String>();
-    let (go, finish) = tokio::sync::watch::channel(false);
-    let transport = move |item: OutboxItem| {
-        let sending = sending.clone();
-        let mut finish = finish.clone();
-        async move {
-            sending.send(item.idempotency_key().to_owned()).unwrap();
-            finish.wait_for(|go| *go).await.unwrap();
-            Ok(Some("tr-a".to_owned()))
-        }
-    };
+    let (started, go, transport) = held_sends();
     let rt = runtime();
     let ended = within(
         "a worker whose record of a send failed stops",
@@ -119,17 +135,7 @@ fn a_worker_send_whose_batch_panicked_before_collecting_it_is_settled_by_the_nex
     outbox
         .enqueue_many(keys.iter().map(|k| msg(k, &format!("chat-{k}"))).collect())
         .unwrap();
-    let (sending, started) = mpsc::channel::<String>();
-    let (go, finish) = tokio::sync::watch::channel(false);
-    let transport = move |item: OutboxItem| {
-        let sending = sending.clone();
-        let mut finish = finish.clone();
-        async move {
-            sending.send(item.idempotency_key().to_owned()).unwrap();
-            finish.wait_for(|go| *go).await.unwrap();
-            Ok(Some(format!("tr-{}", item.idempotency_key())))
-        }
-    };
+    let (started, go, transport) = held_sends();
     // Kept alive until the looks are done: later batches run on its pool.
     let rt = runtime();
     within(
