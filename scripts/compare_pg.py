@@ -16,6 +16,15 @@ them alike:
 - the floor: `pgbench -n -c T -j min(T,2) -T SECS -f two_updates.sql`, two
   single-row UPDATE transactions per item (after `pgbench -i -s 1`), in items/s
   (= pgbench's tps / 2);
+- our SQL via pgbench: `pgbench -n -M prepared -c 8 -j 2 -t N/8` running
+  OUR_SQL below: the statements one W2 item runs on our engine at T=8 (as
+  `log_statement = all` shows them), in the same three transactions
+  (enqueue, claim, finish), with pgbench variables for keys and
+  destinations, and a sealing transaction at the rate ours sealed at T=8 in
+  the same round (its calls in `pg_stat_statements`), on a fresh schema our
+  bench created. It is what the SQL our guarantees need costs with a lean C
+  client: ours minus it is what our client and its use of the protocol
+  cost;
 - the file engine (`bench --workload w2 --dir ...`) and the SQLite anchor
   (`sqlite-outbox --threads T`), T = 8, N = --n, on the same disk.
 
@@ -26,8 +35,8 @@ included): a figure the machine's load hardly moves, unlike items/s;
 every run's JSON goes to stderr. The server is stopped and its directory
 removed at the end (also on Ctrl-C).
 
-And CPU per item, server and client apart, for ours, `--before` and the
-floor: the server's is what the postmaster and its children used during the
+And CPU per item, server and client apart, for ours, `--before`, our SQL
+via pgbench and the floor: the server's is what the postmaster and its children used during the
 run (for ours less a run of one item, as for WAL) (`/proc`: the postmaster's own and reaped children's user + system time,
 plus the time of the children still alive; the backends of a run exit at its
 end and are reaped into it), the client's is the bench's own figure of its
@@ -61,6 +70,76 @@ BEGIN;
 UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :b;
 END;
 """
+
+# Our SQL, one W2 item on our engine at T=8, for pgbench (see the module's
+# doc). `{s}` is the schema, `{chan}` its wake-up channel. Where ours sends a
+# value it computed as a parameter, this computes one of the same size on the
+# server (documents and audit events: the lengths a W2 item has; timestamps:
+# `now()`); the advisory lock keys are pgbench variables. Statements in the
+# order of `src/engine/postgres`:
+#
+# - each transaction opens with the writers' gate, the item key's lock, the
+#   stored settings and the owner probe in one statement, then the item's row
+#   `FOR UPDATE` (`transact.rs`, `open_txn`);
+# - enqueue: the destination's lock with `nextval` (`txn.rs`, `next_seq`),
+#   the row's insert carrying its pending audit event (`rows.rs`), `COMMIT`,
+#   then the wake-up outside the transaction (`notify.rs`);
+# - claim: the destination's lock, its line (head, send times in the cap's
+#   window, cooldown: `txn.rs`, `read_line`), the row's update with its send
+#   times, `COMMIT`;
+# - finish: the row's update with its send times and pending event, `COMMIT`;
+# - sealing, once every `seal_one_in` items (`sealing.rs`): the head `FOR
+#   UPDATE SKIP LOCKED`, the pending events taken, the records inserted and
+#   the head moved, `COMMIT`. Ours hashes the events in the client; here the
+#   server counts the events it deleted and inserts as many records of the
+#   chain's length (`\gset` takes one row, so the events do not travel to
+#   the client: about 1 KB less per item than ours moves).
+#
+# Not modelled: the rare `Waiting` retries (a chat's earlier item still in
+# flight on another thread), which write nothing.
+OUR_SQL = r"""\set k random(1, 9000000000000000000)
+\set d random(0, :destinations - 1)
+\set seal random(1, :seal_one_in)
+\set gate 11
+\set owner 12
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+SELECT nextval('{s}.enqueue_seq') AS seq FROM (SELECT pg_advisory_xact_lock(-1 - :d)) l \gset
+WITH pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"queued","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) INSERT INTO {s}.items (idempotency_key, revision, destination, state, claimed, claim_owner, next_attempt_at, transport_ref, doc, seq, created_at, updated_at) VALUES ('key-' || :k, 1, 'chat-' || :d, 'queued', false, NULL, NULL, NULL, '{{"key":"key-' || :k || '","state":"queued","pad":"' || repeat('x', {doc_pad}) || '"}}', COALESCE(:seq, nextval('{s}.enqueue_seq')), now(), now());
+COMMIT;
+SELECT pg_notify('{chan}', ''), set_config('synchronous_commit', 'off', true);
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+SELECT pg_advisory_xact_lock(-1 - :d);
+SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, (SELECT until FROM {s}.cooldowns WHERE destination = 'chat-' || :d) FROM (SELECT array_agg(idempotency_key ORDER BY at, idempotency_key) AS keys, array_agg(at ORDER BY at, idempotency_key) AS ats FROM {s}.rate_times WHERE destination = 'chat-' || :d AND at >= now() - interval '1 minute') t LEFT JOIN LATERAL (SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE destination = 'chat-' || :d AND state = 'queued' AND NOT (idempotency_key = ANY('{{}}'::text[])) ORDER BY seq, created_at, idempotency_key LIMIT 1) h ON true;
+WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT (at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING) UPDATE {s}.items SET revision = revision + 1, destination = 'chat-' || :d, state = 'queued', claimed = true, claim_owner = 'owner-1', next_attempt_at = NULL, transport_ref = NULL, doc = '{{"key":"key-' || :k || '","state":"claimed","pad":"' || repeat('x', {doc_pad}) || '"}}', seq = COALESCE(:seq, seq), created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k AND revision = 1;
+COMMIT;
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT (at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING), pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"sent","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) UPDATE {s}.items SET revision = revision + 1, destination = 'chat-' || :d, state = 'sent', claimed = false, claim_owner = NULL, next_attempt_at = NULL, transport_ref = 'tr-' || :k, doc = '{{"key":"key-' || :k || '","state":"sent","pad":"' || repeat('x', {doc_pad}) || '"}}', seq = COALESCE(:seq, seq), created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k AND revision = 2;
+COMMIT;
+\if :seal = 1
+\set got 0
+BEGIN;
+SELECT 1 AS got, seq AS head, set_config('synchronous_commit', 'off', true) FROM {s}.audit_head WHERE id = 1 FOR UPDATE SKIP LOCKED \aset
+\if :got
+WITH d AS (DELETE FROM {s}.audit_pending WHERE id IN (SELECT id FROM {s}.audit_pending ORDER BY id LIMIT 1000) RETURNING id, event) SELECT count(*) AS n FROM d \gset
+\set tail :head + :n
+WITH sealed AS (INSERT INTO {s}.audit (seq, hash, line) SELECT * FROM unnest(ARRAY(SELECT :head + g FROM generate_series(1, :n) g), ARRAY(SELECT repeat('h', 64) FROM generate_series(1, :n)), ARRAY(SELECT repeat('x', {line_len}) FROM generate_series(1, :n)))) UPDATE {s}.audit_head SET seq = :tail, hash = repeat('h', 64) WHERE id = 1;
+\endif
+COMMIT;
+\endif
+"""
+
+
+def our_sql(schema):
+    """OUR_SQL for `schema`, with a W2 item's sizes: its document ~800
+    bytes, a pending event ~540, a sealed record ~610."""
+    return OUR_SQL.format(s=f'"{schema}"', chan=f"durable_outbox_{schema}",
+                          doc_pad=760, event_pad=500, line_len=610)
 
 
 def pg_bin():
@@ -193,8 +272,12 @@ def main():
         script = os.path.join(server.root, "two_updates.sql")
         with open(script, "w") as f:
             f.write(TWO_UPDATES)
+        server.psql("bench", "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         d = str(args.destinations)
         counter = [0]
+        # Items per sealing transaction in ours' last T=8 run (before any: a
+        # typical figure).
+        seal_one_in = [16]
 
         wal = {}
         base = {}
@@ -225,8 +308,15 @@ def main():
                 # The server's other clients are idle meanwhile (cases run in
                 # turns).
                 base[bench] = run_bench(bench, 1, 1, f"w2_base_{counter[0]}")[1:]
-            out, used, cpu_used = run_bench(bench, threads, n, f"w2_{threads}_{counter[0]}")
+            schema = f"w2_{threads}_{counter[0]}"
+            out, used, cpu_used = run_bench(bench, threads, n, schema)
             line = last_json(out)
+            if threads == 8 and bench == BENCH:
+                seals = int(server.psql(
+                    "bench", "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements "
+                             f"WHERE query LIKE '%INSERT INTO \"{schema}\".audit (seq%'"))
+                if seals:
+                    seal_one_in[0] = max(1, round(n / seals))
             if name:
                 base_wal, base_cpu = base[bench]
                 wal.setdefault(name, []).append((used - base_wal) / (n - 1))
@@ -261,6 +351,44 @@ def main():
                   file=sys.stderr)
             return tps
 
+        def our_sql_via_pgbench(clients, n):
+            """OUR_SQL on a fresh schema our bench created (one item, so
+            the tables, settings and audit head exist as ours has them)."""
+            counter[0] += 1
+            schema = f"sql_{clients}_{counter[0]}"
+            subprocess.run([BENCH, "--workload", "w2", "--threads", "1", "--n", "1",
+                            "--destinations", d, "--postgres", server.url(), "--schema", schema],
+                           check=True, capture_output=True)
+            path = os.path.join(server.root, f"{schema}.sql")
+            with open(path, "w") as f:
+                f.write(our_sql(schema))
+            per_client = max(1, n // clients)
+            items = per_client * clients
+            server.settle()
+            cpu_start = server.cpu_s()
+            own_start = os.times()
+            out = subprocess.run(
+                [os.path.join(server.bin, "pgbench"), "-n", "-M", "prepared",
+                 "-c", str(clients), "-j", str(min(clients, 2)), "-t", str(per_client),
+                 "-D", f"destinations={d}", "-D", f"seal_one_in={seal_one_in[0]}", "-f", path,
+                 "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
+                check=True, capture_output=True, text=True).stdout
+            server.settle()
+            own = os.times()
+            client_s = (own.children_user - own_start.children_user
+                        + own.children_system - own_start.children_system)
+            tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
+                       if l.startswith("tps ="))
+            failed = next((l for l in out.splitlines() if l.startswith("number of failed")), "")
+            if not failed.startswith("number of failed transactions: 0 "):
+                sys.exit(f"our SQL via pgbench: {failed or out}")
+            cpu.setdefault(f"our SQL via pgbench {clients} clients", []).append(
+                (1000 * (server.cpu_s() - cpu_start) / items, 1000 * client_s / items))
+            print(json.dumps({"impl": "our SQL via pgbench", "clients": clients,
+                              "items_per_s": tps, "seal_one_in": seal_one_in[0]}),
+                  file=sys.stderr)
+            return tps
+
         def on_disk(cmd):
             work = tempfile.mkdtemp(prefix="w2-", dir=args.dir)
             try:
@@ -274,6 +402,7 @@ def main():
         cases = {
             "ours (PostgreSQL) T=8": lambda: ours(8, args.n, name="ours (PostgreSQL) T=8"),
             "pgbench floor 8 clients": lambda: floor(8),
+            "our SQL via pgbench 8 clients": lambda: our_sql_via_pgbench(8, args.n),
             "ours (PostgreSQL) T=1": lambda: ours(1, args.n1, name="ours (PostgreSQL) T=1"),
             "pgbench floor 1 client": lambda: floor(1),
             "file engine T=8": lambda: on_disk(
@@ -302,6 +431,9 @@ def main():
         print()
         for t, fl in ((8, "pgbench floor 8 clients"), (1, "pgbench floor 1 client")):
             print(f"floor / ours at T={t}: {med[fl] / med[f'ours (PostgreSQL) T={t}']:.2f}x")
+        sql = med["our SQL via pgbench 8 clients"]
+        print(f"floor / our SQL via pgbench at T=8: {med['pgbench floor 8 clients'] / sql:.2f}x")
+        print(f"our SQL via pgbench / ours at T=8: {sql / med['ours (PostgreSQL) T=8']:.2f}x")
         if args.before:
             for t in (8, 1):
                 print(f"ours / before at T={t}: "
