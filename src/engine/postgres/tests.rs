@@ -585,3 +585,155 @@ fn an_enqueue_sequence_is_taken_under_its_destination_s_lock() {
     assert!(seqs.1 > seqs.0, "each call takes a new sequence: {seqs:?}");
     assert!(free(&mut other), "the lock ends with the transaction");
 }
+
+/// Two hosts enqueue one message: the second's opening statement waits for
+/// the key's lock while the first commits the key's row. The second answers
+/// with that item, as an enqueue of a key already in the outbox does; it
+/// writes no second row and no second `queued` record. (Its opening
+/// statement reads the row with a snapshot taken before the wait, so the row
+/// reads as absent: `PgEngine::open_txn` runs such a transaction again once
+/// its insert meets the row.)
+#[test]
+fn an_enqueue_that_waited_for_its_key_while_another_host_enqueued_it_answers_with_that_item() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let first = open(&db.url());
+    let second = open(&db.url());
+    let mut watcher = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    let message = crate::NewMessage {
+        idempotency_key: "k".into(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: "chat-1".into(),
+        content: "hello".into(),
+        ..Default::default()
+    };
+    let hash = content_hash(&message.content);
+    let (inside, inside_seen) = std::sync::mpsc::channel::<()>();
+    let (go, go_seen) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let (first, message, hash) = (&first, &message, &hash);
+        let holder = scope.spawn(move || {
+            first.transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
+                let item = insert_message(txn, message, hash)?;
+                inside.send(()).unwrap();
+                go_seen
+                    .recv_timeout(LIMIT)
+                    .expect("watchdog: the test never let the first enqueue commit");
+                Ok(item)
+            })
+        });
+        inside_seen
+            .recv_timeout(LIMIT)
+            .expect("watchdog: the first enqueue never held the key's lock");
+        let second = &second;
+        let racer = scope.spawn(move || {
+            second.transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
+                insert_message(txn, message, hash)
+            })
+        });
+        // The second enqueue's opening statement waits for the key's lock.
+        let deadline = std::time::Instant::now() + LIMIT;
+        while watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "watchdog: the second enqueue never waited for the key's lock"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        go.send(()).unwrap();
+        let enqueued = holder.join().unwrap().expect("the first enqueue commits");
+        let answered = racer
+            .join()
+            .unwrap()
+            .expect("the second enqueue of the key answers, not fails");
+        assert_eq!(
+            answered.last_audit_id, enqueued.last_audit_id,
+            "the second enqueue answers with the item the first one wrote"
+        );
+    });
+    let report = first.verify_audit().unwrap();
+    assert_eq!(report.records, 1, "one `queued` record for the one item");
+    assert_eq!(
+        db.psql("SELECT count(*) FROM durable_outbox.items"),
+        "1",
+        "one row for the key"
+    );
+}
+
+/// A one-item transaction waiting at the writers' gate holds no lock on its
+/// item's row: its opening statement reads the row only once the gate is
+/// passed (`PgEngine::open_txn`, the lock order of `txn`). So a writer that
+/// holds the gate exclusive (a drain step, a bulk action) can lock any row
+/// without waiting for one that waits for it.
+#[test]
+fn a_one_item_transaction_waiting_at_the_gate_holds_no_row_lock() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    enqueue(&engine, item("k", "chat-1"));
+    let mut other = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    let mut gate_holder = other.transaction().unwrap();
+    gate_holder
+        .execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&super::lock_key(DEFAULT_SCHEMA, "writers")],
+        )
+        .unwrap();
+    std::thread::scope(|scope| {
+        let engine = &engine;
+        let waiter = scope.spawn(move || {
+            engine.transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
+                Ok(txn.item("k")?.map(|item| item.state))
+            })
+        });
+        let deadline = std::time::Instant::now() + LIMIT;
+        while gate_holder
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "watchdog: the one-item transaction never waited at the gate"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let row = gate_holder.query(
+            "SELECT 1 FROM durable_outbox.items WHERE idempotency_key = 'k' FOR UPDATE NOWAIT",
+            &[],
+        );
+        assert!(
+            row.is_ok(),
+            "the item's row was locked by a transaction still waiting at the gate: {row:?}"
+        );
+        gate_holder.rollback().unwrap();
+        let state = waiter
+            .join()
+            .unwrap()
+            .expect("the one-item transaction runs once the gate is free");
+        assert_eq!(state, Some(ItemState::Queued));
+    });
+}
