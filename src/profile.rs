@@ -21,6 +21,13 @@ pub(crate) enum Span {
     TxnRules,
     /// Holding the lock: encoding and writing the journal entry.
     TxnAppend,
+    /// Within the append: building and encoding the entry's line.
+    AppendEncode,
+    /// Within the append: extending the journal if needed, and keeping the
+    /// line for the group's leader to write.
+    AppendWrite,
+    /// Within the append: applying the entry to the in-memory state.
+    AppendApply,
     /// From writing the entry to "durable", when this thread led no sync.
     FollowerWait,
     /// From writing the entry to "durable", when this thread led a sync.
@@ -29,6 +36,8 @@ pub(crate) enum Span {
     LeadLockWait1,
     /// A leader holding the lock before its sync.
     LeadHold1,
+    /// A leader writing its group's entries (one `pwrite`).
+    GroupWrite,
     /// The `fdatasync` itself.
     Sync,
     /// A leader waiting for the lock after its sync.
@@ -46,17 +55,21 @@ mod enabled {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     use std::time::Instant;
 
-    const SPANS: [(&str, Span); 14] = [
+    const SPANS: [(&str, Span); 18] = [
         ("txn_total", Span::TxnTotal),
         ("txn_wait_open", Span::TxnWaitOpen),
         ("txn_lock_wait", Span::TxnLockWait),
         ("txn_fresh", Span::TxnFresh),
         ("txn_rules", Span::TxnRules),
         ("txn_append", Span::TxnAppend),
+        ("append_encode", Span::AppendEncode),
+        ("append_write", Span::AppendWrite),
+        ("append_apply", Span::AppendApply),
         ("follower_wait", Span::FollowerWait),
         ("leader_wait", Span::LeaderWait),
         ("lead_lock_wait1", Span::LeadLockWait1),
         ("lead_hold1", Span::LeadHold1),
+        ("group_write", Span::GroupWrite),
         ("sync", Span::Sync),
         ("lead_lock_wait2", Span::LeadLockWait2),
         ("lead_hold2", Span::LeadHold2),

@@ -196,17 +196,18 @@ fn a_refresh_between_journal_writes_leaves_the_journals_inode_clean() {
     let store = Store::new(dir.path());
     let faults = Failpoints::none();
     let (mut ours, mut theirs) = (None, None);
-    let loaded = store.refresh(&mut ours).unwrap();
-    store
-        .append_unsynced(loaded, None, Vec::new(), &[], &faults)
-        .unwrap();
+    // One entry appended and written, as a group of one's leader writes it.
+    let append = |loaded: &mut crate::store::Loaded| {
+        store
+            .append_unsynced(loaded, None, Vec::new(), &[], &faults)
+            .unwrap();
+        loaded.take_unsynced().unwrap().write(&faults).unwrap();
+    };
+    append(store.refresh(&mut ours).unwrap());
     store.refresh(&mut theirs).unwrap();
     let dirtied = inode_dirtyings(store.journal_path(), || {
         for _ in 0..ROUNDS {
-            let loaded = ours.as_mut().unwrap();
-            store
-                .append_unsynced(loaded, None, Vec::new(), &[], &faults)
-                .unwrap();
+            append(ours.as_mut().unwrap());
             store.refresh(&mut theirs).unwrap();
         }
     });

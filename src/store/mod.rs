@@ -291,6 +291,54 @@ struct Cursor {
     next_seq: u64,
     /// The file's length: zeros from the end of the entries up to here.
     allocated: u64,
+    /// Entries of a commit group encoded and applied but not written yet:
+    /// they end at `offset`. The group's leader writes them all in one
+    /// `pwrite` just before its `fdatasync` (see [`Loaded::take_unsynced`]),
+    /// instead of every member paying a write (and a timestamp update of the
+    /// journal's inode) under the lock.
+    unwritten: Vec<u8>,
+}
+
+impl Cursor {
+    /// Where the unwritten entries start in the file.
+    fn written_end(&self) -> u64 {
+        self.offset - self.unwritten.len() as u64
+    }
+}
+
+/// A commit group's share of the journal, taken by its leader under the lock
+/// and written and synced without it: the entries appended since the last
+/// leader took its share, which sit at `at` in `file`.
+#[derive(Debug)]
+pub(crate) struct Unsynced {
+    file: Arc<File>,
+    at: u64,
+    bytes: Vec<u8>,
+}
+
+impl Unsynced {
+    /// Writes the group's entries in one go (nothing when there are none).
+    /// Every byte of them lies below the file's length, which only grows,
+    /// so the write never extends the file.
+    ///
+    /// A failure may leave any prefix of the bytes written: whole entries
+    /// nobody was told are durable, and a torn one, which recovery sets aside.
+    pub(crate) fn write(&self, faults: &Failpoints) -> io::Result<()> {
+        if self.bytes.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = faults.check("journal.group_write") {
+            // As a short write that then fails: half of the group reaches the file.
+            write_all_at(&self.file, &self.bytes[..self.bytes.len() / 2], self.at)?;
+            return Err(e);
+        }
+        write_all_at(&self.file, &self.bytes, self.at)
+    }
+
+    /// Makes every entry written to the journal so far durable.
+    pub(crate) fn sync(&self, faults: &Failpoints) -> io::Result<()> {
+        sync_journal(&self.file, faults)
+    }
 }
 
 /// The state as this handle knows it, with what is needed to keep it current.
@@ -346,9 +394,17 @@ impl Loaded {
         self.compaction_retry_at = journal + 1024 * 1024;
     }
 
-    /// The journal file entries are written to, for a commit group's leader.
-    pub(crate) fn journal_file(&self) -> Option<Arc<File>> {
-        self.cursor.as_ref().map(|c| Arc::clone(&c.file))
+    /// The entries appended since the last call, for a commit group's leader
+    /// to write and sync (without the lock: entries appended meanwhile go
+    /// after them, to the next leader). `None` without a journal.
+    pub(crate) fn take_unsynced(&mut self) -> Option<Unsynced> {
+        let cursor = self.cursor.as_mut()?;
+        let at = cursor.written_end();
+        Some(Unsynced {
+            file: Arc::clone(&cursor.file),
+            at,
+            bytes: std::mem::take(&mut cursor.unwritten),
+        })
     }
 
     /// Whether anything has been journalled since the snapshot.
@@ -434,7 +490,13 @@ impl Store {
         let reload = match loaded.as_ref() {
             None => true,
             Some(current) => {
-                current.snapshot != snapshot
+                // Entries never written (their group failed): the state is
+                // ahead of the files, so read the files afresh.
+                current
+                    .cursor
+                    .as_ref()
+                    .is_some_and(|c| !c.unwritten.is_empty())
+                    || current.snapshot != snapshot
                     || match (&current.cursor, journal) {
                         (None, None) => false,
                         (Some(c), Some(j)) => (c.dev, c.ino) != (j.dev, j.ino),
@@ -579,6 +641,7 @@ impl Store {
             offset: header_len as u64,
             next_seq: 1,
             allocated: meta.len(),
+            unwritten: Vec::new(),
         });
         self.read_journal(&mut loaded)?;
         self.check_beyond_end(&mut loaded)?;
@@ -786,10 +849,12 @@ impl Store {
         self.write_entry(loaded, settings, items, audit, faults, true)
     }
 
-    /// Writes one transaction's entry to the journal **without** syncing it and
-    /// applies it to `loaded`, for a commit group: the caller must hold the
-    /// directory lock until [`sync_journal`] has made the entry durable, and
-    /// poison the handle if that fails.
+    /// Appends one transaction's entry to the journal's unwritten entries
+    /// (neither written nor synced) and applies it to `loaded`, for a commit
+    /// group: the caller must hold the directory lock until a leader has
+    /// written and synced it ([`Loaded::take_unsynced`]), and poison the
+    /// handle if that fails. Only growing the file touches it here, so that a
+    /// full disk fails this transaction alone, cleanly.
     pub(crate) fn append_unsynced(
         &self,
         loaded: &mut Loaded,
@@ -823,6 +888,7 @@ impl Store {
         let Some(cursor) = loaded.cursor.as_mut() else {
             unreachable!("started above")
         };
+        let mark = crate::profile::Mark::now();
         let entry = EntryV1 {
             seq: cursor.next_seq,
             items: items.iter().map(item_to_disk).collect(),
@@ -830,6 +896,7 @@ impl Store {
             settings: settings.as_ref().map(settings_to_disk),
         };
         let line = journal::encode_line(&entry);
+        let mark = mark.end(crate::profile::Span::AppendEncode);
         let uncertain = |op: &'static str, e: io::Error| {
             (
                 CommitFailure::Uncertain,
@@ -868,10 +935,18 @@ impl Store {
             };
             cursor.allocated = grown;
         }
-        write_all_at(&cursor.file, &line, cursor.offset).map_err(|e| uncertain("append", e))?;
         if sync {
+            // Entries a group left unwritten go first: no gap of zeros may
+            // separate them from this one.
+            let at = cursor.written_end();
+            let mut bytes = std::mem::take(&mut cursor.unwritten);
+            bytes.extend_from_slice(&line);
+            write_all_at(&cursor.file, &bytes, at).map_err(|e| uncertain("append", e))?;
             sync_journal(&cursor.file, faults).map_err(|e| uncertain("fsync", e))?;
+        } else {
+            cursor.unwritten.extend_from_slice(&line);
         }
+        let mark = mark.end(crate::profile::Span::AppendWrite);
         cursor.offset += line.len() as u64;
         cursor.next_seq += 1;
         for item in items {
@@ -881,6 +956,7 @@ impl Store {
             loaded.state.settings = settings;
         }
         loaded.journal_audit.extend(entry.audit);
+        let _ = mark.end(crate::profile::Span::AppendApply);
         Ok(())
     }
 
@@ -929,6 +1005,7 @@ impl Store {
             offset: header.len() as u64,
             next_seq: 1,
             allocated: contents.len() as u64,
+            unwritten: Vec::new(),
         });
         Ok(())
     }

@@ -157,16 +157,47 @@ fn a_failed_sync_fails_its_whole_group_and_everything_after_it() {
 /// never acknowledged).
 fn failed_sync_round(round: u32) -> usize {
     let h = Harness::with(|b| b.failpoint("journal.fsync", FailAction::ErrorOnHit(6)));
+    let answers = enqueue_until_error(&h, round, "fsync");
+    let (leader, order) = check_after_a_failed_group(&h, &answers);
+    let at_leader = order
+        .iter()
+        .position(|k| *k == leader)
+        .expect("the leader's entry reached the journal");
+    order.len() - at_leader - 1
+}
+
+/// As [`failed_sync_round`], with the leader's one write of its group's
+/// entries failing half-way (at its 6th group): half of the bytes reach the
+/// journal, and then the error. Returns how many whole entries the journal
+/// holds that nobody was told are durable (the failed group's first members).
+fn failed_group_write_round(round: u32) -> usize {
+    let h = Harness::with(|b| b.failpoint("journal.group_write", FailAction::ErrorOnHit(6)));
+    let answers = enqueue_until_error(&h, round, "append");
+    let (_, order) = check_after_a_failed_group(&h, &answers);
+    let durable = answers
+        .iter()
+        .filter(|a| matches!(a, Answer::Durable(_)))
+        .count();
+    order.len() - durable
+}
+
+/// THREADS threads enqueueing on `h` until each gets its first error: the
+/// leader of the failed group gets the I/O error of `op`, everybody else
+/// [`Error::Poisoned`]. (Each stops after 500 calls anyway: a failure that is
+/// never reported fails the checks instead of running forever.)
+fn enqueue_until_error(h: &Harness, round: u32, op: &str) -> Vec<Answer> {
     let answers = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for t in 0..THREADS {
             let (outbox, answers) = (&h.outbox, &answers);
             scope.spawn(move || {
-                for i in 0.. {
+                for i in 0..500 {
                     let key = format!("r{round}-{t}-{i}");
                     let answer = match outbox.enqueue(msg(&key, "chat-1")) {
                         Ok(_) => Answer::Durable(key),
-                        Err(Error::Io { op: "fsync", .. }) => Answer::SyncFailed(key),
+                        Err(Error::Io { op: failed, .. }) if failed == op => {
+                            Answer::SyncFailed(key)
+                        }
                         Err(Error::Poisoned) => Answer::Poisoned(key),
                         Err(other) => panic!("{key}: unexpected error {other}"),
                     };
@@ -179,7 +210,14 @@ fn failed_sync_round(round: u32) -> usize {
             });
         }
     });
-    let answers = answers.into_inner().unwrap();
+    answers.into_inner().unwrap()
+}
+
+/// What every failed group must leave: one call failed with the I/O error,
+/// the handle poisoned, and an outbox that reopens with a verifying audit
+/// chain, every acknowledged change, and acknowledged changes as a prefix of
+/// the journal. Returns the leader's key and the keys in journal order.
+fn check_after_a_failed_group(h: &Harness, answers: &[Answer]) -> (String, Vec<String>) {
     let leader: Vec<&str> = answers
         .iter()
         .filter_map(|a| match a {
@@ -195,8 +233,7 @@ fn failed_sync_round(round: u32) -> usize {
     ));
     assert!(matches!(h.outbox.list_items(), Err(Error::Poisoned)));
     // What reached the disk decides, as for one failed fsync: a reopen finds
-    // every acknowledged change and nothing that was never attempted. The
-    // bytes were written here, so the failed group's entries are there too.
+    // every acknowledged change and nothing that was never attempted.
     let reopened = h.reopen();
     reopened.verify_audit().unwrap();
     let durable: HashSet<&str> = answers
@@ -224,25 +261,48 @@ fn failed_sync_round(round: u32) -> usize {
             order.iter().any(|k| k == key),
             "acknowledged {key} was lost"
         );
+        assert_eq!(
+            reopened.get(key).unwrap().map(|item| item.state()),
+            Some(ItemState::Queued),
+            "acknowledged {key} is not in the reopened outbox"
+        );
     }
     // Acknowledged changes are a prefix of the journal: everything from the
     // first unacknowledged entry on (the failed group, and whatever was
     // written after it) was answered with an error.
-    let first_failed = order
-        .iter()
-        .position(|k| !durable.contains(k.as_str()))
-        .expect("the failed leader's entry reached the journal");
-    for key in &order[first_failed..] {
-        assert!(
-            !durable.contains(key.as_str()),
-            "{key} was reported durable although an earlier entry's sync failed"
-        );
+    if let Some(first_failed) = order.iter().position(|k| !durable.contains(k.as_str())) {
+        for key in &order[first_failed..] {
+            assert!(
+                !durable.contains(key.as_str()),
+                "{key} was reported durable although an earlier entry's sync failed"
+            );
+        }
     }
-    let at_leader = order
-        .iter()
-        .position(|k| k == leader[0])
-        .expect("the leader's entry reached the journal");
-    order.len() - at_leader - 1
+    (leader[0].to_owned(), order)
+}
+
+#[test]
+fn a_group_write_that_fails_half_way_fails_its_whole_group_and_the_outbox_reopens() {
+    within(
+        "group commit: a failed write of a group's entries fails every member",
+        DEADLOCK_LIMIT * 2,
+        || {
+            // As for a failed sync: the failure must land on a group of two or
+            // more, so that part of it (a whole entry) reaches the journal.
+            let mut unacknowledged = 0;
+            for round in 0..200 {
+                unacknowledged += failed_group_write_round(round);
+                if unacknowledged > 0 {
+                    break;
+                }
+            }
+            assert!(
+                unacknowledged > 0,
+                "no injected group write failure ever left a whole entry of its group: \
+                 the test exercised nothing"
+            );
+        },
+    );
 }
 
 /// The number of kill rounds of the group crash campaign: the default keeps

@@ -568,7 +568,7 @@ impl FileEngine {
             result: Err(e),
         };
         let mark = Mark::now();
-        let (cover, file, last_record) = {
+        let (cover, unsynced, last_record) = {
             let mut guard = match inner.lock.lock() {
                 Ok(guard) => guard,
                 Err(e) => return failed(e),
@@ -583,17 +583,30 @@ impl FileEngine {
                 // Let this group drain, so other processes get the lock.
                 inner.group.set_closing(true);
             }
-            let loaded = guard.loaded.as_ref();
-            (
-                guard.written,
-                loaded.and_then(Loaded::journal_file),
-                loaded.and_then(|l| l.journal_audit.last().map(|r| r.seq)),
-            )
+            let written = guard.written;
+            let loaded = guard.loaded.as_mut();
+            let last_record = loaded
+                .as_ref()
+                .and_then(|l| l.journal_audit.last().map(|r| r.seq));
+            (written, loaded.and_then(Loaded::take_unsynced), last_record)
         };
         let mark = mark.end(Span::LeadHold1);
-        let synced = file.map_or(Ok(()), |file| {
-            crate::store::sync_journal(&file, &inner.faults)
-                .map_err(|e| Error::io(inner.store.journal_path(), "fsync", e))
+        // The whole group's entries in one write, then one sync. A failed
+        // write fails the group as a failed sync does: its members' changes
+        // are applied in memory but not (all) on disk, so the handle is
+        // poisoned below and nobody is told they are durable.
+        let (synced, mark) = unsynced.map_or((Ok(()), mark), |unsynced| {
+            let path = inner.store.journal_path();
+            let written = unsynced
+                .write(&inner.faults)
+                .map_err(|e| Error::io(path, "append", e));
+            let mark = mark.end(Span::GroupWrite);
+            let synced = written.and_then(|()| {
+                unsynced
+                    .sync(&inner.faults)
+                    .map_err(|e| Error::io(path, "fsync", e))
+            });
+            (synced, mark)
         });
         let mark = mark.end(Span::Sync);
         let mut guard = match inner.lock.lock() {
