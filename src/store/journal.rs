@@ -51,18 +51,29 @@ pub(crate) struct EntryV1 {
 
 /// Encodes one checksummed line.
 pub(crate) fn encode_line<T: Serialize>(value: &T) -> Vec<u8> {
-    #[expect(clippy::expect_used, reason = "plain data always serialises")]
-    let json = serde_json::to_vec(value).expect("journal lines serialise");
-    let mut line = Vec::with_capacity(json.len() + 18);
-    line.extend_from_slice(checksum(&json).as_bytes());
-    line.push(b' ');
-    line.extend_from_slice(&json);
-    line.push(b'\n');
+    let mut line = Vec::new();
+    encode_line_into(&mut line, value);
     line
 }
 
-fn checksum(json: &[u8]) -> String {
-    hex::encode(&Sha256::digest(json)[..8])
+/// Appends one checksummed line to `out`, encoding the JSON in place (no
+/// copy of it): the checksum is filled in once the JSON is there.
+pub(crate) fn encode_line_into<T: Serialize>(out: &mut Vec<u8>, value: &T) {
+    let start = out.len();
+    out.extend_from_slice(&[b' '; 17]);
+    #[expect(clippy::expect_used, reason = "plain data always serialises")]
+    serde_json::to_writer(&mut *out, value).expect("journal lines serialise");
+    let sum = checksum(&out[start + 17..]);
+    out[start..start + 16].copy_from_slice(&sum);
+    out.push(b'\n');
+}
+
+/// The first 64 bits of the SHA-256 of `json`, as 16 lowercase hex digits.
+fn checksum(json: &[u8]) -> [u8; 16] {
+    let mut hex = [0u8; 16];
+    // 8 bytes always fit 16 hex digits.
+    let _ = hex::encode_to_slice(&Sha256::digest(json)[..8], &mut hex);
+    hex
 }
 
 /// What the next line of a buffer is.
@@ -103,7 +114,7 @@ pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
         return invalid;
     }
     let (sum, json) = (&line[..16], &line[17..]);
-    if checksum(json).as_bytes() != sum {
+    if checksum(json) != sum {
         return invalid;
     }
     Line::Valid(json, end + 1)

@@ -306,6 +306,10 @@ impl Cursor {
     }
 }
 
+/// What a group's unwritten entries start with room for (8 transactions of
+/// a few items each), so that its members do not regrow the buffer.
+const UNWRITTEN_CAPACITY: usize = 32 * 1024;
+
 /// A commit group's share of the journal, taken by its leader under the lock
 /// and written and synced without it: the entries appended since the last
 /// leader took its share, which sit at `at` in `file`.
@@ -403,7 +407,10 @@ impl Loaded {
         Some(Unsynced {
             file: Arc::clone(&cursor.file),
             at,
-            bytes: std::mem::take(&mut cursor.unwritten),
+            bytes: std::mem::replace(
+                &mut cursor.unwritten,
+                Vec::with_capacity(UNWRITTEN_CAPACITY),
+            ),
         })
     }
 
@@ -888,6 +895,12 @@ impl Store {
         let Some(cursor) = loaded.cursor.as_mut() else {
             unreachable!("started above")
         };
+        faults.check("journal.write").map_err(|e| {
+            (
+                CommitFailure::Clean,
+                Error::io(&self.journal_path, "append", e),
+            )
+        })?;
         let mark = crate::profile::Mark::now();
         let entry = EntryV1 {
             seq: cursor.next_seq,
@@ -895,7 +908,10 @@ impl Store {
             audit: audit.to_vec(),
             settings: settings.as_ref().map(settings_to_disk),
         };
-        let line = journal::encode_line(&entry);
+        // Encoded straight after the unwritten entries, where it will be written.
+        let start = cursor.unwritten.len();
+        journal::encode_line_into(&mut cursor.unwritten, &entry);
+        let len = (cursor.unwritten.len() - start) as u64;
         let mark = mark.end(crate::profile::Span::AppendEncode);
         let uncertain = |op: &'static str, e: io::Error| {
             (
@@ -903,17 +919,11 @@ impl Store {
                 Error::io(&self.journal_path, op, e),
             )
         };
-        faults.check("journal.write").map_err(|e| {
-            (
-                CommitFailure::Clean,
-                Error::io(&self.journal_path, "append", e),
-            )
-        })?;
         // `allocated` is the file's real length: this handle extended it last,
         // or another did and `refresh` (run before any write of a handle whose
         // cache is stale) took its length. No `stat` here (see `refresh`).
         // Keep at least one zero byte after the entry: it marks the end.
-        let needed = cursor.offset + line.len() as u64 + 1;
+        let needed = cursor.offset + len + 1;
         if needed > cursor.allocated {
             // Grow in large steps; on a nearly full disk, by just what this entry
             // needs. Zeros past the end change nothing, so a failure here is clean.
@@ -922,32 +932,35 @@ impl Store {
                 write_all_at(&cursor.file, &zeros, cursor.allocated)
             };
             let generous = needed.max(cursor.allocated + journal::GROW);
-            let grown = if extend(generous).is_ok() {
-                generous
-            } else {
-                extend(needed).map_err(|e| {
-                    (
+            let grown = faults.check("journal.extend").and_then(|()| {
+                if extend(generous).is_ok() {
+                    Ok(generous)
+                } else {
+                    extend(needed).map(|()| needed)
+                }
+            });
+            match grown {
+                Ok(grown) => cursor.allocated = grown,
+                Err(e) => {
+                    cursor.unwritten.truncate(start);
+                    return Err((
                         CommitFailure::Clean,
                         Error::io(&self.journal_path, "extend", e),
-                    )
-                })?;
-                needed
-            };
-            cursor.allocated = grown;
+                    ));
+                }
+            }
         }
         if sync {
             // Entries a group left unwritten go first: no gap of zeros may
             // separate them from this one.
             let at = cursor.written_end();
-            let mut bytes = std::mem::take(&mut cursor.unwritten);
-            bytes.extend_from_slice(&line);
-            write_all_at(&cursor.file, &bytes, at).map_err(|e| uncertain("append", e))?;
+            let written = write_all_at(&cursor.file, &cursor.unwritten, at);
+            cursor.unwritten.clear();
+            written.map_err(|e| uncertain("append", e))?;
             sync_journal(&cursor.file, faults).map_err(|e| uncertain("fsync", e))?;
-        } else {
-            cursor.unwritten.extend_from_slice(&line);
         }
         let mark = mark.end(crate::profile::Span::AppendWrite);
-        cursor.offset += line.len() as u64;
+        cursor.offset += len;
         cursor.next_seq += 1;
         for item in items {
             loaded.apply(item);

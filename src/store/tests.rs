@@ -64,3 +64,42 @@ fn version_zero_and_future_versions_are_refused() {
         ));
     }
 }
+
+/// A transaction whose journal cannot grow (a full disk) fails alone and
+/// cleanly: nothing of its entry may stay behind for the group's write, or
+/// the next entry would follow it with the same sequence number.
+#[test]
+fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
+    use super::{CommitFailure, Store};
+    use crate::failpoint::{FailAction, Failpoints};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(dir.path());
+    let faults = Failpoints::none();
+    faults.arm("journal.extend", FailAction::ErrorOnHit(1));
+    let mut ours = None;
+    let loaded = store.refresh(&mut ours).unwrap();
+    let mut appended = 0u64;
+    loop {
+        match store.append_unsynced(loaded, None, Vec::new(), &[], &faults) {
+            Ok(()) => appended += 1,
+            Err((failure, e)) => {
+                assert_eq!(failure, CommitFailure::Clean, "{e}");
+                break;
+            }
+        }
+        assert!(appended < 1_000_000, "the journal never had to grow");
+    }
+    // The next entry grows the file and takes the failed one's place.
+    store
+        .append_unsynced(loaded, None, Vec::new(), &[], &faults)
+        .unwrap();
+    appended += 1;
+    loaded.take_unsynced().unwrap().write(&faults).unwrap();
+    let mut theirs = None;
+    let reread = store.refresh(&mut theirs).unwrap();
+    assert_eq!(
+        reread.cursor.as_ref().map(|c| c.next_seq - 1),
+        Some(appended),
+        "the journal does not hold exactly the entries that were appended"
+    );
+}

@@ -567,13 +567,13 @@ impl FileEngine {
             cover: u64::MAX,
             result: Err(e),
         };
-        let mark = Mark::now();
+        let mut mark = Mark::now();
         let (cover, unsynced, last_record) = {
             let mut guard = match inner.lock.lock() {
                 Ok(guard) => guard,
                 Err(e) => return failed(e),
             };
-            let _ = mark.end(Span::LeadLockWait1);
+            mark = mark.end(Span::LeadLockWait1);
             guard.hold_syncs += 1;
             if guard.hold_syncs >= crate::commit::MIN_SYNCS_PER_HOLD
                 && guard
