@@ -7,9 +7,10 @@ Builds the bench with the diagnostics-only `commit-profile` feature (unless
 --bench names a build that has it), runs W2 with DURABLE_OUTBOX_COMMIT_PROFILE
 set, and prints, per run: items/s, transactions per fdatasync (histogram and
 mean), and each span's count and mean (µs): waiting for the lock, holding it
-(freshness check, rules, journal append), a follower's and a leader's wait for
-durability, the leader's lock holds around the sync, the sync itself, and each
-hold of the `flock`. The spans are defined in `src/profile.rs`.
+(freshness check, rules, journal append, the append split into encoding the
+entry, buffering it and applying it to memory), a follower's and a leader's
+wait for durability, the leader's lock holds around the sync, its one write of
+the group's entries, the sync itself, and each hold of the `flock`. The spans are defined in `src/profile.rs`.
 """
 import argparse
 import json

@@ -754,10 +754,12 @@ impl FileEngine {
                     overlay, records, ..
                 } = txn;
                 // The first change to a new outbox also stores its initial settings.
+                // (Cloned only then, not under the lock of every commit.)
                 let initial = inner
                     .initial_settings
-                    .clone()
-                    .filter(|_| loaded.state.settings.is_empty());
+                    .as_ref()
+                    .filter(|_| loaded.state.settings.is_empty())
+                    .cloned();
                 writes.mark_writing()?;
                 self.settle(inner.store.append_unsynced(
                     loaded,
