@@ -65,6 +65,9 @@ struct Slot<T> {
 pub(crate) struct DirGuard<'a, T> {
     inner: MutexGuard<'a, Slot<T>>,
     path: &'a Path,
+    /// Let the `flock` go if this guard drops in a panic while a commit group
+    /// is open (see [`DirGuard::release_on_panic`]).
+    release_on_panic: bool,
 }
 
 impl<T> DirLock<T> {
@@ -114,6 +117,7 @@ impl<T> DirLock<T> {
                     let _ = DirGuard {
                         inner,
                         path: &self.path,
+                        release_on_panic: true,
                     };
                     return Err(Error::io(&self.path, "read change counter", e));
                 }
@@ -123,6 +127,7 @@ impl<T> DirLock<T> {
         Ok(DirGuard {
             inner,
             path: &self.path,
+            release_on_panic: false,
         })
     }
 }
@@ -190,6 +195,16 @@ impl<T> DirGuard<'_, T> {
     /// Whether this process has journal entries written but not yet synced.
     pub(crate) fn is_pending(&self) -> bool {
         self.inner.pending
+    }
+
+    /// Lets the `flock` go if this guard drops in a panic while a commit group
+    /// is open: for a group's leader, whose panic fails the group, so that
+    /// nobody is left to finish it. Any other holder keeps it then: the open
+    /// group's members are still waiting and their leader will write their
+    /// entries (kept in memory until then) where this process last left the
+    /// journal, which no other process may write to before.
+    pub(crate) fn release_on_panic(&mut self) {
+        self.release_on_panic = true;
     }
 
     /// Keeps the `flock` past this guard (`true`: unsynced entries are in the
@@ -301,9 +316,9 @@ impl<T> std::ops::DerefMut for DirGuard<'_, T> {
 
 impl<T> Drop for DirGuard<'_, T> {
     fn drop(&mut self) {
-        // A panic while a group is open leaves nobody to finish it: let other
-        // processes in (the handle is poisoned by the commit group).
-        if self.inner.pending && !std::thread::panicking() {
+        // A leader's panic while a group is open leaves nobody to finish it:
+        // let other processes in (the handle is poisoned by the commit group).
+        if self.inner.pending && !(self.release_on_panic && std::thread::panicking()) {
             return;
         }
         self.inner.pending = false;

@@ -305,6 +305,54 @@ fn a_group_write_that_fails_half_way_fails_its_whole_group_and_the_outbox_reopen
     );
 }
 
+#[test]
+fn a_panic_in_a_transaction_while_a_group_is_open_keeps_other_processes_off_its_entries() {
+    within(
+        "group commit: another process never writes where an open group's entries go",
+        DEADLOCK_LIMIT,
+        || {
+            // How often opening passes the journal's write point, so that the
+            // panic lands on the second transaction after it.
+            let probe = Harness::with(|b| b.failpoint("journal.write", FailAction::DelayMs(0)));
+            let setup = probe.outbox.failpoint_hits("journal.write");
+            drop(probe);
+            let h = Harness::with(|b| {
+                b.failpoint("journal.write", FailAction::PanicOnHit(setup + 2))
+                    .failpoint("commit.lead", FailAction::DelayMs(1000))
+            });
+            // Another process (its own `flock`), opened before anything happens.
+            let other = h.reopen();
+            std::thread::scope(|scope| {
+                // A's entry is kept for its leader (A itself), which waits
+                // before it takes the lock again to write and sync it.
+                let a = scope.spawn(|| h.outbox.enqueue(msg("a", "chat-1")).map(|_| ()));
+                let limit = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while h.outbox.failpoint_hits("commit.lead") == 0 {
+                    assert!(std::time::Instant::now() < limit, "A never led its sync");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                // B panics under the lock while A's group is open.
+                let b = scope.spawn(|| h.outbox.enqueue(msg("b", "chat-2")));
+                assert!(b.join().is_err(), "B's transaction was to panic");
+                // The other process commits; it must not write before A's
+                // entry is in the journal, or one would overwrite the other.
+                let c = scope.spawn(|| other.enqueue(msg("c", "chat-3")).map(|_| ()));
+                a.join().unwrap().unwrap();
+                c.join().unwrap().unwrap();
+            });
+            drop(other);
+            let reopened = h.reopen();
+            reopened.verify_audit().unwrap();
+            for key in ["a", "c"] {
+                assert!(
+                    reopened.get(key).unwrap().is_some(),
+                    "acknowledged {key} was lost"
+                );
+            }
+        },
+    );
+}
+
 /// The number of kill rounds of the group crash campaign: the default keeps
 /// the suite fast; `OUTBOX_GROUP_KILL_ROUNDS` runs a longer campaign.
 fn kill_rounds() -> u32 {

@@ -567,12 +567,16 @@ impl FileEngine {
             cover: u64::MAX,
             result: Err(e),
         };
+        if let Err(e) = inner.faults.check("commit.lead") {
+            return failed(Error::io(inner.store.journal_path(), "fsync", e));
+        }
         let mut mark = Mark::now();
         let (cover, unsynced, last_record) = {
             let mut guard = match inner.lock.lock() {
                 Ok(guard) => guard,
                 Err(e) => return failed(e),
             };
+            guard.release_on_panic();
             mark = mark.end(Span::LeadLockWait1);
             guard.hold_syncs += 1;
             if guard.hold_syncs >= crate::commit::MIN_SYNCS_PER_HOLD
@@ -613,6 +617,7 @@ impl FileEngine {
             Ok(guard) => guard,
             Err(e) => return failed(e),
         };
+        guard.release_on_panic();
         let mark = mark.end(Span::LeadLockWait2);
         let result = synced.and_then(|()| {
             inner
