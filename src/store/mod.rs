@@ -300,6 +300,19 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// A cursor on a journal's first entry, just after its header.
+    fn at_start(file: File, (dev, ino): (u64, u64), header_len: usize, allocated: u64) -> Self {
+        Self {
+            file: Arc::new(file),
+            dev,
+            ino,
+            offset: header_len as u64,
+            next_seq: 1,
+            allocated,
+            unwritten: Vec::new(),
+        }
+    }
+
     /// Where the unwritten entries start in the file.
     fn written_end(&self) -> u64 {
         self.offset - self.unwritten.len() as u64
@@ -641,15 +654,7 @@ impl Store {
                 ),
             ));
         }
-        loaded.cursor = Some(Cursor {
-            file: Arc::new(file),
-            dev,
-            ino,
-            offset: header_len as u64,
-            next_seq: 1,
-            allocated: meta.len(),
-            unwritten: Vec::new(),
-        });
+        loaded.cursor = Some(Cursor::at_start(file, (dev, ino), header_len, meta.len()));
         self.read_journal(&mut loaded)?;
         self.check_beyond_end(&mut loaded)?;
         Ok(loaded)
@@ -1011,15 +1016,12 @@ impl Store {
             }
             Err(e) => return Err((CommitFailure::Uncertain, e)),
         };
-        loaded.cursor = Some(Cursor {
-            file: Arc::new(file),
-            dev,
-            ino,
-            offset: header.len() as u64,
-            next_seq: 1,
-            allocated: contents.len() as u64,
-            unwritten: Vec::new(),
-        });
+        loaded.cursor = Some(Cursor::at_start(
+            file,
+            (dev, ino),
+            header.len(),
+            contents.len() as u64,
+        ));
         Ok(())
     }
 
