@@ -914,6 +914,7 @@ impl Store {
             settings: settings.as_ref().map(settings_to_disk),
         };
         // Encoded straight after the unwritten entries, where it will be written.
+        let written_end = cursor.written_end();
         let start = cursor.unwritten.len();
         journal::encode_line_into(&mut cursor.unwritten, &entry);
         let len = (cursor.unwritten.len() - start) as u64;
@@ -958,8 +959,7 @@ impl Store {
         if sync {
             // Entries a group left unwritten go first: no gap of zeros may
             // separate them from this one.
-            let at = cursor.written_end();
-            let written = write_all_at(&cursor.file, &cursor.unwritten, at);
+            let written = write_all_at(&cursor.file, &cursor.unwritten, written_end);
             cursor.unwritten.clear();
             written.map_err(|e| uncertain("append", e))?;
             sync_journal(&cursor.file, faults).map_err(|e| uncertain("fsync", e))?;

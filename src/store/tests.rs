@@ -103,3 +103,33 @@ fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
         "the journal does not hold exactly the entries that were appended"
     );
 }
+
+/// A synchronous commit (settings, an audit prune, compaction's record)
+/// while a group's entries are still unwritten writes them ahead of its own,
+/// each where it belongs: a reload finds all of them, in order.
+#[test]
+fn a_synchronous_commit_writes_the_unwritten_entries_ahead_of_its_own() {
+    use super::Store;
+    use crate::failpoint::Failpoints;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(dir.path());
+    let faults = Failpoints::none();
+    let mut ours = None;
+    let loaded = store.refresh(&mut ours).unwrap();
+    // One entry already written and synced, two left unwritten by a group.
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    for _ in 0..2 {
+        store
+            .append_unsynced(loaded, None, Vec::new(), &[], &faults)
+            .unwrap();
+    }
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let mut theirs = None;
+    let reread = store.refresh(&mut theirs).unwrap();
+    assert_eq!(reread.cursor.as_ref().map(|c| c.next_seq), Some(5));
+    assert_eq!(
+        reread.cursor.as_ref().map(|c| c.offset),
+        loaded.cursor.as_ref().map(|c| c.offset),
+        "the entries on disk end where the writer's do"
+    );
+}
