@@ -61,16 +61,15 @@ impl RateLimit {
         recent: impl IntoIterator<Item = DateTime<Utc>>,
     ) -> Option<DateTime<Utc>> {
         let cutoff = earlier(now, self.window);
-        let mut in_window: Vec<DateTime<Utc>> =
-            recent.into_iter().filter(|t| *t > cutoff).collect();
-        let count = self.count as usize;
-        if in_window.len() < count {
-            return None;
-        }
-        in_window.sort_unstable();
-        // Enough of the oldest sends must age out that fewer than `count` remain.
-        let must_expire = in_window.len() - count + 1;
-        Some(later(in_window[must_expire - 1], self.window))
+        self.free_after(nth_newest(recent, cutoff, self.count as usize))
+    }
+
+    /// The moment a slot frees when the `count`-th newest time in the window
+    /// (see [`nth_newest`]) is `nth_newest`: that send must age out for fewer
+    /// than `count` to remain. `None` (fewer than `count` in the window): a
+    /// send may start now. Every cap decision ends here.
+    pub(crate) fn free_after(&self, nth_newest: Option<DateTime<Utc>>) -> Option<DateTime<Utc>> {
+        nth_newest.map(|at| later(at, self.window))
     }
 
     pub(crate) fn validate(&self) -> crate::Result<()> {
@@ -88,6 +87,27 @@ impl RateLimit {
         }
         Ok(())
     }
+}
+
+/// The `n`-th newest (1: the newest) of `times` later than `after`, or `None`
+/// when fewer than `n` are. A cap of `count` per window is reached at `now`
+/// exactly when the `count`-th newest time after `now - window` exists, and it
+/// frees once that time ages out: so a cap needs only the `count` newest
+/// times of its window, never all of them (see `Txn::nth_newest_time`).
+pub(crate) fn nth_newest(
+    times: impl IntoIterator<Item = DateTime<Utc>>,
+    after: DateTime<Utc>,
+    n: usize,
+) -> Option<DateTime<Utc>> {
+    if n == 0 {
+        return None;
+    }
+    let mut later_ones: Vec<DateTime<Utc>> = times.into_iter().filter(|at| *at > after).collect();
+    if later_ones.len() < n {
+        return None;
+    }
+    let (_, nth, _) = later_ones.select_nth_unstable_by(n - 1, |a, b| b.cmp(a));
+    Some(*nth)
 }
 
 /// One destination's rate window as [`Outbox::rate_windows`](crate::Outbox::rate_windows)

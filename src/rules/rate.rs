@@ -13,59 +13,20 @@ use chrono::{DateTime, Utc};
 use crate::clock::{earlier, later};
 use crate::error::Result;
 use crate::pacing;
-use crate::rate::RatePolicy;
 use crate::rules::Actor;
 use crate::rules::codes::{
     DESTINATION_COOLDOWN, DESTINATION_PACED, GLOBAL_RATE_CAPPED, RATE_CAPPED,
 };
 use crate::rules::txn::Txn;
 
-/// What a cap decision looks at besides the item: the times that count
-/// against caps (sends, sends in progress, possible sends; see
-/// `store::rate_times`) and the destination's cooldown, as the transaction
-/// sees them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct RateView {
-    /// The candidate's destination's times.
-    pub(crate) destination_times: Vec<DateTime<Utc>>,
-    /// Every destination's times (for the global cap).
-    pub(crate) all_times: Vec<DateTime<Utc>>,
-    /// Until when the platform asked not to send to the destination, if ever.
-    pub(crate) cooldown_until: Option<DateTime<Utc>>,
-}
-
-/// When a send to `destination` at `now` would break a cap (the
-/// destination's, the global one, a platform's cooldown) given the times in
-/// `view`: the moment all allow it, and which one binds last (on a tie, the
-/// later in that order). `None`: the caps allow it now. The one cap rule of
-/// both engines.
-pub(crate) fn capped(
-    policy: &RatePolicy,
-    destination: &str,
-    view: &RateView,
-    now: DateTime<Utc>,
-) -> Option<(DateTime<Utc>, &'static str)> {
-    let cap = policy.for_destination(destination);
-    let per_destination = cap
-        .next_free_slot(now, view.destination_times.iter().copied())
-        .map(|at| (at, RATE_CAPPED));
-    let global = policy.global.and_then(|cap| {
-        cap.next_free_slot(now, view.all_times.iter().copied())
-            .map(|at| (at, GLOBAL_RATE_CAPPED))
-    });
-    let cooled = view
-        .cooldown_until
-        .filter(|until| *until > now)
-        .map(|until| (until, DESTINATION_COOLDOWN));
-    [per_destination, global, cooled]
-        .into_iter()
-        .flatten()
-        .max_by_key(|(at, _)| *at)
-}
-
 /// When a send to `destination` at the transaction's moment would exceed a
-/// cap or the learned pace: the moment every limit allows it, and which binds
-/// last.
+/// cap (the destination's, the global one), a platform's cooldown or the
+/// learned pace: the moment every limit allows it, and which binds last (on a
+/// tie, the later in that order). `None`: the send may start now. The one cap
+/// rule of both engines.
+///
+/// Each cap asks only for the time that decides it: the `count`-th newest
+/// in its window ([`Txn::nth_newest_time`]); the pace, for the newest.
 ///
 /// # Errors
 /// The engine's read errors.
@@ -76,22 +37,34 @@ pub(crate) fn rate_capped<T: Txn + ?Sized>(
 ) -> Result<Option<(DateTime<Utc>, &'static str)>> {
     let now = txn.now();
     let rates = &txn.settings().rates;
-    let window = rates.for_destination(destination).window;
-    let global_window = rates.global.map(|cap| cap.window);
-    let view = RateView {
-        destination_times: txn.destination_times(destination, earlier(now, window))?,
-        all_times: match global_window {
-            Some(window) => txn.all_times(earlier(now, window))?,
-            None => Vec::new(),
-        },
-        cooldown_until: txn.destination_cooldown(destination)?,
+    let cap = rates.for_destination(destination);
+    let global = rates.global;
+    let per_destination = cap
+        .free_after(txn.nth_newest_time(
+            Some(destination),
+            earlier(now, cap.window),
+            cap.count as usize,
+        )?)
+        .map(|at| (at, RATE_CAPPED));
+    let global = match global {
+        Some(cap) => cap
+            .free_after(txn.nth_newest_time(None, earlier(now, cap.window), cap.count as usize)?)
+            .map(|at| (at, GLOBAL_RATE_CAPPED)),
+        None => None,
     };
-    let caps = capped(&txn.settings().rates, destination, &view, now);
+    let cooled = txn
+        .destination_cooldown(destination)?
+        .filter(|until| *until > now)
+        .map(|until| (until, DESTINATION_COOLDOWN));
+    let caps = [per_destination, global, cooled]
+        .into_iter()
+        .flatten()
+        .max_by_key(|(at, _)| *at);
     let paced = match actor.pacing.interval(destination, now) {
+        // The pace counts from the destination's last send; one exactly a
+        // pace ago allows a send now.
         Some(pace) => txn
-            .destination_times(destination, earlier(now, pace))?
-            .into_iter()
-            .max()
+            .nth_newest_time(Some(destination), earlier(now, pace), 1)?
             .map(|last| (later(last, pace), DESTINATION_PACED))
             .filter(|(at, _)| *at > now),
         None => None,

@@ -183,6 +183,32 @@ pub(crate) trait Txn {
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>>;
 
+    /// The `n`-th newest (1: the newest) of the times later than `after` that
+    /// count against `destination`'s caps, or with `None` against the global
+    /// cap (the times [`destination_times`](Self::destination_times) and
+    /// [`all_times`](Self::all_times) give), or `None` when fewer than `n`
+    /// are: what a cap of `n` per window decides by (`rate::nth_newest`).
+    ///
+    /// An engine that keeps the times ordered answers from the newest end
+    /// and stops after `n`, or at once when it holds fewer than `n` times in
+    /// all: a cap decision then costs at most its count, however many sends
+    /// the window holds.
+    ///
+    /// # Errors
+    /// The engine's read errors.
+    fn nth_newest_time(
+        &mut self,
+        destination: Option<&str>,
+        after: DateTime<Utc>,
+        n: usize,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let times = match destination {
+            Some(destination) => self.destination_times(destination, after)?,
+            None => self.all_times(after)?,
+        };
+        Ok(crate::rate::nth_newest(times, after, n))
+    }
+
     /// A fresh audit id for the record about to be sealed for the item `key`
     /// at `now` (stamped on the item as its `last_audit_id`): unique within
     /// the chain and across chains. The file engine derives it from the head

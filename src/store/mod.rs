@@ -231,6 +231,26 @@ impl Index {
             .map(|(at, key)| (*at, key.as_str()))
     }
 
+    /// The rate-counting times of `destination` (every destination's with
+    /// `None`), newest first, with their keys, and how many there are in all
+    /// (an upper bound of any window's count, in O(1)).
+    pub(crate) fn rate_times_newest_first(
+        &self,
+        destination: Option<&str>,
+    ) -> (usize, impl Iterator<Item = (DateTime<Utc>, &str)>) {
+        let times = match destination {
+            Some(destination) => self.rate_times.get(destination),
+            None => Some(&self.all_rate_times),
+        };
+        (
+            times.map_or(0, BTreeSet::len),
+            times
+                .into_iter()
+                .flat_map(|times| times.iter().rev())
+                .map(|(at, key)| (*at, key.as_str())),
+        )
+    }
+
     /// The rate-counting times of `destination` at or after `since`, with their keys.
     /// O(log n + k): only the window is visited, however long the history.
     pub(crate) fn rate_times_since(

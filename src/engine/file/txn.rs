@@ -260,6 +260,34 @@ impl Txn for FileTxn<'_> {
         Ok(times)
     }
 
+    fn nth_newest_time(
+        &mut self,
+        destination: Option<&str>,
+        after: DateTime<Utc>,
+        n: usize,
+    ) -> Result<Option<DateTime<Utc>>> {
+        // This transaction's own times replace those of the items it changed.
+        let pending: Vec<DateTime<Utc>> = self
+            .overlay
+            .values()
+            .filter(|i| destination.is_none_or(|d| i.destination == d))
+            .flat_map(rate_times)
+            .filter(|at| *at > after)
+            .collect();
+        let (committed_count, newest_first) = self.base.index.rate_times_newest_first(destination);
+        if committed_count + pending.len() < n {
+            return Ok(None);
+        }
+        // The `n` newest committed times still in force, then the pending
+        // ones: the `n`-th newest of all is among them.
+        let committed = newest_first
+            .take_while(|(at, _)| *at > after)
+            .filter(|(_, key)| !self.overlay.contains_key(*key))
+            .map(|(at, _)| at)
+            .take(n);
+        Ok(crate::rate::nth_newest(committed.chain(pending), after, n))
+    }
+
     fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String> {
         Ok(crate::rules::record::item_audit_id(&self.head, key, now))
     }
