@@ -1213,7 +1213,7 @@ impl AuditTail {
                     AuditFault::HeadMismatch { seq: head.seq },
                 ));
             }
-            buffer.extend_from_slice(&record.to_line());
+            record.write_line(&mut buffer);
             head = Head {
                 seq: record.seq,
                 hash: record.hash.clone(),

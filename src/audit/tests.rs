@@ -168,3 +168,106 @@ fn a_catch_up_between_appends_leaves_the_logs_inode_clean() {
         );
     }
 }
+
+mod canonical_writer {
+    use proptest::prelude::*;
+
+    use super::super::record::{AuditEvent, AuditOutcome, AuditRecord, Hasher, hash_of_line};
+    use crate::send::FailureClass;
+
+    /// Text with what a JSON writer must escape (quotes, backslashes, every
+    /// control character) and what it must not (DEL, non-ASCII).
+    fn text() -> impl Strategy<Value = String> {
+        let special = prop_oneof![
+            Just('"'),
+            Just('\\'),
+            (0u8..0x20).prop_map(char::from),
+            Just('\u{7f}'),
+            Just('é'),
+            Just('\u{2028}'),
+            Just('a'),
+        ];
+        prop_oneof![
+            proptest::collection::vec(prop_oneof![special, any::<char>()], 0..12)
+                .prop_map(|chars| chars.into_iter().collect::<String>()),
+            "[a-z0-9-]{0,16}",
+        ]
+    }
+
+    fn outcome() -> impl Strategy<Value = AuditOutcome> {
+        prop_oneof![
+            Just(AuditOutcome::Queued),
+            Just(AuditOutcome::Sent),
+            Just(AuditOutcome::Failed),
+            Just(AuditOutcome::Deferred),
+            Just(AuditOutcome::Retrying),
+            Just(AuditOutcome::Requeued),
+            Just(AuditOutcome::Cancelled),
+            Just(AuditOutcome::Pruned),
+            Just(AuditOutcome::Settings),
+            Just(AuditOutcome::LateDelivery),
+        ]
+    }
+
+    fn class() -> impl Strategy<Value = Option<FailureClass>> {
+        prop_oneof![
+            Just(None),
+            Just(Some(FailureClass::Retryable)),
+            Just(Some(FailureClass::Permanent)),
+            Just(Some(FailureClass::Ambiguous)),
+        ]
+    }
+
+    prop_compose! {
+        fn event()(
+            attempts in any::<u32>(),
+            strings in proptest::collection::vec(text(), 11),
+            options in proptest::collection::vec(proptest::option::of(text()), 4),
+            failure_class in class(),
+            outcome in outcome(),
+            reconciled in any::<bool>(),
+        ) -> AuditEvent {
+            AuditEvent {
+                attempts,
+                audit_id: strings[0].clone(),
+                connector: strings[1].clone(),
+                content_hash: strings[2].clone(),
+                destination: strings[3].clone(),
+                direction: strings[4].clone(),
+                error_code: options[0].clone(),
+                failure_class,
+                grant_id: strings[5].clone(),
+                idempotency_key: strings[6].clone(),
+                lane: strings[7].clone(),
+                outcome,
+                note: options[1].clone(),
+                reconciled,
+                recorded_at_utc: strings[8].clone(),
+                risk_class: options[2].clone(),
+                transport_ref: options[3].clone(),
+            }
+        }
+    }
+
+    proptest! {
+        /// The canonical writer is the format every existing log was written
+        /// in: `serde_json`'s bytes for the record, and the hash of those bytes
+        /// without the hash member (what `verify` recomputes from a stored line).
+        #[test]
+        fn the_canonical_writer_writes_what_serde_json_writes(
+            event in event(),
+            seq in any::<u64>(),
+            prev in text(),
+            reconciled in any::<bool>(),
+            keyed in any::<bool>(),
+        ) {
+            let hasher = if keyed { Hasher::Keyed(b"k".to_vec()) } else { Hasher::Plain };
+            let record = AuditRecord::seal(&event, seq, &prev, reconciled, &hasher);
+            let mut expected = serde_json::to_vec(&record).unwrap();
+            expected.push(b'\n');
+            let line = record.to_line();
+            prop_assert_eq!(&line, &expected);
+            prop_assert_eq!(hash_of_line(&line[..line.len() - 1], &hasher), Some(record.hash.clone()));
+        }
+    }
+}
