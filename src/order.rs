@@ -127,13 +127,17 @@ struct Fronts {
 }
 
 impl Fronts {
-    fn set(&mut self, destination: &str, entry: Option<(Due, OrderKey)>) {
+    fn set(&mut self, destination: &str, entry: Option<(Due, &OrderKey)>) {
+        let current = self.of.get(destination).map(|(due, place)| (*due, place));
+        if current == entry {
+            return;
+        }
         if let Some((due, place)) = self.of.remove(destination) {
             self.side(due.fresh).remove(&(due.at, place));
         }
         if let Some((due, place)) = entry {
             self.side(due.fresh).insert((due.at, place.clone()));
-            self.of.insert(destination.to_owned(), (due, place));
+            self.of.insert(destination.to_owned(), (due, place.clone()));
         }
     }
 
@@ -186,19 +190,30 @@ impl Lines {
         }
         let (place, due, destination) = (OrderKey::of(item), Due::of(item), &item.destination);
         let claimed = item.claim.is_some();
-        self.by_destination
-            .entry(destination.clone())
-            .or_default()
-            .insert(place.clone());
+        // A destination already known keeps its key: no copy of its name.
+        match self.by_destination.get_mut(destination) {
+            Some(line) => {
+                line.insert(place.clone());
+            }
+            None => {
+                self.by_destination
+                    .insert(destination.clone(), BTreeSet::from([place.clone()]));
+            }
+        }
         self.pending
             .insert(item.idempotency_key.clone(), (due, claimed));
         if claimed {
             self.claimed.insert(place);
         } else {
-            self.unclaimed
-                .entry(destination.clone())
-                .or_default()
-                .insert((due.at, place));
+            match self.unclaimed.get_mut(destination) {
+                Some(set) => {
+                    set.insert((due.at, place));
+                }
+                None => {
+                    self.unclaimed
+                        .insert(destination.clone(), BTreeSet::from([(due.at, place)]));
+                }
+            }
         }
         self.refresh(destination);
     }
@@ -227,14 +242,16 @@ impl Lines {
         self.refresh(destination);
     }
 
-    /// Recomputes `destination`'s head and front entries.
+    /// Recomputes `destination`'s head and front entries; an entry that did
+    /// not change is left in place (most changes leave the line's head and
+    /// front as they were, or only flip its claim).
     fn refresh(&mut self, destination: &str) {
         let head = self
             .by_destination
             .get(destination)
             .and_then(BTreeSet::first)
             .and_then(|head| match self.pending.get(&head.key) {
-                Some((due, false)) => Some((*due, head.clone())),
+                Some((due, false)) => Some((*due, head)),
                 _ => None,
             });
         self.heads.set(destination, head);
@@ -242,11 +259,7 @@ impl Lines {
             .unclaimed
             .get(destination)
             .and_then(BTreeSet::first)
-            .and_then(|(_, place)| {
-                self.pending
-                    .get(&place.key)
-                    .map(|(due, _)| (*due, place.clone()))
-            });
+            .and_then(|(_, place)| self.pending.get(&place.key).map(|(due, _)| (*due, place)));
         self.fronts.set(destination, front);
     }
 
