@@ -428,6 +428,7 @@ impl AuditRecord {
     }
 
     /// The record as one line of the file, newline included.
+    #[cfg(any(test, feature = "postgres"))]
     pub(crate) fn to_line(&self) -> Vec<u8> {
         let mut line = Vec::new();
         self.write_line(&mut line);

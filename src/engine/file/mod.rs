@@ -769,7 +769,7 @@ impl FileEngine {
                 self.settle(inner.store.append_unsynced(
                     loaded,
                     initial,
-                    overlay.into_values().collect(),
+                    overlay.into_values().map(|item| *item).collect(),
                     &records,
                     &inner.faults,
                 ))?;

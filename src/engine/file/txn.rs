@@ -2,7 +2,7 @@
 //! the directory lock. Reads see the committed state plus this transaction's
 //! own changes; nothing is visible to anyone else until it commits.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
@@ -42,8 +42,10 @@ pub(crate) struct FileTxn<'a> {
     pub(super) history: &'a History,
     /// The outbox directory (owner files live under it).
     pub(super) dir: &'a Path,
-    /// Items changed by this transaction (whole new versions).
-    pub(super) overlay: BTreeMap<String, OutboxItem>,
+    /// Items changed by this transaction (whole new versions), in key order
+    /// (the journal entry's order). Boxed: a batched step changes a hundred
+    /// items, and an ordered map moves its values as it grows.
+    pub(super) overlay: BTreeMap<String, Box<OutboxItem>>,
     /// Audit records this transaction produces, sealed in order after `head`.
     pub(super) records: Vec<AuditRecord>,
     pub(super) head: Head,
@@ -61,9 +63,15 @@ impl FileTxn<'_> {
         !self.overlay.is_empty() || !self.records.is_empty()
     }
 
+    /// The items this transaction changed, in key order.
+    fn overlay_items(&self) -> impl Iterator<Item = &OutboxItem> {
+        self.overlay.values().map(|item| &**item)
+    }
+
     fn get(&self, key: &str) -> Option<&OutboxItem> {
         self.overlay
             .get(key)
+            .map(|item| &**item)
             .or_else(|| self.base.state.items.get(key))
     }
 
@@ -77,8 +85,7 @@ impl FileTxn<'_> {
             .line(destination)
             .find(|place| !self.overlay.contains_key(&place.key));
         let pending = self
-            .overlay
-            .values()
+            .overlay_items()
             .filter(|i| i.destination == destination && i.state == ItemState::Queued)
             .map(OrderKey::of)
             .min();
@@ -88,17 +95,6 @@ impl FileTxn<'_> {
     fn head(&self, destination: &str) -> Option<OrderKey> {
         let (committed, pending) = self.head_candidates(destination);
         committed.cloned().into_iter().chain(pending).min()
-    }
-
-    /// Whether `key` is `destination`'s head (as [`head`](Self::head) would
-    /// say), without copying the committed place.
-    fn is_head(&self, destination: &str, key: &str) -> bool {
-        match self.head_candidates(destination) {
-            (Some(c), Some(p)) if p < *c => p.key == key,
-            (Some(c), _) => c.key == key,
-            (None, Some(p)) => p.key == key,
-            (None, None) => false,
-        }
     }
 }
 
@@ -125,10 +121,10 @@ impl Txn for FileTxn<'_> {
                 .ok_or_else(|| Error::NotFound {
                     key: key.to_owned(),
                 })?;
-            self.overlay.insert(key.to_owned(), item.clone());
+            self.overlay.insert(key.to_owned(), Box::new(item.clone()));
         }
         match self.overlay.get_mut(key) {
-            Some(item) => Ok(item),
+            Some(item) => Ok(&mut **item),
             None => unreachable!("inserted above"),
         }
     }
@@ -138,7 +134,8 @@ impl Txn for FileTxn<'_> {
     }
 
     fn insert(&mut self, item: OutboxItem) -> Result<()> {
-        self.overlay.insert(item.idempotency_key.clone(), item);
+        self.overlay
+            .insert(item.idempotency_key.clone(), Box::new(item));
         Ok(())
     }
 
@@ -157,6 +154,32 @@ impl Txn for FileTxn<'_> {
         admits: &mut dyn FnMut(&OutboxItem) -> bool,
     ) -> Result<Vec<(String, OrderKey)>> {
         let this: &Self = self;
+        let lines = &this.base.index.lines;
+        // Each destination's earliest queued item this transaction changed,
+        // in one pass over the overlay: a batched step changes a hundred
+        // items, and asking the overlay per candidate cost a pass each.
+        let mut pending: HashMap<&str, OrderKey> = HashMap::new();
+        for item in this.overlay_items() {
+            if item.state == ItemState::Queued {
+                let place = OrderKey::of(item);
+                match pending.get_mut(item.destination.as_str()) {
+                    Some(earliest) if *earliest <= place => {}
+                    Some(earliest) => *earliest = place,
+                    None => {
+                        pending.insert(item.destination.as_str(), place);
+                    }
+                }
+            }
+        }
+        // As `head`, over `pending`.
+        let head = |destination: &str| -> Option<&OrderKey> {
+            lines
+                .line(destination)
+                .find(|place| !this.overlay.contains_key(&place.key))
+                .into_iter()
+                .chain(pending.get(destination))
+                .min()
+        };
         let mut out: Vec<(String, OrderKey)> = Vec::new();
         let mut destinations: HashSet<&str> = HashSet::new();
         // Cheapest test first: a worker's own sends in flight are claimed
@@ -173,24 +196,23 @@ impl Txn for FileTxn<'_> {
                 && !destinations.contains(item.destination.as_str())
                 && admits(item)
                 && (ordering == order::Ordering::Unordered
-                    || this.is_head(&item.destination, &place.key))
+                    || head(&item.destination).is_some_and(|head| head.key == place.key))
             {
                 destinations.insert(item.destination.as_str());
                 out.push((item.destination.clone(), place.clone()));
             }
         };
-        let lines = &this.base.index.lines;
         for place in lines.claimed() {
             if !this.overlay.contains_key(&place.key) {
                 consider(place);
             }
         }
-        for item in this.overlay.values() {
+        for item in this.overlay_items() {
             if item.state == ItemState::Queued {
                 consider(&OrderKey::of(item));
             }
-            if let Some(head) = this.head(&item.destination) {
-                consider(&head);
+            if let Some(head) = head(&item.destination) {
+                consider(head);
             }
         }
         for place in lines
@@ -219,8 +241,7 @@ impl Txn for FileTxn<'_> {
     fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>> {
         let committed = self.base.state.cooldowns.get(destination).copied();
         let pending = self
-            .overlay
-            .values()
+            .overlay_items()
             .filter(|i| i.destination == destination)
             .filter_map(|i| i.cooldown_until)
             .max();
@@ -235,7 +256,7 @@ impl Txn for FileTxn<'_> {
             .filter(|(_, key)| !self.overlay.contains_key(*key))
             .map(|(at, _)| at)
             .collect();
-        times.extend(self.overlay.values().flat_map(rate_times));
+        times.extend(self.overlay_items().flat_map(rate_times));
         Ok(times)
     }
 
@@ -252,8 +273,7 @@ impl Txn for FileTxn<'_> {
             .map(|(at, _)| at)
             .collect();
         times.extend(
-            self.overlay
-                .values()
+            self.overlay_items()
                 .filter(|i| i.destination == destination)
                 .flat_map(rate_times),
         );
@@ -268,8 +288,7 @@ impl Txn for FileTxn<'_> {
     ) -> Result<Option<DateTime<Utc>>> {
         // This transaction's own times replace those of the items it changed.
         let pending: Vec<DateTime<Utc>> = self
-            .overlay
-            .values()
+            .overlay_items()
             .filter(|i| destination.is_none_or(|d| i.destination == d))
             .flat_map(rate_times)
             .filter(|at| *at > after)
