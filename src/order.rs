@@ -486,6 +486,38 @@ mod tests {
         }
     }
 
+    /// `Fronts::set` leaves an unchanged entry in place; an entry for the
+    /// same item with a new due moment is replaced, on the right side. (Every
+    /// change today reaches it through a removal that drops the item's entry
+    /// first, so only this test sees the comparison.)
+    #[test]
+    fn a_front_whose_due_moment_changes_is_replaced() {
+        let at = Utc.timestamp_opt(1_000, 0).single().unwrap_or_default();
+        let later = Utc.timestamp_opt(1_060, 0).single().unwrap_or_default();
+        let place = key(1, 1_000, "a");
+        let mut fronts = Fronts::default();
+        let fresh = Due { at, fresh: true };
+        fronts.set("chat", Some((fresh, &place)));
+        fronts.set("chat", Some((fresh, &place)));
+        assert_eq!(fronts.due(at).count(), 1);
+        let deferred = Due {
+            at: later,
+            fresh: false,
+        };
+        fronts.set("chat", Some((deferred, &place)));
+        assert_eq!(fronts.due(at).count(), 0);
+        assert_eq!(fronts.next_due(at), Some(later));
+        assert_eq!(
+            fronts
+                .due(later)
+                .map(|p| p.key.as_str())
+                .collect::<Vec<_>>(),
+            ["a"]
+        );
+        fronts.set("chat", None);
+        assert_eq!(fronts.next_due(at), None);
+    }
+
     #[test]
     fn an_undone_attempt_leaves_the_picker_as_it_was_before_it() {
         let mut picker = Picker::pass(["a".to_owned(), "b".to_owned(), "c".to_owned()]);
