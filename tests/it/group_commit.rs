@@ -353,6 +353,44 @@ fn a_panic_in_a_transaction_while_a_group_is_open_keeps_other_processes_off_its_
     );
 }
 
+#[test]
+fn a_leader_that_panics_outside_the_lock_lets_other_processes_in() {
+    // The class: a leader unwinding out of its sync while it does not hold
+    // the state's lock (its group's write, its fdatasync). Its group fails,
+    // and the `flock` it keeps for the group must go with it: a poisoned
+    // handle that is still open must not keep every other process out.
+    for failpoint in ["journal.group_write", "journal.fsync"] {
+        within(
+            "group commit: a leader's panic outside the lock releases the flock",
+            DEADLOCK_LIMIT,
+            || {
+                let h = Harness::with(|b| b.failpoint(failpoint, FailAction::Panic));
+                // Another process (its own `flock`), opened before anything happens.
+                let other = h.reopen();
+                let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    h.outbox.enqueue(msg("a", "chat-1"))
+                }));
+                assert!(panicked.is_err(), "{failpoint}: the leader was to panic");
+                assert!(
+                    matches!(h.outbox.enqueue(msg("b", "chat-2")), Err(Error::Poisoned)),
+                    "{failpoint}: the handle whose group failed still commits"
+                );
+                // The poisoned handle stays open; the other process commits.
+                other.enqueue(msg("c", "chat-3")).unwrap();
+                drop(other);
+                // And the same process opens the outbox again.
+                let reopened = h.reopen();
+                reopened.verify_audit().unwrap();
+                assert!(
+                    reopened.get("c").unwrap().is_some(),
+                    "{failpoint}: acknowledged c was lost"
+                );
+                assert!(reopened.get("b").unwrap().is_none(), "{failpoint}");
+            },
+        );
+    }
+}
+
 /// The number of kill rounds of the group crash campaign: the default keeps
 /// the suite fast; `OUTBOX_GROUP_KILL_ROUNDS` runs a longer campaign.
 fn kill_rounds() -> u32 {

@@ -526,7 +526,10 @@ impl FileEngine {
         let mut led = false;
         let result = self.group.wait_durable(ticket, || {
             led = true;
-            self.sync_group()
+            let unwinding = LeaderUnwinding(self);
+            let synced = self.sync_group();
+            std::mem::forget(unwinding);
+            synced
         });
         if result.is_err() {
             self.poisoned.store(true, Ordering::Release);
@@ -826,6 +829,24 @@ impl FileEngine {
             self.poisoned.store(true, Ordering::Release);
         }
         result
+    }
+}
+
+/// Lets the `flock` go if a commit group's leader unwinds out of its sync
+/// anywhere, also where it does not hold the state's lock (its group's write
+/// and `fdatasync`), where no guard of the directory lock is there to drop:
+/// its group fails, and a member still waiting to lead or to hear it is the
+/// only other thread that would have released the lock; with none, the
+/// poisoned handle kept every other process out for as long as it was open.
+/// The handle is poisoned first, so no thread of this process writes again.
+struct LeaderUnwinding<'a>(&'a FileEngine);
+
+impl Drop for LeaderUnwinding<'_> {
+    fn drop(&mut self) {
+        self.0.poisoned.store(true, Ordering::Release);
+        if let Ok(mut guard) = self.0.lock.lock() {
+            guard.set_pending(false);
+        }
     }
 }
 
