@@ -14,8 +14,11 @@
 //!
 //! An unfinished line (no newline before the zeros or the end of the file) is what
 //! a crash during a write leaves behind: that write was never acknowledged, so the
-//! remnant is copied to `outbox.journal.torn-<n>` and zeroed. A bad line with good
-//! lines after it, or a bad line that is whole, is damage, and is reported.
+//! remnant is copied to `outbox.journal.torn-<n>` and zeroed. So are whole entries
+//! after it that come later in the sequence: a commit group writes its entries in
+//! one write, whose later sectors a power cut may keep without its first ones (see
+//! [`is_unsynced_tail`]). A bad line that is whole, or whole lines after a bad one
+//! that cannot be later entries of the same journal, are damage, and are reported.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -118,6 +121,44 @@ pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
         return invalid;
     }
     Line::Valid(json, end + 1)
+}
+
+/// Whether the region where the entries end (at a bad line, or past the
+/// zeros that end them) is what a crash left of the last, unsynced write of
+/// entries rather than damage: the bad line is unfinished, and every whole,
+/// valid line after it is an entry *later* than `next_seq` (the seq expected
+/// there), in ascending order.
+///
+/// Later entries may be whole there because a commit group's leader writes
+/// all its members' entries in one write before its one sync, and a power
+/// cut may keep any of that write's sectors: the first ones lost (zeros, or
+/// a torn line) and the later ones, with whole entries of the same group,
+/// on disk. None of the group was acknowledged. Whole lines that cannot be
+/// such entries (not an entry, or a seq at or before the expected one) are
+/// damage, as is a bad line that is whole.
+pub(crate) fn is_unsynced_tail(bad_terminated: bool, rest: &[u8], next_seq: u64) -> bool {
+    if bad_terminated {
+        return false;
+    }
+    let mut last = next_seq;
+    let mut pos = 0;
+    while pos < rest.len() {
+        if rest[pos] == 0 {
+            pos += 1;
+            continue;
+        }
+        match next_line(&rest[pos..]) {
+            Line::Valid(json, len) => match serde_json::from_slice::<EntryV1>(json) {
+                Ok(entry) if entry.seq > last => {
+                    last = entry.seq;
+                    pos += len;
+                }
+                _ => return false,
+            },
+            Line::Invalid { len, .. } => pos += len.max(1),
+        }
+    }
+    true
 }
 
 /// Whether the region starting at a bad line is a crash remnant rather than

@@ -730,7 +730,8 @@ impl Store {
                 Line::Invalid { len, terminated } => {
                     let tail = read_remnant(&cursor.file, start + pos as u64, &fresh[pos..])
                         .map_err(|e| Error::io(&self.journal_path, "read", e))?;
-                    if journal::is_remnant(terminated, &tail[len.min(tail.len())..]) {
+                    if journal::is_unsynced_tail(terminated, &tail[len.min(tail.len())..], next_seq)
+                    {
                         break;
                     }
                     return Err(invalid(
@@ -780,9 +781,10 @@ impl Store {
         Ok(())
     }
 
-    /// Once per load: looks past the entries' end for non-zero bytes. Whole valid
-    /// entries there mean acknowledged entries were cut off by zeros (damage,
-    /// reported); anything else is a remnant, set aside like a torn tail.
+    /// Once per load: looks past the entries' end for non-zero bytes. Whole lines
+    /// there that cannot be later entries of an unsynced group's torn write mean
+    /// damage (reported); anything else is a remnant, set aside like a torn tail
+    /// (see [`journal::is_unsynced_tail`]).
     fn check_beyond_end(&self, loaded: &mut Loaded) -> Result<()> {
         let Some(cursor) = loaded.cursor.as_ref() else {
             return Ok(());
@@ -800,11 +802,13 @@ impl Store {
             return Ok(());
         };
         rest.truncate(last + 1);
-        if !journal::is_remnant(false, &rest) {
+        // Whole entries after the zeros are the rest of an unsynced group's
+        // torn write only if they come later in the sequence.
+        if !journal::is_unsynced_tail(false, &rest, cursor.next_seq) {
             return Err(invalid(
                 &self.journal_path,
                 format!("byte {}", cursor.offset),
-                "whole entries follow a zeroed region: acknowledged entries were lost",
+                "whole lines that are not later entries follow a zeroed region: the journal is damaged",
             ));
         }
         loaded.torn = Some(Torn {
@@ -1137,7 +1141,8 @@ fn read_until_zero(file: &File, offset: u64) -> io::Result<Vec<u8>> {
 /// The bytes from a bad line on, up to a long run of zeros or the end of the
 /// file: enough to see whether whole lines follow (damage) or not (a remnant).
 /// Reads to the end of the file: a remnant must be judged on everything after
-/// it (whole entries anywhere past a zeroed region mean damage, not a tear).
+/// it (whole lines anywhere past a zeroed region that are not later entries
+/// mean damage, not a tear).
 /// This is the rare path, after a bad line; the journal is bounded by compaction.
 fn read_remnant(file: &File, offset: u64, probe: &[u8]) -> io::Result<Vec<u8>> {
     const CHUNK: usize = 1024 * 1024;

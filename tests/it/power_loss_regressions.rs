@@ -77,6 +77,106 @@ fn a_torn_unacknowledged_entry_beyond_zeros_is_set_aside_before_the_next_commit(
     );
 }
 
+#[test]
+fn a_group_write_torn_with_its_first_sectors_missing_is_set_aside_and_the_outbox_opens() {
+    // A commit group's leader writes its members' entries in one write, then
+    // syncs. A power cut before that sync completes may keep any of the
+    // write's sectors: here its first ones are lost (zeros: the journal is
+    // preallocated) and its later ones, holding whole entries of the same
+    // group, landed. No entry of the group was acknowledged; the ones before
+    // it were, and must open.
+    let dir = tempfile::tempdir().unwrap();
+    let journal_path = dir.path().join("outbox.journal");
+    let audit_path = dir.path().join("audit.jsonl");
+    let (group_start, sector_end, group_end, audit_before) = {
+        let outbox = open(dir.path());
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        let group_start = journal_end(dir.path());
+        // The log as it was when the group was written: its records are
+        // appended only after the group's sync.
+        let audit_before = fs::read(&audit_path).unwrap();
+        outbox
+            .enqueue(durable_outbox::NewMessage {
+                content: "x".repeat(1500),
+                ..msg("b", "chat-1")
+            })
+            .unwrap();
+        let b_end = journal_end(dir.path());
+        outbox.enqueue(msg("c", "chat-2")).unwrap();
+        outbox.enqueue(msg("d", "chat-3")).unwrap();
+        let group_end = journal_end(dir.path());
+        // The first sector boundary inside the group: `b` spans it, so `c`
+        // and `d` lie wholly after it.
+        let sector_end = (group_start / 512 + 1) * 512;
+        assert!(sector_end < b_end, "b must span a sector boundary");
+        (group_start, sector_end, group_end, audit_before)
+    };
+    let mut journal = fs::read(&journal_path).unwrap();
+    journal[group_start..sector_end].fill(0);
+    fs::write(&journal_path, &journal).unwrap();
+    fs::write(&audit_path, &audit_before).unwrap();
+
+    {
+        let outbox = open(dir.path());
+        assert!(
+            outbox.get("a").unwrap().is_some(),
+            "acknowledged a was lost"
+        );
+        for key in ["b", "c", "d"] {
+            assert!(
+                outbox.get(key).unwrap().is_none(),
+                "{key} follows a lost entry of its group, yet it was applied"
+            );
+        }
+        outbox
+            .enqueue(msg("p", "chat-4"))
+            .expect("an enqueue after the cut is acknowledged");
+    }
+    let outbox = Outbox::open(dir.path()).expect("the outbox opens after that commit");
+    assert!(outbox.get("a").unwrap().is_some());
+    assert!(
+        outbox.get("p").unwrap().is_some(),
+        "the acknowledged enqueue"
+    );
+    outbox.verify_audit().unwrap();
+    let set_aside = quarantined(dir.path(), "outbox.journal.torn-");
+    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
+    assert_eq!(
+        fs::read(&set_aside[0]).unwrap(),
+        journal[group_start..group_end],
+        "the torn group is kept byte for byte, from the end of the entries on"
+    );
+}
+
+#[test]
+fn a_whole_entry_out_of_sequence_past_the_zeros_is_damage_and_is_refused() {
+    // What a torn group write can never leave: an entry that is not later
+    // than the last one applied (here a copy of `a`'s) past the zeros.
+    let dir = tempfile::tempdir().unwrap();
+    let journal_path = dir.path().join("outbox.journal");
+    let (a_start, a_end) = {
+        let outbox = open(dir.path());
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        // `a`'s line is the one after the header.
+        let bytes = fs::read(dir.path().join("outbox.journal")).unwrap();
+        let a_start = bytes.iter().position(|b| *b == b'\n').unwrap() + 1;
+        (a_start, journal_end(dir.path()))
+    };
+    let mut journal = fs::read(&journal_path).unwrap();
+    let line = journal[a_start..a_end].to_vec();
+    let at = a_end + 700;
+    journal[at..at + line.len()].copy_from_slice(&line);
+    fs::write(&journal_path, &journal).unwrap();
+    let clock = durable_outbox::ManualClock::at(START).unwrap();
+    let refused = builder(dir.path(), &clock).open().map(|_| ()).unwrap_err();
+    assert!(
+        matches!(&refused, Error::InvalidRecord { path, location, .. }
+            if path.ends_with("outbox.journal") && *location == format!("byte {a_end}")),
+        "{refused:?}"
+    );
+    assert_eq!(fs::read(&journal_path).unwrap(), journal, "nothing written");
+}
+
 /// An outbox whose snapshot makes record 1 (`a`) durable, with `b` and `c`
 /// appended to the log after it (unsynced) and held by the journal. Returns
 /// the directory and the log's bytes and where `b`'s line starts.
