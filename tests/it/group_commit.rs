@@ -391,6 +391,44 @@ fn a_leader_that_panics_outside_the_lock_lets_other_processes_in() {
     }
 }
 
+#[test]
+fn a_compaction_waiting_for_the_lock_while_a_group_fails_refuses_instead_of_saving_it() {
+    within(
+        "group commit: a failed group's changes never reach a snapshot",
+        DEADLOCK_LIMIT,
+        || {
+            let h = Harness::with(|b| {
+                b.failpoint("journal.group_write", FailAction::Error)
+                    .failpoint("commit.quiet", FailAction::DelayMs(1500))
+            });
+            std::thread::scope(|scope| {
+                // The compaction checks the handle is healthy, then waits
+                // for the lock (held back here) while the group fails.
+                let compact = scope.spawn(|| h.outbox.compact());
+                let limit = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while h.outbox.failpoint_hits("commit.quiet") == 0 {
+                    assert!(std::time::Instant::now() < limit, "compact never started");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                // Half of `a`'s entry reaches the journal, then the write fails.
+                let failed = h.outbox.enqueue(msg("a", "chat-1")).unwrap_err();
+                assert!(matches!(failed, Error::Io { .. }), "{failed:?}");
+                let compacted = compact.join().unwrap();
+                assert!(
+                    matches!(compacted, Err(Error::Poisoned)),
+                    "a compaction ran on the handle whose group failed: {compacted:?}"
+                );
+            });
+            let reopened = h.reopen();
+            reopened.verify_audit().unwrap();
+            assert!(
+                reopened.get("a").unwrap().is_none(),
+                "the failed enqueue of a was made durable by a snapshot of the cached state"
+            );
+        },
+    );
+}
+
 /// The number of kill rounds of the group crash campaign: the default keeps
 /// the suite fast; `OUTBOX_GROUP_KILL_ROUNDS` runs a longer campaign.
 fn kill_rounds() -> u32 {

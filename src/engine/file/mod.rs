@@ -550,7 +550,17 @@ impl FileEngine {
             if self.is_poisoned() {
                 return Err(Error::Poisoned);
             }
+            self.faults
+                .check("commit.quiet")
+                .map_err(|e| Error::io(self.store.path(), "lock", e))?;
             let guard = self.lock.lock()?;
+            // Again under the lock: a group that failed while this thread
+            // waited for it let the lock go with its members' changes applied
+            // to the cached state but not on disk; compacting or committing
+            // from that state would make them durable after all.
+            if self.is_poisoned() {
+                return Err(Error::Poisoned);
+            }
             if !guard.is_pending() {
                 return Ok(guard);
             }
