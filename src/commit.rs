@@ -309,6 +309,12 @@ impl Group {
                 return Ok(());
             }
             if self.failed() {
+                // A sync may have made this ticket durable after the load
+                // above and before a later sync failed: `failed` is stored
+                // after that `durable`, so reading `durable` again now tells.
+                if ticket <= self.durable.load(Ordering::Acquire) {
+                    return Ok(());
+                }
                 return Err(Error::Poisoned);
             }
             let mut state = self.state();
