@@ -32,7 +32,8 @@
 //!   `report sent=… failed=… deferred=… retried=… released=… cancelled=…` at the end.
 //! - `powerloss DIR`: the power-loss harness's workload (see [`power_loss`]): a
 //!   fixed life of an outbox that passes through every kind of durable write,
-//!   with its acknowledgements recorded in the filesystem's own operation log.
+//!   with its acknowledgements recorded in the filesystem's own operation log,
+//!   ending with threads that commit at once (commit groups).
 //! - `group DIR LOG PREFIX THREADS N`: THREADS threads share one handle; thread
 //!   t enqueues `PREFIX-t-0..N` (each to a chat of its own) one by one and
 //!   processes each with the delivering
@@ -441,7 +442,9 @@ fn power_loss_builder(dir: &Path) -> durable_outbox::OutboxBuilder {
 /// The power-loss workload. Marks: `ack-KEY` once an enqueue returned `Ok`;
 /// `send-KEY` when a send starts (the message may have left from then on);
 /// `mayprune-KEY` before a compaction that may prune KEY's history segment,
-/// `kept-KEY` after it for the keys still there.
+/// `kept-KEY` after it for the keys still there. Its last phase runs
+/// [`POWER_LOSS_THREADS`] threads on one handle, so commit groups carry
+/// several transactions' entries in one write.
 fn power_loss(dir: &Path) {
     let open = || {
         power_loss_builder(dir)
@@ -523,9 +526,33 @@ fn power_loss(dir: &Path) {
     kept(&outbox, keys);
     enqueue(&outbox, &["d0"]);
     process(&outbox, "d0");
+    // Commit groups: threads sharing the handle commit at once, so one
+    // leader's write carries several transactions' entries (the state a power
+    // cut can tear with its first sectors lost and later entries kept). Each
+    // mark still follows the call that returned, so the oracle stays exact.
+    // Each round starts together, so its commits meet in groups.
+    let round = std::sync::Barrier::new(POWER_LOSS_THREADS);
+    std::thread::scope(|scope| {
+        for t in 0..POWER_LOSS_THREADS {
+            let (outbox, round) = (&outbox, &round);
+            scope.spawn(move || {
+                for j in 0..3 {
+                    round.wait();
+                    let key = format!("t{t}-{j}");
+                    enqueue(outbox, &[key.as_str()]);
+                    if j == 0 {
+                        process(outbox, &key);
+                    }
+                }
+            });
+        }
+    });
     drop(outbox);
     say("done");
 }
+
+/// Threads of the power-loss workload's commit-group phase.
+const POWER_LOSS_THREADS: usize = 6;
 
 /// Sends one item to a real homeserver and hangs after the PUT was answered.
 #[cfg(feature = "matrix")]
