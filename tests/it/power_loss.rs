@@ -8,7 +8,10 @@
 //! enumerator ([`crash_states`]) replays that log into the states a power cut
 //! at each point can leave (unsynced writes lost, torn at sector boundaries,
 //! zero-filled, landed out of order; names not yet made durable by a directory
-//! fsync missing), writes each into a plain directory, and checks it:
+//! fsync missing; a commit group's write, which carries several transactions'
+//! entries because the workload's last phase commits from six threads, with
+//! its first sectors lost and a later entry kept), writes each into a plain
+//! directory, and checks it:
 //!
 //! - it opens (a typed error is a failure: a power cut never damages anything
 //!   before a durable point);
@@ -22,7 +25,9 @@
 //! - a drain then sends nothing whose send already ran.
 //!
 //! Because it sees the real syscalls, deleting the journal's `fdatasync` or the
-//! directory fsync after a rename makes it report an acknowledged enqueue lost.
+//! directory fsync after a rename makes it report an acknowledged enqueue lost;
+//! refusing whole entries past a zeroed region (the journal's check before
+//! `is_unsynced_tail`) makes it report states that do not open.
 //!
 //! Knobs: `OUTBOX_POWERLOSS_STATES` (distinct states to check; default
 //! [`DEFAULT_STATES`]), `OUTBOX_POWERLOSS_SEED` (replay a sample). Needs
@@ -71,6 +76,17 @@ const MUST_COVER: &[&str] = &[
     "names: temp files",
 ];
 const MIN_PER_FILE: usize = 3;
+
+/// Tears (each keeping a random later entry) of the unsynced commit-group
+/// writes planned at each cut where there is one.
+const GROUP_TEARS: usize = 4;
+
+/// Recorded journal writes that carried several entries (commit groups of the
+/// workload's threaded phase), at least.
+const MIN_GROUP_WRITES: usize = 2;
+/// Checked states in which such a write was torn with its first sector lost
+/// and a later whole entry kept, at least.
+const MIN_GROUP_HEAD_LOST: usize = 6;
 
 /// The settings the workload runs with (`power_loss_builder` in the worker).
 /// Its history retention (two segments) is stored in the outbox and applies
@@ -336,6 +352,9 @@ struct Campaign {
     checked: usize,
     by_shape: BTreeMap<&'static str, usize>,
     at_risk: BTreeMap<&'static str, usize>,
+    /// States with a commit group's write torn, first sector lost, a later
+    /// whole entry kept.
+    group_head_lost: usize,
     failures: Vec<String>,
 }
 
@@ -348,11 +367,14 @@ fn shape_name(shape: Shape) -> &'static str {
         Shape::TornTails => "torn tails",
         Shape::ZerosForData => "zeros for data",
         Shape::LaterNamesOnly => "later names only",
+        Shape::GroupHeadLost => "group write, head lost",
     }
 }
 
-/// Checks up to `budget` distinct states: first the durable-only, torn-tails
-/// and reordered-names states at every cut, then sampled cuts and shapes.
+/// Checks up to `budget` distinct states: first, at every cut where a commit
+/// group's write is unsynced, [`GROUP_TEARS`] tears of it with its head lost;
+/// then the durable-only, torn-tails and reordered-names states at every cut;
+/// then sampled cuts and shapes.
 fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
     let n = recording.ops.len();
     let mut rng = Rng::new(seed);
@@ -361,12 +383,19 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         checked: 0,
         by_shape: BTreeMap::new(),
         at_risk: BTreeMap::new(),
+        group_head_lost: 0,
         failures: Vec::new(),
     };
     let scratch = scratch();
-    let mut plan: Vec<(usize, Shape)> = Shape::EVERY_CUT
-        .iter()
-        .flat_map(|&shape| (0..=n).map(move |cut| (cut, shape)))
+    let mut plan: Vec<(usize, Shape)> = recording
+        .group_cuts()
+        .into_iter()
+        .flat_map(|cut| std::iter::repeat_n((cut, Shape::GroupHeadLost), GROUP_TEARS))
+        .chain(
+            Shape::EVERY_CUT
+                .iter()
+                .flat_map(|&shape| (0..=n).map(move |cut| (cut, shape))),
+        )
         .collect();
     plan.reverse();
     // Sampling is stratified by what is at risk, so files that are unsynced
@@ -412,6 +441,9 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         }
         std::fs::remove_dir_all(&dir).unwrap();
         campaign.checked += 1;
+        if recording.group_head_lost(&fates) {
+            campaign.group_head_lost += 1;
+        }
         *campaign.by_shape.entry(shape_name(shape)).or_default() += 1;
         for label in recording.labels_at_risk(cut) {
             *campaign.at_risk.entry(label).or_default() += 1;
@@ -470,6 +502,14 @@ fn every_state_a_power_cut_can_leave_opens_and_loses_nothing_acknowledged() {
         started.elapsed()
     );
     eprintln!("  states by shape: {:?}", campaign.by_shape);
+    let group_writes = (0..recording.ops.len())
+        .filter(|&i| recording.is_group_write(i))
+        .count();
+    eprintln!(
+        "  journal writes carrying >= 2 entries (commit groups): {group_writes}; states with one \
+         torn, its first sector lost and a later whole entry kept: {}",
+        campaign.group_head_lost
+    );
     eprintln!("  states in which each file had unsynced changes at the cut:");
     for (label, count) in &campaign.at_risk {
         eprintln!("    {label:<34} {count}");
@@ -485,6 +525,17 @@ fn every_state_a_power_cut_can_leave_opens_and_loses_nothing_acknowledged() {
         campaign.checked >= floor,
         "only {} crash states were checked (at least {floor} expected)",
         campaign.checked
+    );
+    assert!(
+        group_writes >= MIN_GROUP_WRITES,
+        "only {group_writes} recorded journal writes carried several entries (at least \
+         {MIN_GROUP_WRITES} expected): the threaded phase formed no commit groups"
+    );
+    assert!(
+        campaign.group_head_lost >= MIN_GROUP_HEAD_LOST,
+        "only {} checked states tore a commit group's write with its first sector lost and a \
+         later whole entry kept (at least {MIN_GROUP_HEAD_LOST} expected)",
+        campaign.group_head_lost
     );
     for label in MUST_COVER {
         let count = campaign.at_risk.get(label).copied().unwrap_or(0);

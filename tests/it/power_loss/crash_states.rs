@@ -58,6 +58,10 @@ pub enum Shape {
     /// All data arrived; in every directory the oldest unsynced name change
     /// did not, the later ones did (names reordered).
     LaterNamesOnly,
+    /// Everything survives except each commit group's write (a journal write
+    /// carrying several entries), torn with its first sectors lost up to one
+    /// of its later entries, which is kept whole.
+    GroupHeadLost,
 }
 
 impl Shape {
@@ -133,9 +137,14 @@ impl Recording {
                     fates.insert(i, Fate::Drop);
                 }
             }
-            Shape::Everything => {
+            Shape::Everything | Shape::GroupHeadLost => {
                 for i in pending {
-                    fates.insert(i, Fate::Apply);
+                    let fate = if shape == Shape::GroupHeadLost && self.is_group_write(i) {
+                        self.tear(i, rng, 3)
+                    } else {
+                        Fate::Apply
+                    };
+                    fates.insert(i, fate);
                 }
             }
             Shape::InOrderPrefix => {
@@ -222,7 +231,9 @@ impl Recording {
     }
 
     /// A tear of write `i`: `pattern` 0 keeps its first sectors, 1 its last
-    /// ones (zeros, then a remnant), 2 a random subset.
+    /// ones (zeros, then a remnant), 2 a random subset, 3 its last ones from
+    /// a sector where one of its later lines starts (for a write of several
+    /// lines; otherwise as 1).
     fn tear(&self, i: usize, rng: &mut Rng, pattern: u64) -> Fate {
         let Op::Write { offset, data, .. } = &self.ops[i] else {
             return if rng.below(2) == 0 {
@@ -235,13 +246,75 @@ impl Recording {
         if pieces < 2 {
             return Fate::Drop;
         }
-        let split = 1 + rng.below(pieces as u64 - 1) as usize;
+        let mut split = 1 + rng.below(pieces as u64 - 1) as usize;
+        // A commit group's write carries several entries: pattern 3 (and half
+        // the time pattern 1) loses its first sectors up to one of its later
+        // entries, which is kept whole.
+        let starts = line_starts(data);
+        if starts.len() >= 2 && (pattern == 3 || (pattern == 1 && rng.below(2) == 0)) {
+            let line = starts[1 + rng.below(starts.len() as u64 - 1) as usize];
+            let at = offset + line as u64;
+            let first = offset / SECTOR;
+            split = ((at / SECTOR - first) as usize).clamp(1, pieces - 1);
+        }
         let sectors = match pattern {
             0 => (0..pieces).map(|p| p < split).collect(),
-            1 => (0..pieces).map(|p| p >= split).collect(),
+            1 | 3 => (0..pieces).map(|p| p >= split).collect(),
             _ => (0..pieces).map(|_| rng.below(2) == 0).collect(),
         };
         Fate::Torn(sectors)
+    }
+
+    /// Whether operation `i` is a journal write that carries several whole
+    /// entries (a commit group's write).
+    pub fn is_group_write(&self, i: usize) -> bool {
+        match &self.ops[i] {
+            Op::Write { data, .. } => {
+                self.labels[i] == "outbox.journal" && line_starts(data).len() >= 2
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a commit group's write is torn in this state with its first
+    /// sector lost and a later whole entry kept: zeros (or old bytes), then
+    /// whole entries of the group that nobody was told were durable.
+    pub fn group_head_lost(&self, fates: &BTreeMap<usize, Fate>) -> bool {
+        fates.iter().any(|(&i, fate)| {
+            let (Fate::Torn(sectors), Op::Write { offset, data, .. }) = (fate, &self.ops[i]) else {
+                return false;
+            };
+            if !self.is_group_write(i) || sectors.first() != Some(&false) {
+                return false;
+            }
+            let pieces = sector_pieces(*offset, data.len() as u64);
+            let kept = |from: u64, to: u64| {
+                pieces
+                    .iter()
+                    .zip(sectors)
+                    .all(|(&(a, b), &on)| on || b <= from || a >= to)
+            };
+            let starts = line_starts(data);
+            starts.windows(2).any(|w| {
+                let (from, to) = (*offset + w[1] as u64, *offset + data.len() as u64);
+                let end = data[w[1]..]
+                    .iter()
+                    .position(|&b| b == b'\n')
+                    .map_or(to, |p| *offset + (w[1] + p + 1) as u64);
+                kept(from, end)
+            })
+        })
+    }
+
+    /// The cuts at which a commit group's write is not yet durable.
+    pub fn group_cuts(&self) -> Vec<usize> {
+        (1..=self.ops.len())
+            .filter(|&cut| {
+                self.pending(cut)
+                    .into_iter()
+                    .any(|i| self.is_group_write(i))
+            })
+            .collect()
     }
 
     /// A key identifying the state: the markers before its cut and the
@@ -294,6 +367,19 @@ impl Recording {
             .map(|i| self.labels[i])
             .collect()
     }
+}
+
+/// Where each whole (newline-terminated) line of `data` starts.
+fn line_starts(data: &[u8]) -> Vec<usize> {
+    let mut starts = Vec::new();
+    let mut start = 0;
+    for (i, &b) in data.iter().enumerate() {
+        if b == b'\n' {
+            starts.push(start);
+            start = i + 1;
+        }
+    }
+    starts
 }
 
 /// The sector-aligned pieces `[start, end)` of a write at `offset` of `len` bytes.
@@ -714,5 +800,39 @@ mod model {
         let split = torn.iter().position(|b| *b != 0).unwrap();
         assert!(split == 512 || split == 1024, "cut at a sector: {split}");
         assert_eq!(&torn[split..], &data[split..]);
+    }
+
+    #[test]
+    fn a_group_write_loses_its_first_sectors_and_keeps_a_later_entry_whole() {
+        // Three 400-byte lines in one journal write: a commit group's.
+        let data: Vec<u8> = (0..3)
+            .flat_map(|n| {
+                let mut line = vec![b'a' + n; 399];
+                line.push(b'\n');
+                line
+            })
+            .collect();
+        let recording = Recording::new(vec![
+            create("outbox.journal", 2),
+            Op::FsyncDir { ino: ROOT },
+            write(2, 0, &data),
+        ]);
+        assert!(recording.is_group_write(2));
+        assert_eq!(recording.group_cuts(), [3]);
+        for seed in 1..20 {
+            let fates = recording.fates(3, Shape::GroupHeadLost, &mut Rng::new(seed));
+            assert!(recording.group_head_lost(&fates), "seed {seed}: {fates:?}");
+            let files = state(&recording, 3, &fates);
+            let torn = &files[0].1;
+            assert_eq!(torn.len(), data.len());
+            assert!(
+                torn[..512].iter().all(|b| *b == 0),
+                "the first sector is lost"
+            );
+            let kept_whole = [400, 800]
+                .iter()
+                .any(|&at| torn[at..at + 400] == data[at..at + 400]);
+            assert!(kept_whole, "seed {seed}: a later entry is kept whole");
+        }
     }
 }
