@@ -6,7 +6,8 @@
 OLD_BENCH and NEW_BENCH are release builds of `examples/bench` (with the
 tokio feature), e.g. one built from main in a scratch checkout and this
 tree's `target/release/examples/bench`. Runs, REPEATS times and alternating
-the two builds so the machine's noise falls on both:
+the two builds (and which of them goes first, from repeat to repeat) so the
+machine's noise falls on both:
 
 - the async drain (`--workload async`, 20 ms sends, a chat per item, N=2000)
   at concurrency 16, 32, 64 and 128 (bound: concurrency / 20 ms);
@@ -65,12 +66,17 @@ def main():
     args = ap.parse_args()
     print(f"load average before: {' '.join(load())}")
     results = {(name, build): [] for name in cases() for build in ("old", "new")}
-    for _ in range(args.repeats):
+    builds = [("old", args.old), ("new", args.new)]
+    for repeat in range(args.repeats):
         for name, (flags, key) in cases().items():
-            for build, path in (("old", args.old), ("new", args.new)):
+            # Which build runs first alternates from repeat to repeat: the
+            # second run of a pair was measured to come out slower (W1 0.95x
+            # old-first, 1.14x new-first on one quiet machine), so a fixed
+            # order would bias every ratio the same way.
+            for build, path in builds if repeat % 2 == 0 else builds[::-1]:
                 results[(name, build)].append(run([path] + flags)[key])
     print(f"load average after: {' '.join(load())}")
-    print(f"| figure (median of {args.repeats}, alternating) | before | after | after / before |")
+    print(f"| figure (median of {args.repeats}, alternating; first build alternating too) | before | after | after / before |")
     print("|---|---:|---:|---:|")
     for name in cases():
         old = statistics.median(results[(name, "old")])
