@@ -137,36 +137,26 @@ pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
 /// such entries (not an entry, or a seq at or before the expected one) are
 /// damage, as is a bad line that is whole.
 pub(crate) fn is_unsynced_tail(bad_terminated: bool, rest: &[u8], next_seq: u64) -> bool {
-    if bad_terminated {
-        return false;
-    }
     let mut last = next_seq;
-    let mut pos = 0;
-    while pos < rest.len() {
-        if rest[pos] == 0 {
-            pos += 1;
-            continue;
-        }
-        match next_line(&rest[pos..]) {
-            Line::Valid(json, len) => match serde_json::from_slice::<EntryV1>(json) {
-                Ok(entry) if entry.seq > last => {
-                    last = entry.seq;
-                    pos += len;
-                }
-                _ => return false,
-            },
-            Line::Invalid { len, .. } => pos += len.max(1),
-        }
-    }
-    true
+    !bad_terminated
+        && each_whole_line(rest, |json| match serde_json::from_slice::<EntryV1>(json) {
+            Ok(entry) if entry.seq > last => {
+                last = entry.seq;
+                true
+            }
+            _ => false,
+        })
 }
 
 /// Whether the region starting at a bad line is a crash remnant rather than
 /// damage: the bad line is unfinished and no whole, valid line follows it.
 pub(crate) fn is_remnant(bad_terminated: bool, rest: &[u8]) -> bool {
-    if bad_terminated {
-        return false;
-    }
+    !bad_terminated && each_whole_line(rest, |_| false)
+}
+
+/// Walks `rest` past zeros and bad lines, asking `accept` about each whole,
+/// valid line; false as soon as it refuses one.
+fn each_whole_line(rest: &[u8], mut accept: impl FnMut(&[u8]) -> bool) -> bool {
     let mut pos = 0;
     while pos < rest.len() {
         if rest[pos] == 0 {
@@ -174,7 +164,12 @@ pub(crate) fn is_remnant(bad_terminated: bool, rest: &[u8]) -> bool {
             continue;
         }
         match next_line(&rest[pos..]) {
-            Line::Valid(..) => return false,
+            Line::Valid(json, len) => {
+                if !accept(json) {
+                    return false;
+                }
+                pos += len;
+            }
             Line::Invalid { len, .. } => pos += len.max(1),
         }
     }
