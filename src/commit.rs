@@ -420,10 +420,7 @@ mod tests {
                 result: Ok(()),
             }
         };
-        group
-            .wait_durable(3, lead)
-            .map_err(|e| e.to_string())
-            .unwrap();
+        durable(&group, 3, lead);
         for ticket in 1..=5 {
             group
                 .wait_durable(ticket, || unreachable!("already durable"))
@@ -513,10 +510,7 @@ mod tests {
                             result: Ok(()),
                         }
                     };
-                    group
-                        .wait_durable(ticket, lead)
-                        .map_err(|e| e.to_string())
-                        .unwrap();
+                    durable(&group, ticket, lead);
                 }
                 done.send(()).unwrap();
             });
@@ -573,6 +567,14 @@ mod tests {
 
     /// Polls `ready` until it holds (or a generous limit passes, so that the
     /// test fails on its assertion instead of hanging).
+    /// Waits until `ticket` is durable (leading with `lead` when it must);
+    /// panics with the error's text if the group failed.
+    fn durable(group: &Group, ticket: u64, lead: impl FnMut() -> Synced) {
+        if let Err(e) = group.wait_durable(ticket, lead) {
+            panic!("ticket {ticket} was not made durable: {e}");
+        }
+    }
+
     fn until(ready: impl Fn() -> bool) {
         let limit = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while !ready() && std::time::Instant::now() < limit {
@@ -605,16 +607,10 @@ mod tests {
                 });
                 written.store(2, Ordering::SeqCst);
                 drop(underway);
-                group
-                    .wait_durable(2, lead)
-                    .map_err(|e| e.to_string())
-                    .unwrap();
+                durable(&group, 2, lead);
             });
             has_begun.recv().unwrap();
-            group
-                .wait_durable(1, lead)
-                .map_err(|e| e.to_string())
-                .unwrap();
+            durable(&group, 1, lead);
         });
         assert_eq!(
             syncs.load(Ordering::SeqCst),
@@ -646,10 +642,7 @@ mod tests {
         // Two transactions (tickets 1 and 2) share the first sync.
         drop(group.begin());
         drop(group.begin());
-        group
-            .wait_durable(2, lead)
-            .map_err(|e| e.to_string())
-            .unwrap();
+        durable(&group, 2, lead);
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 // The second member comes back after the first has started
@@ -660,18 +653,12 @@ mod tests {
                 let underway = group.begin();
                 written.store(4, Ordering::SeqCst);
                 drop(underway);
-                group
-                    .wait_durable(4, lead)
-                    .map_err(|e| e.to_string())
-                    .unwrap();
+                durable(&group, 4, lead);
             });
             let underway = group.begin();
             written.store(3, Ordering::SeqCst);
             drop(underway);
-            group
-                .wait_durable(3, lead)
-                .map_err(|e| e.to_string())
-                .unwrap();
+            durable(&group, 3, lead);
         });
         assert_eq!(
             syncs.load(Ordering::SeqCst),
@@ -707,10 +694,7 @@ mod tests {
         for _ in 0..3 {
             drop(group.begin());
         }
-        group
-            .wait_durable(3, lead)
-            .map_err(|e| e.to_string())
-            .unwrap();
+        durable(&group, 3, lead);
         let start = std::time::Instant::now();
         std::thread::scope(|scope| {
             let underway = group.begin();
@@ -719,17 +703,11 @@ mod tests {
                 until(|| group.gathering.load(Ordering::SeqCst));
                 written.store(5, Ordering::SeqCst);
                 drop(underway);
-                group
-                    .wait_durable(5, lead)
-                    .map_err(|e| e.to_string())
-                    .unwrap();
+                durable(&group, 5, lead);
             });
             drop(group.begin());
             written.store(4, Ordering::SeqCst);
-            group
-                .wait_durable(4, lead)
-                .map_err(|e| e.to_string())
-                .unwrap();
+            durable(&group, 4, lead);
         });
         assert!(
             start.elapsed() < std::time::Duration::from_secs(15),
