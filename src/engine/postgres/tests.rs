@@ -638,22 +638,10 @@ fn an_enqueue_that_waited_for_its_key_while_another_host_enqueued_it_answers_wit
             })
         });
         // The second enqueue's opening statement waits for the key's lock.
-        let deadline = std::time::Instant::now() + LIMIT;
-        while watcher
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-                &[],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            == 0
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "watchdog: the second enqueue never waited for the key's lock"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        until_an_advisory_lock_is_awaited(
+            &mut watcher,
+            "the second enqueue never waited for the key's lock",
+        );
         go.send(()).unwrap();
         let enqueued = holder.join().unwrap().expect("the first enqueue commits");
         let answered = racer
@@ -705,22 +693,10 @@ fn a_one_item_transaction_waiting_at_the_gate_holds_no_row_lock() {
                 Ok(txn.item("k")?.map(|item| item.state))
             })
         });
-        let deadline = std::time::Instant::now() + LIMIT;
-        while gate_holder
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-                &[],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            == 0
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "watchdog: the one-item transaction never waited at the gate"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        until_an_advisory_lock_is_awaited(
+            &mut gate_holder,
+            "the one-item transaction never waited at the gate",
+        );
         let row = gate_holder.query(
             "SELECT 1 FROM durable_outbox.items WHERE idempotency_key = 'k' FOR UPDATE NOWAIT",
             &[],
@@ -736,4 +712,22 @@ fn a_one_item_transaction_waiting_at_the_gate_holds_no_row_lock() {
             .expect("the one-item transaction runs once the gate is free");
         assert_eq!(state, Some(ItemState::Queued));
     });
+}
+
+/// Waits until some session waits for an advisory lock (seen in `pg_locks`
+/// through `conn`); `what` names the wait in the watchdog's message.
+fn until_an_advisory_lock_is_awaited(conn: &mut impl postgres::GenericClient, what: &str) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while conn
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            &[],
+        )
+        .unwrap()
+        .get::<_, i64>(0)
+        == 0
+    {
+        assert!(std::time::Instant::now() < deadline, "watchdog: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
