@@ -259,3 +259,241 @@ fn damage_to_a_durable_audit_record_is_refused_and_nothing_is_written() {
     assert_eq!(fs::read(dir.path().join("audit.jsonl")).unwrap(), damaged);
     assert!(quarantined(dir.path(), "audit.jsonl.torn-").is_empty());
 }
+
+/// An outbox whose journal holds the acknowledged `a`, then the entry of a
+/// large `b` (about 3 KiB) whose write a power cut tore: of the whole
+/// 512-byte sectors of the file inside `b`'s line, those numbered in
+/// `sectors_lost` (0 is the first) never reached the disk (zeros: the
+/// journal is preallocated), while the others, with `b`'s first bytes and its
+/// newline, did. Unless `b_was_synced`, `b`'s audit record is not in the log
+/// (it is appended only after the journal's sync, which the cut came before).
+/// Returns the directory, the damaged journal's bytes of `b`'s write and
+/// `b`'s line as it was written.
+fn journal_with_torn_middle(
+    sectors_lost: &[usize],
+    b_was_synced: bool,
+) -> (tempfile::TempDir, Vec<u8>, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    let journal_path = dir.path().join("outbox.journal");
+    let audit_path = dir.path().join("audit.jsonl");
+    let (b_start, b_end, audit_before) = {
+        let outbox = open(dir.path());
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        let b_start = journal_end(dir.path());
+        let audit_before = fs::read(&audit_path).unwrap();
+        outbox
+            .enqueue(durable_outbox::NewMessage {
+                content: "x".repeat(2000),
+                ..msg("b", "chat-1")
+            })
+            .unwrap();
+        (b_start, journal_end(dir.path()), audit_before)
+    };
+    let mut journal = fs::read(&journal_path).unwrap();
+    let written = journal[b_start..b_end].to_vec();
+    // The sector boundaries inside `b`'s line; its first sector (which holds
+    // the line's start) and its last (which holds the newline) landed.
+    let first_boundary = (b_start / 512 + 1) * 512;
+    for &n in sectors_lost {
+        let from = first_boundary + n * 512;
+        assert!(
+            from + 512 < b_end - 1,
+            "sector {n} must lie inside b's line"
+        );
+        journal[from..from + 512].fill(0);
+    }
+    assert_eq!(journal[b_end - 1], b'\n', "b's newline landed");
+    fs::write(&journal_path, &journal).unwrap();
+    if !b_was_synced {
+        fs::write(&audit_path, &audit_before).unwrap();
+    }
+    (dir, journal[b_start..b_end].to_vec(), written)
+}
+
+/// Opens the outbox `journal_with_torn_middle` left, checks that `a` is there
+/// and `b` is not, commits, and checks the torn write was set aside byte for byte.
+fn assert_torn_middle_set_aside(dir: &Path, torn: &[u8]) {
+    {
+        let outbox = open(dir);
+        assert!(
+            outbox.get("a").unwrap().is_some(),
+            "acknowledged a was lost"
+        );
+        assert!(
+            outbox.get("b").unwrap().is_none(),
+            "b's write was torn, yet it was applied"
+        );
+        outbox
+            .enqueue(msg("p", "chat-2"))
+            .expect("an enqueue after the cut is acknowledged");
+    }
+    let outbox = Outbox::open(dir).expect("the outbox opens after that commit");
+    assert!(outbox.get("a").unwrap().is_some());
+    assert!(
+        outbox.get("p").unwrap().is_some(),
+        "the acknowledged enqueue"
+    );
+    outbox.verify_audit().unwrap();
+    let set_aside = quarantined(dir, "outbox.journal.torn-");
+    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
+    assert_eq!(
+        fs::read(&set_aside[0]).unwrap(),
+        torn,
+        "the torn write is kept byte for byte, from the end of the entries on"
+    );
+}
+
+#[test]
+fn an_unsynced_entry_whose_middle_sector_was_lost_but_whose_newline_landed_is_set_aside() {
+    // Each sector in turn: near the line's start, where the open's first
+    // small read sees the zeros before the newline, and further in, where
+    // zeros and newline come in one read.
+    for lost in 0..=4 {
+        let (dir, torn, _) = journal_with_torn_middle(&[lost], false);
+        assert_torn_middle_set_aside(dir.path(), &torn);
+    }
+}
+
+#[test]
+fn an_unsynced_entry_that_lost_several_separate_middle_sectors_is_set_aside() {
+    for lost in [&[0, 2, 4][..], &[1, 3]] {
+        let (dir, torn, _) = journal_with_torn_middle(lost, false);
+        assert_torn_middle_set_aside(dir.path(), &torn);
+    }
+}
+
+#[test]
+fn a_group_write_that_lost_sectors_across_entries_but_kept_its_last_ones_is_set_aside() {
+    // A commit group's one write carries b, c and d. The power cut kept its
+    // first sector (b's start), lost the two sectors that hold b's end and
+    // c's start, and kept the rest: c's end with its newline and d whole.
+    // None of the group was acknowledged; a was.
+    let dir = tempfile::tempdir().unwrap();
+    let journal_path = dir.path().join("outbox.journal");
+    let audit_path = dir.path().join("audit.jsonl");
+    let (group_start, c_start, group_end, audit_before) = {
+        let outbox = open(dir.path());
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        let group_start = journal_end(dir.path());
+        let audit_before = fs::read(&audit_path).unwrap();
+        let big = |key: &str, chat: &str| durable_outbox::NewMessage {
+            content: "x".repeat(1200),
+            ..msg(key, chat)
+        };
+        outbox.enqueue(big("b", "chat-1")).unwrap();
+        let c_start = journal_end(dir.path());
+        outbox.enqueue(big("c", "chat-2")).unwrap();
+        outbox.enqueue(msg("d", "chat-3")).unwrap();
+        (group_start, c_start, journal_end(dir.path()), audit_before)
+    };
+    let mut journal = fs::read(&journal_path).unwrap();
+    // The sector holding c's start and the one before it.
+    let lost_from = (c_start / 512 - 1) * 512;
+    let lost_to = (c_start / 512 + 1) * 512;
+    assert!(
+        lost_from > group_start + 17,
+        "b's first sector (its checksum) landed"
+    );
+    let c_end = c_start + journal[c_start..].iter().position(|b| *b == b'\n').unwrap() + 1;
+    assert!(lost_to < c_end, "c's newline landed");
+    journal[lost_from..lost_to].fill(0);
+    fs::write(&journal_path, &journal).unwrap();
+    fs::write(&audit_path, &audit_before).unwrap();
+
+    {
+        let outbox = open(dir.path());
+        assert!(
+            outbox.get("a").unwrap().is_some(),
+            "acknowledged a was lost"
+        );
+        for key in ["b", "c", "d"] {
+            assert!(
+                outbox.get(key).unwrap().is_none(),
+                "{key} belongs to a torn group write, yet it was applied"
+            );
+        }
+        outbox
+            .enqueue(msg("p", "chat-4"))
+            .expect("an enqueue after the cut is acknowledged");
+    }
+    let outbox = Outbox::open(dir.path()).expect("the outbox opens after that commit");
+    assert!(outbox.get("a").unwrap().is_some());
+    assert!(
+        outbox.get("p").unwrap().is_some(),
+        "the acknowledged enqueue"
+    );
+    outbox.verify_audit().unwrap();
+    let set_aside = quarantined(dir.path(), "outbox.journal.torn-");
+    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
+    assert_eq!(
+        fs::read(&set_aside[0]).unwrap(),
+        journal[group_start..group_end],
+        "the torn group is kept byte for byte, zeros and all"
+    );
+}
+
+/// Opening `dir` is refused, naming `outbox.journal` at `byte {at}`, and
+/// writes nothing: the journal is as it was and nothing is set aside.
+fn assert_journal_refused_at(dir: &Path, at: usize) {
+    let journal_path = dir.join("outbox.journal");
+    let journal = fs::read(&journal_path).unwrap();
+    let clock = ManualClock::at(START).unwrap();
+    let refused = builder(dir, &clock).open().map(|_| ()).unwrap_err();
+    assert!(
+        matches!(&refused, Error::InvalidRecord { path, location, .. }
+            if path.ends_with("outbox.journal") && *location == format!("byte {at}")),
+        "{refused:?}"
+    );
+    assert_eq!(fs::read(&journal_path).unwrap(), journal, "nothing written");
+    assert!(quarantined(dir, "outbox.journal.torn-").is_empty());
+}
+
+#[test]
+fn a_flipped_byte_in_the_last_whole_entry_is_damage_and_is_refused() {
+    // A whole line (its newline on disk) without a zero byte in it cannot be
+    // what a power cut left: every sector of it reached the disk, so its
+    // bytes are what was written. A bad checksum there is damage, and the
+    // entry may have been acknowledged: setting it aside would lose it.
+    let dir = tempfile::tempdir().unwrap();
+    let (b_start, b_end) = {
+        let outbox = open(dir.path());
+        outbox.enqueue(msg("a", "chat-1")).unwrap();
+        let b_start = journal_end(dir.path());
+        outbox.enqueue(msg("b", "chat-1")).unwrap();
+        (b_start, journal_end(dir.path()))
+    };
+    let journal_path = dir.path().join("outbox.journal");
+    let mut journal = fs::read(&journal_path).unwrap();
+    journal[b_start + (b_end - b_start) / 2] ^= 0x01;
+    fs::write(&journal_path, &journal).unwrap();
+    assert_journal_refused_at(dir.path(), b_start);
+}
+
+#[test]
+fn a_torn_line_followed_by_an_entry_that_is_not_later_is_damage_and_is_refused() {
+    // b's write lost a middle sector (the shape a power cut leaves), but a
+    // whole entry past it is one no torn write can hold: a repeat of b's seq
+    // or of an earlier one. Whatever produced that, it is not a tear.
+    for repeat in ["a", "b"] {
+        let (dir, torn, b_line) = journal_with_torn_middle(&[3], false);
+        let journal_path = dir.path().join("outbox.journal");
+        let mut journal = fs::read(&journal_path).unwrap();
+        let header_end = journal.iter().position(|b| *b == b'\n').unwrap() + 1;
+        let a_end = header_end
+            + journal[header_end..]
+                .iter()
+                .position(|b| *b == b'\n')
+                .unwrap()
+            + 1;
+        let b_end = a_end + torn.len();
+        let line = if repeat == "a" {
+            journal[header_end..a_end].to_vec()
+        } else {
+            b_line
+        };
+        let at = b_end + 300;
+        journal[at..at + line.len()].copy_from_slice(&line);
+        fs::write(&journal_path, &journal).unwrap();
+        assert_journal_refused_at(dir.path(), a_end);
+    }
+}
