@@ -408,6 +408,13 @@ impl Loaded {
             .unwrap_or(&[])
     }
 
+    /// Where the bytes past the journal's last whole entry start, when they
+    /// were judged what a power cut left of an unsynced write (still to be
+    /// set aside): the position an error about them names.
+    pub(crate) fn torn_at(&self) -> Option<u64> {
+        self.torn.as_ref().map(|t| t.at)
+    }
+
     /// The journal's audit record with this `seq`, if it is in the journal.
     pub(crate) fn journal_audit_at(&self, seq: u64) -> Option<&AuditRecord> {
         let first = self.journal_audit.first()?.seq;

@@ -497,3 +497,22 @@ fn a_torn_line_followed_by_an_entry_that_is_not_later_is_damage_and_is_refused()
         assert_journal_refused_at(dir.path(), a_end);
     }
 }
+
+#[test]
+fn zeros_inside_an_entry_whose_audit_record_is_in_the_log_are_damage_and_are_refused() {
+    // The journal's bytes are those of a torn write of b, but b's audit
+    // record is in the log, which is appended only after the journal's sync:
+    // b was synced (and acknowledged), so the lost sector is damage to
+    // synced data, not a tear. It is refused, naming where b starts.
+    let (dir, torn, _) = journal_with_torn_middle(&[3], true);
+    let journal_path = dir.path().join("outbox.journal");
+    let audit_path = dir.path().join("audit.jsonl");
+    let b_start = fs::read(&journal_path)
+        .unwrap()
+        .windows(torn.len())
+        .position(|w| w == torn.as_slice())
+        .unwrap();
+    let audit = fs::read(&audit_path).unwrap();
+    assert_journal_refused_at(dir.path(), b_start);
+    assert_eq!(fs::read(&audit_path).unwrap(), audit, "nothing written");
+}

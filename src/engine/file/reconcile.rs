@@ -127,6 +127,24 @@ pub(super) fn reconcile_audit(
         ));
     }
     let expected_last = loaded.journal_audit.last().map_or(snapshot.seq, |r| r.seq);
+    if head.seq > expected_last
+        && let Some(at) = loaded.torn_at()
+    {
+        // A journal write's records are logged only after its sync: a record
+        // past the last whole entry means the bytes judged a torn, unsynced
+        // write there were synced. They are damage, and the entries they
+        // held were acknowledged: refuse, naming where they start.
+        return Err(Error::InvalidRecord {
+            path: audit.path().with_file_name(crate::store::JOURNAL_FILE),
+            location: format!("byte {at}"),
+            reason: format!(
+                "the line here is not whole, as if a power cut had torn an unsynced write, but \
+                 the audit log holds records up to seq {} (past the journal's {expected_last}), \
+                 which are logged only after their entry was synced: the journal is damaged",
+                head.seq
+            ),
+        });
+    }
     if head.seq > expected_last {
         return Err(Error::InvalidRecord {
             path: loaded_path(audit),
