@@ -10,8 +10,9 @@
 //! zero-filled, landed out of order; names not yet made durable by a directory
 //! fsync missing; a commit group's write, which carries several transactions'
 //! entries because the workload's last phase commits from six threads, with
-//! its first sectors lost and a later entry kept), writes each into a plain
-//! directory, and checks it:
+//! its first sectors lost and a later entry kept; the journal's last unsynced
+//! write with its first and last sectors kept and some between lost), writes
+//! each into a plain directory, and checks it:
 //!
 //! - it opens (a typed error is a failure: a power cut never damages anything
 //!   before a durable point);
@@ -27,7 +28,8 @@
 //! Because it sees the real syscalls, deleting the journal's `fdatasync` or the
 //! directory fsync after a rename makes it report an acknowledged enqueue lost;
 //! refusing whole entries past a zeroed region (the journal's check before
-//! `is_unsynced_tail`) makes it report states that do not open.
+//! `is_unsynced_tail`) makes it report states that do not open, and so does
+//! reading a line with zeros before its newline as whole (`next_line`).
 //!
 //! Knobs: `OUTBOX_POWERLOSS_STATES` (distinct states to check; default
 //! [`DEFAULT_STATES`]), `OUTBOX_POWERLOSS_SEED` (replay a sample). Needs
@@ -80,6 +82,16 @@ const MIN_PER_FILE: usize = 3;
 /// Tears (each keeping a random later entry) of the unsynced commit-group
 /// writes planned at each cut where there is one.
 const GROUP_TEARS: usize = 4;
+
+/// Tears in the middle of the journal's last unsynced write (first and last
+/// sectors kept) planned at each cut where it spans three sectors or more.
+const MIDDLE_TEARS: usize = 3;
+/// Checked states in which a journal write was torn with its first and last
+/// sectors (the line's start and its newline) on disk and one between them
+/// lost, at least; and of those, states whose lost sectors were several runs
+/// apart.
+const MIN_MIDDLE_LOST: usize = 20;
+const MIN_MIDDLE_LOST_APART: usize = 3;
 
 /// Recorded journal writes that carried several entries (commit groups of the
 /// workload's threaded phase), at least.
@@ -355,6 +367,10 @@ struct Campaign {
     /// States with a commit group's write torn, first sector lost, a later
     /// whole entry kept.
     group_head_lost: usize,
+    /// States with a journal write torn in its middle, its first and last
+    /// sectors kept; and those with the lost sectors several runs apart.
+    middle_lost: usize,
+    middle_lost_apart: usize,
     failures: Vec<String>,
 }
 
@@ -368,12 +384,15 @@ fn shape_name(shape: Shape) -> &'static str {
         Shape::ZerosForData => "zeros for data",
         Shape::LaterNamesOnly => "later names only",
         Shape::GroupHeadLost => "group write, head lost",
+        Shape::MiddleLost => "middle sectors lost",
     }
 }
 
 /// Checks up to `budget` distinct states: first, at every cut where a commit
 /// group's write is unsynced, [`GROUP_TEARS`] tears of it with its head lost;
-/// then the durable-only, torn-tails and reordered-names states at every cut;
+/// then, at every cut where the journal's last unsynced write spans three
+/// sectors or more, [`MIDDLE_TEARS`] tears of it with sectors between its
+/// first and last lost; then the durable-only, torn-tails and reordered-names states at every cut;
 /// then sampled cuts and shapes.
 fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
     let n = recording.ops.len();
@@ -384,6 +403,8 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         by_shape: BTreeMap::new(),
         at_risk: BTreeMap::new(),
         group_head_lost: 0,
+        middle_lost: 0,
+        middle_lost_apart: 0,
         failures: Vec::new(),
     };
     let scratch = scratch();
@@ -391,6 +412,12 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         .group_cuts()
         .into_iter()
         .flat_map(|cut| std::iter::repeat_n((cut, Shape::GroupHeadLost), GROUP_TEARS))
+        .chain(
+            recording
+                .middle_cuts()
+                .into_iter()
+                .flat_map(|cut| std::iter::repeat_n((cut, Shape::MiddleLost), MIDDLE_TEARS)),
+        )
         .chain(
             Shape::EVERY_CUT
                 .iter()
@@ -444,6 +471,9 @@ fn run_campaign(recording: &Recording, budget: usize, seed: u64) -> Campaign {
         if recording.group_head_lost(&fates) {
             campaign.group_head_lost += 1;
         }
+        let (middle_lost, apart) = recording.middle_lost(&fates);
+        campaign.middle_lost += usize::from(middle_lost);
+        campaign.middle_lost_apart += usize::from(apart);
         *campaign.by_shape.entry(shape_name(shape)).or_default() += 1;
         for label in recording.labels_at_risk(cut) {
             *campaign.at_risk.entry(label).or_default() += 1;
@@ -510,6 +540,11 @@ fn every_state_a_power_cut_can_leave_opens_and_loses_nothing_acknowledged() {
          torn, its first sector lost and a later whole entry kept: {}",
         campaign.group_head_lost
     );
+    eprintln!(
+        "  states with a journal write torn in its middle (first and last sectors kept, one or \
+         more between lost): {}; of them with the lost sectors several runs apart: {}",
+        campaign.middle_lost, campaign.middle_lost_apart
+    );
     eprintln!("  states in which each file had unsynced changes at the cut:");
     for (label, count) in &campaign.at_risk {
         eprintln!("    {label:<34} {count}");
@@ -536,6 +571,18 @@ fn every_state_a_power_cut_can_leave_opens_and_loses_nothing_acknowledged() {
         "only {} checked states tore a commit group's write with its first sector lost and a \
          later whole entry kept (at least {MIN_GROUP_HEAD_LOST} expected)",
         campaign.group_head_lost
+    );
+    assert!(
+        campaign.middle_lost >= MIN_MIDDLE_LOST.min(budget / 10),
+        "only {} checked states tore a journal write in its middle with its first and last \
+         sectors kept (at least {MIN_MIDDLE_LOST} expected)",
+        campaign.middle_lost
+    );
+    assert!(
+        campaign.middle_lost_apart >= MIN_MIDDLE_LOST_APART.min(budget / 100),
+        "only {} checked states lost sectors of a journal write several runs apart (at least \
+         {MIN_MIDDLE_LOST_APART} expected)",
+        campaign.middle_lost_apart
     );
     for label in MUST_COVER {
         let count = campaign.at_risk.get(label).copied().unwrap_or(0);

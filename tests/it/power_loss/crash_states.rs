@@ -62,18 +62,24 @@ pub enum Shape {
     /// carrying several entries), torn with its first sectors lost up to one
     /// of its later entries, which is kept whole.
     GroupHeadLost,
+    /// Everything survives except each file's last unsynced write, torn with
+    /// its first and last sectors on disk (for a journal write: the line's
+    /// start and its newline) and one or more sectors between them lost,
+    /// sometimes several apart.
+    MiddleLost,
 }
 
 impl Shape {
     /// Checked at every cut.
     pub const EVERY_CUT: [Shape; 3] = [Shape::DurableOnly, Shape::TornTails, Shape::LaterNamesOnly];
     /// Sampled over the cuts.
-    pub const SAMPLED: [Shape; 5] = [
+    pub const SAMPLED: [Shape; 6] = [
         Shape::InOrderPrefix,
         Shape::Scrambled,
         Shape::TornTails,
         Shape::ZerosForData,
         Shape::Everything,
+        Shape::MiddleLost,
     ];
 }
 
@@ -181,13 +187,20 @@ impl Recording {
                     fates.insert(i, fate);
                 }
             }
-            Shape::TornTails => {
-                let mut last_write: HashMap<u64, usize> = HashMap::new();
-                for &i in &pending {
-                    if let Op::Write { ino, .. } = self.ops[i] {
-                        last_write.insert(ino, i);
-                    }
+            Shape::MiddleLost => {
+                let last_write = self.last_writes(&pending);
+                for i in pending {
+                    let fate = match self.ops[i] {
+                        Op::Write { ino, .. } if last_write.get(&ino) == Some(&i) => {
+                            self.tear_middle(i, rng)
+                        }
+                        _ => Fate::Apply,
+                    };
+                    fates.insert(i, fate);
                 }
+            }
+            Shape::TornTails => {
+                let last_write = self.last_writes(&pending);
                 let keep_names = rng.below(2) == 0;
                 for i in pending {
                     let fate = match self.ops[i] {
@@ -263,6 +276,95 @@ impl Recording {
             _ => (0..pieces).map(|_| rng.below(2) == 0).collect(),
         };
         Fate::Torn(sectors)
+    }
+
+    /// The last of `pending`'s writes to each file, by inode.
+    fn last_writes(&self, pending: &[usize]) -> HashMap<u64, usize> {
+        let mut last_write = HashMap::new();
+        for &i in pending {
+            if let Op::Write { ino, .. } = self.ops[i] {
+                last_write.insert(ino, i);
+            }
+        }
+        last_write
+    }
+
+    /// A tear of write `i` that keeps its first and last sectors and loses
+    /// some between them: half the time (when there are three or more
+    /// between) every other one from the second sector on, so that the lost
+    /// sectors are several runs apart; otherwise a random non-empty subset.
+    /// A write of fewer than three sectors has no middle: it lands whole.
+    fn tear_middle(&self, i: usize, rng: &mut Rng) -> Fate {
+        let Op::Write { offset, data, .. } = &self.ops[i] else {
+            return Fate::Apply;
+        };
+        let pieces = sector_pieces(*offset, data.len() as u64).len();
+        if pieces < 3 {
+            return Fate::Apply;
+        }
+        let middle = 1..pieces - 1;
+        let mut sectors = vec![true; pieces];
+        if middle.len() >= 3 && rng.below(2) == 0 {
+            for p in middle.step_by(2) {
+                sectors[p] = false;
+            }
+        } else {
+            for p in middle.clone() {
+                sectors[p] = rng.below(2) == 0;
+            }
+            if sectors.iter().all(|&on| on) {
+                sectors[middle.start + rng.below(middle.len() as u64) as usize] = false;
+            }
+        }
+        Fate::Torn(sectors)
+    }
+
+    /// Whether a journal write whose data ends with a newline is torn in this
+    /// state with its first and last sectors on disk and a sector between
+    /// them lost: a line whose start and newline landed, with zeros inside.
+    /// The second value: the lost sectors form two or more separate runs.
+    pub fn middle_lost(&self, fates: &BTreeMap<usize, Fate>) -> (bool, bool) {
+        let mut found = (false, false);
+        for (&i, fate) in fates {
+            let (Fate::Torn(sectors), Op::Write { data, .. }) = (fate, &self.ops[i]) else {
+                continue;
+            };
+            if self.labels[i] != "outbox.journal"
+                || data.last() != Some(&b'\n')
+                || sectors.first() != Some(&true)
+                || sectors.last() != Some(&true)
+                || sectors.iter().all(|&on| on)
+            {
+                continue;
+            }
+            let runs = sectors.windows(2).filter(|w| w[0] && !w[1]).count();
+            found = (true, found.1 || runs >= 2);
+        }
+        found
+    }
+
+    /// The cuts at which the last unsynced write of the journal can be torn
+    /// in its middle (it spans three sectors or more and ends a line).
+    pub fn middle_cuts(&self) -> Vec<usize> {
+        (1..=self.ops.len())
+            .filter(|&cut| {
+                let pending = self.pending(cut);
+                let Some(&i) = pending
+                    .iter()
+                    .filter(|&&i| {
+                        matches!(self.ops[i], Op::Write { .. })
+                            && self.labels[i] == "outbox.journal"
+                    })
+                    .max()
+                else {
+                    return false;
+                };
+                let Op::Write { offset, data, .. } = &self.ops[i] else {
+                    return false;
+                };
+                data.last() == Some(&b'\n') && sector_pieces(*offset, data.len() as u64).len() >= 3
+            })
+            .collect()
     }
 
     /// Whether operation `i` is a journal write that carries several whole
@@ -800,6 +902,40 @@ mod model {
         let split = torn.iter().position(|b| *b != 0).unwrap();
         assert!(split == 512 || split == 1024, "cut at a sector: {split}");
         assert_eq!(&torn[split..], &data[split..]);
+    }
+
+    #[test]
+    fn a_middle_tear_keeps_the_first_and_last_sectors_and_loses_some_between() {
+        // One 3000-byte line written at 100: sectors [100, 512), five whole
+        // ones, then [3072, 3100) with the newline.
+        let mut data = vec![b'x'; 2999];
+        data.push(b'\n');
+        let recording = Recording::new(vec![
+            create("outbox.journal", 2),
+            Op::FsyncDir { ino: ROOT },
+            write(2, 100, &data),
+        ]);
+        assert_eq!(recording.middle_cuts(), [3]);
+        let mut split = 0;
+        for seed in 1..40 {
+            let fates = recording.fates(3, Shape::MiddleLost, &mut Rng::new(seed));
+            let (lost, apart) = recording.middle_lost(&fates);
+            assert!(lost, "seed {seed}: {fates:?}");
+            split += usize::from(apart);
+            let files = state(&recording, 3, &fates);
+            let torn = &files[0].1[100..];
+            assert_eq!(torn.len(), data.len());
+            assert_eq!(torn[..412], data[..412], "the first sector landed");
+            assert_eq!(torn[2972..], data[2972..], "the last one, with the newline");
+            assert!(torn.contains(&0), "seed {seed}: a sector between is lost");
+            for sector in torn[412..2972].chunks(512) {
+                assert!(
+                    sector.iter().all(|b| *b == 0) || sector.iter().all(|b| *b == b'x'),
+                    "whole sectors are lost or kept"
+                );
+            }
+        }
+        assert!(split > 0, "some tears lose sectors several runs apart");
     }
 
     #[test]
