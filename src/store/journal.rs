@@ -12,13 +12,32 @@
 //! zero byte where a line would start marks the end of the entries; no entry can
 //! contain a zero byte (JSON escapes it, and NUL is rejected in every field).
 //!
-//! An unfinished line (no newline before the zeros or the end of the file) is what
-//! a crash during a write leaves behind: that write was never acknowledged, so the
-//! remnant is copied to `outbox.journal.torn-<n>` and zeroed. So are whole entries
-//! after it that come later in the sequence: a commit group writes its entries in
-//! one write, whose later sectors a power cut may keep without its first ones (see
-//! [`is_unsynced_tail`]). A bad line that is whole, or whole lines after a bad one
-//! that cannot be later entries of the same journal, are damage, and are reported.
+//! A line ends at its newline or, before it, at its first zero byte: a line
+//! with a zero byte in it is *unfinished* even when its newline is on disk
+//! ([`next_line`]). A power cut may keep any of an unsynced write's 512-byte
+//! sectors and lose the others; a lost sector reads as the zeros the journal
+//! was preallocated with, so zeros inside a line are sectors of a write that
+//! did not all land, never part of an entry.
+//!
+//! An unfinished line is what a crash during a write leaves behind: that write
+//! was never acknowledged, so the remnant is copied to `outbox.journal.torn-<n>`
+//! and zeroed. So are whole entries after it that come later in the sequence: a
+//! commit group writes its entries in one write, whose later sectors a power
+//! cut may keep without its first or middle ones (see [`is_unsynced_tail`]).
+//!
+//! A bad line that is whole (its newline on disk, no zero byte in it) is damage,
+//! reported with its byte position, even when it is the last line: every sector
+//! of it landed, so a power cut cannot have made it (a flipped bit, a
+//! tampered byte can), and it may be an acknowledged entry, which setting it
+//! aside would silently drop. So are whole lines after a bad one that cannot be
+//! later entries of the same write (not an entry, or a seq at or before the
+//! expected one). Zeros inside an entry that *was* synced (a disk that lost a
+//! sector) look like a tear here; the audit log tells them apart when it holds
+//! a record of that entry (records are logged only after the journal's sync),
+//! and opening then refuses (`engine::file::reconcile`).
+//!
+//! The header is written with the preallocated zeros into a temp file, synced,
+//! then renamed into place: a journal's name never shows a torn header.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -83,8 +102,11 @@ fn checksum(json: &[u8]) -> [u8; 16] {
 pub(crate) enum Line<'a> {
     /// A whole line whose checksum matches: its JSON, and its length with the newline.
     Valid(&'a [u8], usize),
-    /// Not a valid line; `len` is its length up to and including its newline (or to
-    /// the end of the buffer when it has none).
+    /// Not a valid line. `terminated`: its newline comes before any zero byte
+    /// (a whole line: damage, not a tear); then `len` is its length with the
+    /// newline. Otherwise it is unfinished (a zero byte, or the end of the
+    /// buffer, comes first, whether or not a newline follows the zeros) and
+    /// `len` is its length up to there.
     Invalid { len: usize, terminated: bool },
 }
 
@@ -94,7 +116,9 @@ pub(crate) const PREALLOCATE: usize = 1024 * 1024;
 pub(crate) const GROW: u64 = 4 * 1024 * 1024;
 
 /// Splits the next line off `buf` (which must not be empty) and checks it.
-/// A line ends at its newline; a zero byte before the newline makes it unfinished.
+/// A line ends at its newline; a zero byte before the newline makes it
+/// unfinished, even when the newline follows the zeros: no whole entry holds a
+/// zero byte, so that line is a write whose middle sectors never landed.
 pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
     let Some(end) = buf.iter().position(|b| *b == b'\n' || *b == 0) else {
         return Line::Invalid {
@@ -125,17 +149,18 @@ pub(crate) fn next_line(buf: &[u8]) -> Line<'_> {
 
 /// Whether the region where the entries end (at a bad line, or past the
 /// zeros that end them) is what a crash left of the last, unsynced write of
-/// entries rather than damage: the bad line is unfinished, and every whole,
+/// entries rather than damage: the bad line is unfinished (see [`next_line`]:
+/// one with zeros inside is, even with its newline on disk), and every whole,
 /// valid line after it is an entry *later* than `next_seq` (the seq expected
 /// there), in ascending order.
 ///
 /// Later entries may be whole there because a commit group's leader writes
 /// all its members' entries in one write before its one sync, and a power
-/// cut may keep any of that write's sectors: the first ones lost (zeros, or
-/// a torn line) and the later ones, with whole entries of the same group,
-/// on disk. None of the group was acknowledged. Whole lines that cannot be
-/// such entries (not an entry, or a seq at or before the expected one) are
-/// damage, as is a bad line that is whole.
+/// cut may keep any of that write's sectors: some lost (zeros at the start of
+/// a line, or inside one) and later ones, with whole entries of the same
+/// group, on disk. None of the group was acknowledged. Whole lines that
+/// cannot be such entries (not an entry, or a seq at or before the expected
+/// one) are damage, as is a bad line that is whole.
 pub(crate) fn is_unsynced_tail(bad_terminated: bool, rest: &[u8], next_seq: u64) -> bool {
     let mut last = next_seq;
     !bad_terminated
