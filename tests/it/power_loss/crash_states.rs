@@ -187,25 +187,18 @@ impl Recording {
                     fates.insert(i, fate);
                 }
             }
-            Shape::MiddleLost => {
+            Shape::TornTails | Shape::MiddleLost => {
                 let last_write = self.last_writes(&pending);
+                // Middle tears keep every name; torn tails keep them or not.
+                let keep_names = shape == Shape::MiddleLost || rng.below(2) == 0;
                 for i in pending {
                     let fate = match self.ops[i] {
                         Op::Write { ino, .. } if last_write.get(&ino) == Some(&i) => {
-                            self.tear_middle(i, rng)
-                        }
-                        _ => Fate::Apply,
-                    };
-                    fates.insert(i, fate);
-                }
-            }
-            Shape::TornTails => {
-                let last_write = self.last_writes(&pending);
-                let keep_names = rng.below(2) == 0;
-                for i in pending {
-                    let fate = match self.ops[i] {
-                        Op::Write { ino, .. } if last_write.get(&ino) == Some(&i) => {
-                            self.tear(i, rng, 1)
+                            if shape == Shape::MiddleLost {
+                                self.tear_middle(i, rng)
+                            } else {
+                                self.tear(i, rng, 1)
+                            }
                         }
                         Op::Write { .. } | Op::SetLen { .. } => Fate::Apply,
                         _ if keep_names => Fate::Apply,
