@@ -280,6 +280,14 @@ pub enum AuditFault {
         /// The sequence number of the recorded head.
         seq: u64,
     },
+    /// A chain read on its own (an export, the PostgreSQL `audit` table)
+    /// starts after seq 1, and no removal record in it
+    /// ([`Outbox::remove_old_audit_segments`](crate::Outbox::remove_old_audit_segments))
+    /// names that start: records were deleted from its front.
+    FrontCut {
+        /// The sequence number of the chain's first record.
+        first_seq: u64,
+    },
 }
 
 impl std::fmt::Display for AuditFault {
@@ -303,6 +311,11 @@ impl std::fmt::Display for AuditFault {
             Self::HeadMismatch { seq } => write!(
                 f,
                 "record seq {seq} does not match the audit head recorded in outbox.json"
+            ),
+            Self::FrontCut { first_seq } => write!(
+                f,
+                "the chain starts at seq {first_seq} and no removal record in it names that \
+                 start: records were deleted from its front"
             ),
         }
     }

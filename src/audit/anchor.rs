@@ -95,6 +95,27 @@ pub(crate) fn removal_note(anchor: &Head) -> String {
     )
 }
 
+/// Whether a record (its `idempotency_key`, `outcome` and `note`) is a
+/// removal of old audit records that leaves the chain starting right after
+/// `anchor`: the `pruned` record with subject [`REMOVAL_SUBJECT`] whose note
+/// ends with [`removal_note`]`(anchor)` and the closing parenthesis, as both
+/// engines write it (`<operator>: <reason> (removed …; the chain now starts
+/// after seq S hash H)`). The operator's words come first, so they cannot
+/// stand in for the engine's.
+pub(crate) fn names_anchor(
+    key: &str,
+    outcome: AuditOutcome,
+    note: Option<&str>,
+    anchor: &Head,
+) -> bool {
+    key == REMOVAL_SUBJECT
+        && outcome == AuditOutcome::Pruned
+        && note.is_some_and(|note| {
+            note.strip_suffix(')')
+                .is_some_and(|rest| rest.ends_with(&removal_note(anchor)))
+        })
+}
+
 /// The bytes of `audit.anchor` for a removal that ends at `head`, audited by
 /// the record at `removed_at_seq`.
 pub(crate) fn encode_anchor(head: &Head, removed_at_seq: u64, hasher: &Hasher) -> Vec<u8> {

@@ -153,7 +153,7 @@ impl AuditLog {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn verify(path: impl AsRef<Path>) -> Result<AuditReport> {
-        verify_file(path.as_ref(), &Hasher::Plain, |_| {})
+        verify_file(path.as_ref(), &Hasher::Plain)
     }
 
     /// Verifies the whole chain of an outbox directory's audit log: its sealed
@@ -199,7 +199,7 @@ impl AuditLog {
     /// As [`verify`](Self::verify); a wrong key fails at line 1 with
     /// [`AuditFault::HashMismatch`].
     pub fn verify_keyed(path: impl AsRef<Path>, key: &[u8]) -> Result<AuditReport> {
-        verify_file(path.as_ref(), &Hasher::Keyed(key.to_vec()), |_| {})
+        verify_file(path.as_ref(), &Hasher::Keyed(key.to_vec()))
     }
 
     /// Reads every whole record, in order, without checking hashes.
@@ -451,9 +451,51 @@ fn is_tear(first: &[u8], rest: &[u8]) -> bool {
 struct Chain<'h> {
     hasher: &'h Hasher,
     head: Head,
+    /// For a chain read on its own (see [`Front`]); `None` when it starts at
+    /// a known point (genesis, or the directory's `audit.anchor`).
+    front: Option<Front>,
+}
+
+/// Where a chain read on its own starts: an export, the PostgreSQL `audit`
+/// table, anything with no `audit.anchor` beside it. Its first record is
+/// seq 1 after genesis, or, when an operator removed the oldest records,
+/// the record after the last removed one; then the chain must hold the
+/// removal record (`audit-segments`, `pruned`) that names that last removed
+/// record as where the chain now starts. That record is hashed into the
+/// chain like every other (under the key, in keyed mode), so deleting
+/// records from the front, with or without a removal, leaves a start no
+/// record names: [`AuditFault::FrontCut`].
+#[derive(Debug, Default)]
+struct Front {
+    /// Whether the first record was seen.
+    started: bool,
+    /// The record before the first one (its seq and hash, from the first
+    /// record's `seq` and `prev_hash`), when the first one is not seq 1.
+    anchor: Option<Head>,
+    /// Whether a verified removal record names `anchor`.
+    named: bool,
 }
 
 impl Chain<'_> {
+    /// A chain that starts at genesis, or at the point a removal record in
+    /// it names (see [`Front`]).
+    fn on_its_own(hasher: &Hasher) -> Chain<'_> {
+        Chain {
+            hasher,
+            head: Head::genesis(),
+            front: Some(Front::default()),
+        }
+    }
+
+    /// A chain that continues from `start` (genesis, or an anchor file's).
+    fn from(hasher: &Hasher, start: Head) -> Chain<'_> {
+        Chain {
+            hasher,
+            head: start,
+            front: None,
+        }
+    }
+
     /// Checks one line and advances the head.
     ///
     /// The line is parsed (every field typed, unknown fields refused), linked to the
@@ -463,6 +505,22 @@ impl Chain<'_> {
     fn check(&mut self, line: &[u8]) -> std::result::Result<(), AuditFault> {
         let view: record::LineView<'_> =
             serde_json::from_slice(line).map_err(|e| AuditFault::Malformed(e.to_string()))?;
+        if let Some(front) = self.front.as_mut()
+            && !front.started
+        {
+            front.started = true;
+            if view.seq > 1 {
+                // Older records were removed: the chain continues from the
+                // record before this one, which a removal record must name
+                // (checked once the whole chain is read: `finish`).
+                let anchor = Head {
+                    seq: view.seq - 1,
+                    hash: view.prev_hash.clone().into_owned(),
+                };
+                self.head = anchor.clone();
+                front.anchor = Some(anchor);
+            }
+        }
         let expected = self.head.seq + 1;
         if view.prev_hash != self.head.hash {
             return Err(AuditFault::BrokenLink);
@@ -477,40 +535,70 @@ impl Chain<'_> {
             Some(hash) if hash == view.hash => {}
             _ => return Err(AuditFault::HashMismatch),
         }
+        if let Some(Front {
+            anchor: Some(anchor),
+            named: named @ false,
+            ..
+        }) = self.front.as_mut()
+        {
+            *named = anchor::names_anchor(
+                &view.idempotency_key,
+                view.outcome,
+                view.note.as_deref(),
+                anchor,
+            );
+        }
         self.head = Head {
             seq: view.seq,
             hash: view.hash.into_owned(),
         };
         Ok(())
     }
+
+    /// After the last record: a chain read on its own that does not start at
+    /// genesis must hold the removal record naming its start.
+    fn finish(&self) -> std::result::Result<(), AuditFault> {
+        match &self.front {
+            Some(Front {
+                anchor: Some(anchor),
+                named: false,
+                ..
+            }) => Err(AuditFault::FrontCut {
+                first_seq: anchor.seq + 1,
+            }),
+            _ => Ok(()),
+        }
+    }
 }
 
-fn verify_file(path: &Path, hasher: &Hasher, on_record: impl FnMut(&Head)) -> Result<AuditReport> {
-    verify_files(&[path.to_path_buf()], hasher, on_record)
+/// Verifies one file read on its own: from genesis, or from the point a
+/// removal record in it names (an export of a chain whose oldest records
+/// were removed; see [`Front`]).
+fn verify_file(path: &Path, hasher: &Hasher) -> Result<AuditReport> {
+    let paths = [path.to_path_buf()];
+    verify_chain(Chain::on_its_own(hasher), &paths, |_| {})
 }
 
-/// Verifies one chain across files, in order: the first record of each file
-/// links to the last record of the one before. Only the last file may end in a
-/// torn line.
-fn verify_files(
-    paths: &[PathBuf],
-    hasher: &Hasher,
-    on_record: impl FnMut(&Head),
-) -> Result<AuditReport> {
-    verify_files_from(Head::genesis(), paths, hasher, on_record)
-}
-
-/// As [`verify_files`], for a chain whose records before `start` were removed.
+/// Verifies one chain across files, in order, continuing from `start`
+/// (genesis, or the anchor where an operator's removal left it): the first
+/// record of each file links to the last record of the one before. Only the
+/// last file may end in a torn line.
 fn verify_files_from(
     start: Head,
     paths: &[PathBuf],
     hasher: &Hasher,
+    on_record: impl FnMut(&Head),
+) -> Result<AuditReport> {
+    verify_chain(Chain::from(hasher, start), paths, on_record)
+}
+
+/// Verifies `paths` in order with `chain`, calling `on_record` with the head
+/// after each record.
+fn verify_chain(
+    mut chain: Chain<'_>,
+    paths: &[PathBuf],
     mut on_record: impl FnMut(&Head),
 ) -> Result<AuditReport> {
-    let mut chain = Chain {
-        hasher,
-        head: start,
-    };
     let mut records = 0;
     let mut torn = 0;
     for (i, path) in paths.iter().enumerate() {
@@ -530,6 +618,9 @@ fn verify_files_from(
             ));
         }
     }
+    if let Some(first) = paths.first() {
+        chain.finish().map_err(|fault| broken(first, 1, fault))?;
+    }
     Ok(AuditReport {
         records,
         head_seq: chain.head.seq,
@@ -543,15 +634,18 @@ fn verify_files_from(
 pub(crate) type ChainLine = (Head, Vec<u8>);
 
 /// Every record line of an outbox directory's audit chain, verified with
-/// `hasher` from genesis, exactly as the files hold them (without the
-/// newline), then `journal` (sealed records a crash left only in the
+/// `hasher` from where it starts (genesis, or the anchor an operator's
+/// removal of old segments left), exactly as the files hold them (without
+/// the newline), then `journal` (sealed records a crash left only in the
 /// journal, past the files' head), for copying the chain elsewhere byte for
-/// byte. A torn last line is left out, as it was never acknowledged.
+/// byte. A torn last line is left out, as it was never acknowledged. A chain
+/// that starts at an anchor holds the removal record naming it, so the copy
+/// verifies on its own (see [`Front`]).
 ///
 /// # Errors
 /// [`Error::AuditBroken`] naming the file and line of the first fault (a keyed
-/// chain read without its key fails at line 1); [`Error::NotSupported`] when
-/// old segments were removed (the chain starts at an anchor, not genesis);
+/// chain read without its key fails at line 1); the errors of reading
+/// `audit.anchor` (in keyed mode it must carry its MAC);
 /// [`Error::Io`] when a file cannot be read.
 #[cfg(feature = "postgres")]
 pub(crate) fn chain_lines(
@@ -560,18 +654,7 @@ pub(crate) fn chain_lines(
     journal: &[AuditRecord],
 ) -> Result<(Vec<ChainLine>, Head)> {
     let anchor = anchor::read_anchor(dir, hasher)?.head;
-    if anchor.seq != 0 {
-        return Err(Error::NotSupported {
-            engine: "postgres",
-            operation: "migrate",
-            why: "the audit chain's oldest segments were removed (audit.anchor): \
-                  a PostgreSQL chain starts at genesis",
-        });
-    }
-    let mut chain = Chain {
-        hasher,
-        head: Head::genesis(),
-    };
+    let mut chain = Chain::from(hasher, anchor.clone());
     let mut lines = Vec::new();
     let files = chain_files(dir, &anchor)?;
     for (i, path) in files.iter().enumerate() {
@@ -606,9 +689,11 @@ pub(crate) fn chain_lines(
 
 /// Verifies a chain held outside a file (the PostgreSQL engine's `audit`
 /// table): `lines` in chain order, each without its newline, checked exactly
-/// as a line of `audit.jsonl`, then cross-checked against the head the store
-/// recorded (`expected`), so a cut-off tail is found too. Faults name `place`
-/// and the 1-based position in the chain.
+/// as a line of `audit.jsonl`, from genesis or from the start a removal
+/// record in it names (see [`Front`]: rows deleted from the front without
+/// one are [`AuditFault::FrontCut`]), then cross-checked against the head the
+/// store recorded (`expected`), so a cut-off tail is found too. Faults name
+/// `place` and the 1-based position in the rows.
 #[cfg(feature = "postgres")]
 pub(crate) fn verify_lines<'l>(
     place: &Path,
@@ -616,10 +701,7 @@ pub(crate) fn verify_lines<'l>(
     hasher: &Hasher,
     expected: &Head,
 ) -> Result<AuditReport> {
-    let mut chain = Chain {
-        hasher,
-        head: Head::genesis(),
-    };
+    let mut chain = Chain::on_its_own(hasher);
     let mut records = 0;
     for line in lines {
         records += 1;
@@ -627,6 +709,7 @@ pub(crate) fn verify_lines<'l>(
             .check(line)
             .map_err(|fault| broken(place, records, fault))?;
     }
+    chain.finish().map_err(|fault| broken(place, 1, fault))?;
     if chain.head.seq < expected.seq {
         return Err(broken(
             place,
@@ -638,9 +721,11 @@ pub(crate) fn verify_lines<'l>(
         ));
     }
     if chain.head != *expected {
+        // Its position in the chain: the rows may start after removed ones.
+        let position = records.saturating_sub(chain.head.seq - expected.seq);
         return Err(broken(
             place,
-            expected.seq,
+            position,
             AuditFault::HeadMismatch { seq: expected.seq },
         ));
     }
@@ -1089,10 +1174,7 @@ impl AuditTail {
             .map_err(|e| Error::io(path, "read", e))?;
         fresh.truncate(read);
 
-        let mut chain = Chain {
-            hasher: &self.hasher,
-            head: self.head().clone(),
-        };
+        let mut chain = Chain::from(&self.hasher, self.head().clone());
         let mut offset = 0;
         let mut heads = Vec::new();
         while offset < fresh.len() {

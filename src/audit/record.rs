@@ -445,7 +445,9 @@ impl AuditRecord {
 /// The fields verification needs from a line, borrowed from it where possible.
 ///
 /// Every field of [`AuditRecord`] is present and typed, so a structurally invalid
-/// record is reported as malformed; only `seq`, `prev_hash` and `hash` are used.
+/// record is reported as malformed; only `seq`, `prev_hash` and `hash` are used,
+/// and, to find the removal record a chain's start needs, `idempotency_key`,
+/// `outcome` and `note`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code, reason = "fields are parsed to validate the record's shape")]
@@ -470,12 +472,12 @@ pub(crate) struct LineView<'a> {
     #[serde(borrow)]
     pub(crate) hash: Cow<'a, str>,
     #[serde(borrow)]
-    idempotency_key: Cow<'a, str>,
+    pub(crate) idempotency_key: Cow<'a, str>,
     #[serde(borrow)]
     lane: Cow<'a, str>,
     #[serde(borrow)]
-    note: Option<Cow<'a, str>>,
-    outcome: AuditOutcome,
+    pub(crate) note: Option<Cow<'a, str>>,
+    pub(crate) outcome: AuditOutcome,
     #[serde(borrow)]
     pub(crate) prev_hash: Cow<'a, str>,
     reconciled: bool,

@@ -271,3 +271,165 @@ mod canonical_writer {
         }
     }
 }
+
+/// A chain read on its own (an export, the PostgreSQL table) starts at
+/// genesis, or where a removal record in it says the chain now starts.
+mod a_chain_read_on_its_own {
+    use super::super::anchor::{REMOVAL_SUBJECT, removal_note};
+    use super::super::{Chain, Head};
+    use super::*;
+    use crate::error::AuditFault;
+
+    /// Seals `events` into a chain from genesis; each line with the head
+    /// before it.
+    fn sealed(events: &[AuditEvent]) -> Vec<(Head, Vec<u8>)> {
+        let mut head = Head::genesis();
+        events
+            .iter()
+            .map(|event| {
+                let record =
+                    AuditRecord::seal(event, head.seq + 1, &head.hash, false, &Hasher::Plain);
+                let before = std::mem::replace(
+                    &mut head,
+                    Head {
+                        seq: record.seq,
+                        hash: record.hash.clone(),
+                    },
+                );
+                let mut line = record.to_line();
+                line.pop();
+                (before, line)
+            })
+            .collect()
+    }
+
+    fn item(key: &str) -> AuditEvent {
+        AuditEvent {
+            idempotency_key: key.into(),
+            ..event()
+        }
+    }
+
+    fn removal(key: &str, outcome: AuditOutcome, note: String) -> AuditEvent {
+        AuditEvent {
+            idempotency_key: key.into(),
+            outcome,
+            note: Some(note),
+            ..event()
+        }
+    }
+
+    /// The verdict on `lines` read on their own: the head seq, or the fault.
+    fn verdict<'l>(lines: impl IntoIterator<Item = &'l Vec<u8>>) -> Result<u64, AuditFault> {
+        let hasher = Hasher::Plain;
+        let mut chain = Chain::on_its_own(&hasher);
+        for line in lines {
+            chain.check(line)?;
+        }
+        chain.finish()?;
+        Ok(chain.head.seq)
+    }
+
+    /// Five item records; the sixth is `last` (a removal of the first two,
+    /// or not), then one more item.
+    fn with_sixth(last: impl FnOnce(&Head) -> AuditEvent) -> Vec<Vec<u8>> {
+        let mut events: Vec<AuditEvent> = (1..=5).map(|i| item(&format!("k{i}"))).collect();
+        let anchor = sealed(&events)[2].0.clone();
+        assert_eq!(anchor.seq, 2, "the record before the third");
+        events.push(last(&anchor));
+        events.push(item("k7"));
+        sealed(&events).into_iter().map(|(_, line)| line).collect()
+    }
+
+    fn engine_note(operator: &str, anchor: &Head) -> String {
+        format!(
+            "{operator} (removed 1 audit segments: records seq 1 to {}; {})",
+            anchor.seq,
+            removal_note(anchor)
+        )
+    }
+
+    #[test]
+    fn a_whole_chain_verifies_and_a_cut_front_without_a_removal_does_not() {
+        let lines = with_sixth(|_| item("k6"));
+        assert_eq!(verdict(&lines), Ok(7));
+        assert_eq!(
+            verdict(&lines[2..]),
+            Err(AuditFault::FrontCut { first_seq: 3 })
+        );
+    }
+
+    #[test]
+    fn the_removal_record_that_names_the_start_makes_it_the_start() {
+        let lines = with_sixth(|anchor| {
+            removal(
+                REMOVAL_SUBJECT,
+                AuditOutcome::Pruned,
+                engine_note("ops: old", anchor),
+            )
+        });
+        assert_eq!(
+            verdict(&lines),
+            Ok(7),
+            "from genesis, whole, it verifies too"
+        );
+        assert_eq!(verdict(&lines[2..]), Ok(7));
+        assert_eq!(
+            verdict(&lines[3..]),
+            Err(AuditFault::FrontCut { first_seq: 4 }),
+            "one record more cut than the removal says"
+        );
+    }
+
+    #[test]
+    fn only_the_engines_words_in_a_removal_record_name_a_start() {
+        let cases: [(&str, fn(&Head) -> AuditEvent); 3] = [
+            ("an item's record with the words", |anchor| {
+                removal("k6", AuditOutcome::Pruned, engine_note("ops", anchor))
+            }),
+            ("another outcome", |anchor| {
+                removal(
+                    REMOVAL_SUBJECT,
+                    AuditOutcome::Settings,
+                    engine_note("ops", anchor),
+                )
+            }),
+            (
+                "the operator's words, the engine naming another start",
+                |anchor| {
+                    let other = Head {
+                        seq: 1,
+                        hash: GENESIS_HASH.into(),
+                    };
+                    removal(
+                        REMOVAL_SUBJECT,
+                        AuditOutcome::Pruned,
+                        engine_note(&format!("ops: ({})", removal_note(anchor)), &other),
+                    )
+                },
+            ),
+        ];
+        for (case, sixth) in cases {
+            let lines = with_sixth(sixth);
+            assert_eq!(
+                verdict(&lines[2..]),
+                Err(AuditFault::FrontCut { first_seq: 3 }),
+                "{case}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_first_record_that_claims_seq_one_must_follow_genesis() {
+        let lines = with_sixth(|_| item("k6"));
+        // The second record alone: seq 2, not a front cut but not seq 1.
+        assert_eq!(
+            verdict(&lines[1..2]),
+            Err(AuditFault::FrontCut { first_seq: 2 })
+        );
+        let mut forged: serde_json::Value = serde_json::from_slice(&lines[1]).unwrap();
+        forged["seq"] = 1.into();
+        let forged = serde_json::to_vec(&forged).unwrap();
+        assert_eq!(verdict([&forged]), Err(AuditFault::BrokenLink));
+    }
+}

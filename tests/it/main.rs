@@ -16,6 +16,7 @@ mod seeded;
 mod adaptive_pacing;
 mod at_most_once;
 mod audit_log;
+mod audit_removal;
 mod bad_input;
 mod bulk_actions;
 mod byte_compat;

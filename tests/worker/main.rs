@@ -20,7 +20,8 @@
 //! - `drain DIR LOG`: `process_due` once with the delivering send; prints the tally.
 //! - `rotate DIR PREFIX ROUNDS`: with a 1 KiB audit rotation threshold, enqueue
 //!   four messages and compact, ROUNDS times: the audit log rotates each round.
-//! - `remove-audit DIR KEEP`: remove all sealed audit segments but the newest KEEP.
+//! - `remove-audit DIR KEEP`: remove all sealed audit segments but the newest KEEP
+//!   (on PostgreSQL, segments of 1 KiB, as `rotate` seals).
 //! - `torture DIR LOG SEED ROUNDS [SPACE]`: enqueue and process random keys
 //!   (`SPACE-0` … `SPACE-63`) in a loop.
 //! - `drain-hang DIR`: `process_due` with a send that prints `sending KEY` and
@@ -160,9 +161,14 @@ fn rotate(dir: &str, prefix: &str, rounds: &str) {
     say(&format!("rotated {rounds}"));
 }
 
-/// An operator's removal of all sealed audit segments but the newest `keep`.
+/// An operator's removal of all sealed audit segments but the newest `keep`,
+/// with the 1 KiB segments of `rotate` (what a PostgreSQL outbox counts;
+/// a directory's segments are files already).
 fn remove_audit(dir: &str, keep: &str) {
-    let outbox = open(dir);
+    let outbox = builder_for(dir)
+        .audit_rotate_bytes(1024)
+        .open()
+        .unwrap_or_else(|e| fail(&format!("open: {e}")));
     let keep: usize = keep.parse().unwrap_or_else(|_| fail("KEEP"));
     let removed = outbox
         .remove_old_audit_segments(keep, "ops", "older than a year")

@@ -44,6 +44,10 @@ pub(crate) struct PgBackend {
     /// This handle's builder values of the stored settings.
     defaults: Settings,
     clock: Arc<dyn Clock>,
+    /// The handle's `audit_rotate_bytes`: the size of the segments an
+    /// operator's removal of old audit records counts in (see
+    /// `retention::Segments`).
+    audit_segment_bytes: u64,
 }
 
 impl PgBackend {
@@ -80,6 +84,7 @@ impl PgBackend {
             engine: Some(engine),
             defaults,
             clock: Arc::clone(&builder.clock),
+            audit_segment_bytes: builder.audit_rotate_bytes,
         })
     }
 
@@ -260,13 +265,18 @@ impl PgBackend {
             .collect())
     }
 
-    /// Not offered: the audit chain is a table, not segment files.
-    #[expect(clippy::unused_self, reason = "the same call as the file engine's")]
-    pub(crate) fn remove_old_audit_segments(&self, _keep: usize, _note: &str) -> Result<usize> {
-        Err(Error::NotSupported {
-            engine: ENGINE,
-            operation: "remove_old_audit_segments",
-            why: "the audit chain is one table, with no sealed segment files to remove",
+    /// Removes the oldest audit records, all but the newest `keep` of the
+    /// segments this handle's `audit_rotate_bytes` cuts the chain into,
+    /// after a `pruned` record carrying `note` (see
+    /// `PgEngine::remove_old_audit_segments`). Rerun from the start when the
+    /// server aborts it to break a deadlock.
+    pub(crate) fn remove_old_audit_segments(&self, keep: usize, note: &str) -> Result<usize> {
+        let now = self.clock.now();
+        blocking(|| {
+            super::retry::retrying("an audit removal", |_| {
+                self.engine()
+                    .remove_old_audit_segments(keep, note, self.audit_segment_bytes, now)
+            })
         })
     }
 

@@ -2,6 +2,22 @@
 //! the pages `Outbox::audit_records` streams. Each seals what is pending
 //! first and waits for the head (see [`sealing`](super::sealing)), so what
 //! it returns is durable.
+//!
+//! **Where the chain starts.** The `audit` table holds the chain from seq 1,
+//! or, after an operator removed old records
+//! ([`PgEngine::remove_old_audit_segments`], in `retention`), from the record
+//! after the last removed one. No anchor is stored apart from the chain: the
+//! removal's own `pruned` record (subject `audit-segments`), sealed into the
+//! chain like every record before the rows went, names the last removed
+//! record's seq and hash, and the first remaining row links to exactly that
+//! (its `seq` one more, its `prev_hash` that hash). Verification starts at
+//! the first row and requires that record (`audit::verify_lines`): rows
+//! deleted from the front by hand, past a removal or without one, leave a
+//! start that no record names ([`AuditFault::FrontCut`](crate::AuditFault::FrontCut)),
+//! and the head row catches a cut tail. An export (`audit_records`, the
+//! CLI's `export --audit`) is the same rows, so the offline verifier
+//! ([`AuditLog::verify`](crate::AuditLog::verify), `fixtures/verify_audit.py`)
+//! checks it the same way.
 
 use std::path::PathBuf;
 
@@ -57,8 +73,10 @@ impl PgEngine {
     }
 
     /// Verifies the whole chain in the `audit` table, as the file verifier
-    /// checks `audit.jsonl`, and against the head row (a cut-off tail is
-    /// found). One consistent snapshot: a repeatable-read transaction.
+    /// checks `audit.jsonl`, from its first row (seq 1, or the start the
+    /// newest removal names: see the module docs), and against the head row
+    /// (a cut-off tail is found). One consistent snapshot: a repeatable-read
+    /// transaction.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
         let mut client = self.sealed_client()?;
         let mut tx = client.begin_snapshot();

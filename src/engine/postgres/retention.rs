@@ -33,7 +33,7 @@
 use chrono::{DateTime, Utc};
 
 use super::{PgEngine, Seal, db};
-use crate::audit::AuditOutcome;
+use crate::audit::{AuditOutcome, Head, REMOVAL_SUBJECT, removal_note};
 use crate::error::Result;
 use crate::rules::record::system_event_of;
 use crate::settings::Settings;
@@ -159,5 +159,248 @@ impl PgEngine {
         self.append_system_record(&mut tx, &head, &event)?;
         tx.commit().map_err(db("commit a retention prune"))?;
         Ok(gone.len() as u64)
+    }
+}
+
+/// How many rows one page of the segment scan reads.
+const SEGMENT_PAGE: i64 = 10_000;
+
+/// The oldest audit records an operator's removal takes: the chain's first
+/// seq up to `last` (which becomes the anchor), in `segments` whole segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Removal {
+    first: u64,
+    last: u64,
+    segments: usize,
+}
+
+/// Cuts a chain into the segments the file engine would have sealed with
+/// `segment_bytes` as its `audit_rotate_bytes`: from the chain's first
+/// record, a segment ends at the first record that brings its lines (each
+/// with its newline, as in `audit.jsonl`) to `segment_bytes` or more. What
+/// follows the last such record is the active part, never removed (the
+/// file engine's `audit.jsonl`). Fed the rows in seq order, one at a time.
+#[derive(Debug)]
+struct Segments {
+    segment_bytes: u64,
+    keep: usize,
+    /// The chain's first seq (0 before the first row).
+    first: u64,
+    /// Bytes of the segment being filled.
+    filling: u64,
+    /// How many segments ended so far.
+    ended: usize,
+    /// The last seq of the newest `keep + 1` segments that ended, oldest
+    /// first: the anchor is the oldest of them once the scan is over.
+    ends: std::collections::VecDeque<u64>,
+}
+
+impl Segments {
+    fn new(segment_bytes: u64, keep: usize) -> Self {
+        Self {
+            segment_bytes,
+            keep,
+            first: 0,
+            filling: 0,
+            ended: 0,
+            ends: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The next row: its seq and the length of its line.
+    fn push(&mut self, seq: u64, line_bytes: u64) {
+        if self.first == 0 {
+            self.first = seq;
+        }
+        self.filling += line_bytes + 1;
+        if self.filling >= self.segment_bytes {
+            self.filling = 0;
+            self.ended += 1;
+            self.ends.push_back(seq);
+            if self.ends.len() > self.keep.saturating_add(1) {
+                self.ends.pop_front();
+            }
+        }
+    }
+
+    /// What removing all sealed segments but the newest `keep` takes
+    /// (`None`: nothing, there are no more than `keep`).
+    fn removal(&self) -> Option<Removal> {
+        let segments = self.ended.checked_sub(self.keep).filter(|n| *n > 0)?;
+        // `ends` holds the last `keep + 1` ends (or all, when fewer ended):
+        // the newest removed segment's end is the one before the kept ones.
+        let last = *self
+            .ends
+            .get(self.ends.len().checked_sub(self.keep.saturating_add(1))?)?;
+        Some(Removal {
+            first: self.first,
+            last,
+            segments,
+        })
+    }
+}
+
+impl PgEngine {
+    /// Removes the oldest audit records, all but the newest `keep` of the
+    /// segments `segment_bytes` cuts the chain into (see [`Segments`]),
+    /// after a `pruned` record naming `note`, the range and the anchor;
+    /// returns how many segments went. One transaction: it takes the
+    /// schema's removal lock (one removal at a time, so the rows it scans
+    /// stay), cuts the chain up to the head it read into segments, then
+    /// locks the head as every sealer does, seals what is pending, appends
+    /// the removal's record through the sealing path and deletes the rows up
+    /// to the anchor. A failure anywhere (a lost connection included) rolls
+    /// all of it back: the chain is as it was.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database); the errors of sealing.
+    pub(crate) fn remove_old_audit_segments(
+        &self,
+        keep: usize,
+        note: &str,
+        segment_bytes: u64,
+        now: DateTime<Utc>,
+    ) -> Result<usize> {
+        let s = &self.s;
+        let mut client = self.client()?;
+        let mut tx = client.begin();
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&super::lock_key(&self.schema, "audit-removal")],
+        )
+        .map_err(db("take the audit removal lock"))?;
+        // Rows up to the head are sealed and stay while this lock is held:
+        // only a removal deletes them, and sealers only append after it.
+        let upto: i64 = tx
+            .query_one(&format!("SELECT seq FROM {s}.audit_head WHERE id = 1"), &[])
+            .map_err(db("read the audit head"))?
+            .get(0);
+        let mut segments = Segments::new(segment_bytes, keep);
+        let mut after = 0i64;
+        loop {
+            let rows = tx
+                .query(
+                    &format!(
+                        "SELECT seq, octet_length(line) FROM {s}.audit
+                         WHERE seq > $1 AND seq <= $2 ORDER BY seq LIMIT $3"
+                    ),
+                    &[&after, &upto, &SEGMENT_PAGE],
+                )
+                .map_err(db("read the audit log's line lengths"))?;
+            for row in &rows {
+                let seq: i64 = row.get(0);
+                let bytes: i32 = row.get(1);
+                segments.push(
+                    u64::try_from(seq).unwrap_or(0),
+                    u64::try_from(bytes).unwrap_or(0),
+                );
+                after = seq;
+            }
+            if (rows.len() as i64) < SEGMENT_PAGE {
+                break;
+            }
+        }
+        let Some(removal) = segments.removal() else {
+            tx.commit().map_err(db("end an audit removal look"))?;
+            return Ok(0);
+        };
+        let last = i64::try_from(removal.last).unwrap_or(i64::MAX);
+        let anchor = Head {
+            seq: removal.last,
+            hash: tx
+                .query_one(
+                    &format!("SELECT hash FROM {s}.audit WHERE seq = $1"),
+                    &[&last],
+                )
+                .map_err(db("read the last removed audit record"))?
+                .get(0),
+        };
+        let head = self.lock_head(&mut tx)?;
+        let (_, head) = self.seal_pending_in(&mut tx, head)?;
+        let note = format!(
+            "{note} (removed {} audit segments of {segment_bytes} bytes: records seq {} to {}; {})",
+            removal.segments,
+            removal.first,
+            removal.last,
+            removal_note(&anchor)
+        );
+        let event = system_event_of(AuditOutcome::Pruned, &head, REMOVAL_SUBJECT, note, now);
+        self.append_system_record(&mut tx, &head, &event)?;
+        tx.execute(&format!("DELETE FROM {s}.audit WHERE seq <= $1"), &[&last])
+            .map_err(db("remove old audit records"))?;
+        // A failure here stands for a crash or a lost connection before
+        // the commit: the server rolls all of it back.
+        self.faults
+            .check("postgres.audit_removal")
+            .map_err(|e| crate::error::Error::io(self.place(), "remove old audit records", e))?;
+        tx.commit().map_err(db("commit an audit removal"))?;
+        Ok(removal.segments)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Removal, Segments};
+
+    /// The removal `keep` leaves over rows of `lines` bytes each (seq from
+    /// `first`), cut at `segment` bytes.
+    fn removal(first: u64, lines: &[u64], segment: u64, keep: usize) -> Option<Removal> {
+        let mut segments = Segments::new(segment, keep);
+        for (i, bytes) in lines.iter().enumerate() {
+            segments.push(first + i as u64, *bytes);
+        }
+        segments.removal()
+    }
+
+    #[test]
+    fn a_segment_ends_at_the_record_that_brings_it_to_the_size() {
+        // Lines of 99 bytes and their newlines: 100 each; segments of 250
+        // bytes end at every third record; the last two are the active part.
+        let lines = [99; 11];
+        assert_eq!(
+            removal(1, &lines, 250, 1),
+            Some(Removal {
+                first: 1,
+                last: 6,
+                segments: 2
+            })
+        );
+        assert_eq!(
+            removal(1, &lines, 250, 0),
+            Some(Removal {
+                first: 1,
+                last: 9,
+                segments: 3
+            }),
+            "keep 0: every whole segment, never the active part"
+        );
+        assert_eq!(
+            removal(1, &lines, 250, 3),
+            None,
+            "three segments, keep three"
+        );
+        assert_eq!(removal(1, &lines, 250, usize::MAX), None);
+        // Exactly the size ends a segment too.
+        assert_eq!(
+            removal(41, &[99, 99], 200, 0),
+            Some(Removal {
+                first: 41,
+                last: 42,
+                segments: 1
+            }),
+            "a chain that starts after a removal counts from its first row"
+        );
+    }
+
+    #[test]
+    fn a_line_larger_than_a_segment_is_a_segment_of_its_own() {
+        assert_eq!(
+            removal(1, &[5_000, 10, 5_000, 10], 1_000, 1),
+            Some(Removal {
+                first: 1,
+                last: 1,
+                segments: 1
+            })
+        );
     }
 }
