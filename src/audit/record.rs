@@ -30,7 +30,9 @@ pub enum AuditOutcome {
     Requeued,
     /// An operator cancelled a queued item.
     Cancelled,
-    /// A history segment was pruned by the retention policy; the note names it.
+    /// History was pruned by the retention policy (key `history-segment-<n>`
+    /// or `history-retention`), or an operator removed old audit records
+    /// (key `audit-segments`); the note names what went.
     Pruned,
     /// The outbox's stored settings changed; the note names each change
     /// (`rate_limit 10/60s -> 1/3600s`). The key is `settings`.

@@ -13,6 +13,7 @@ mod harness;
 #[path = "../support/postgres.rs"]
 mod pg_server;
 
+mod audit_removal;
 mod bulk;
 mod concurrent_bot;
 mod export;

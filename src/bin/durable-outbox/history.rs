@@ -18,6 +18,9 @@ pub struct LogReader {
     records: durable_outbox::AuditChainRecords,
     /// The seq of the last record read (0 before the first).
     pub seq: u64,
+    /// The seq of the first record read (0 before the first): more than 1
+    /// when an operator removed old audit records.
+    pub first_seq: u64,
 }
 
 impl LogReader {
@@ -25,6 +28,7 @@ impl LogReader {
         Ok(Self {
             records: outbox.audit_records()?,
             seq: 0,
+            first_seq: 0,
         })
     }
 
@@ -36,6 +40,9 @@ impl LogReader {
             };
             let record = record?;
             self.seq = record.seq;
+            if self.first_seq == 0 {
+                self.first_seq = record.seq;
+            }
             each(record);
         }
         Ok(())

@@ -36,6 +36,9 @@ struct Verification {
     /// Items with no audit record at all: written by the reference design,
     /// which kept no log, and not touched since.
     unaudited_items: usize,
+    /// Items whose every record was in the old audit history an operator
+    /// removed (`remove_old_audit_segments`): the chain starts after them.
+    items_with_removed_records: usize,
     /// A crash remnant after the last whole line, not yet set aside.
     torn_tail_bytes: u64,
     /// The line of the first problem, when a problem has one.
@@ -107,6 +110,14 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
                 "note    {} item(s) have no audit record yet: written by the reference \
                  design, which kept no log; the bot records them when it next touches them",
                 result.unaudited_items
+            )?;
+        }
+        if result.items_with_removed_records > 0 {
+            writeln!(
+                out,
+                "note    {} item(s) have no record in the chain: their records were in the old \
+                 audit history an operator removed",
+                result.items_with_removed_records
             )?;
         }
         if result.torn_tail_bytes > 0 {
@@ -336,7 +347,7 @@ fn cross_check(
             .map(|i| (i.idempotency_key(), i))
             .collect();
         check_logged(&logged, &items, result);
-        check_unlogged(&live, &logged, result);
+        check_unlogged(&live, &logged, reader.first_seq > 1, result);
         let history = outbox.history_len()?;
         if result.problems.len() == before_items {
             result.records = Some(before.seq);
@@ -392,8 +403,12 @@ fn read_log(
                 record.seq, head.seq
             ));
         }
-        // A change of the stored settings is about the outbox, not an item.
-        if record.outcome == AuditOutcome::Settings {
+        // A change of the stored settings, a prune of history or of old
+        // audit records: about the outbox, not an item.
+        if matches!(
+            record.outcome,
+            AuditOutcome::Settings | AuditOutcome::Pruned
+        ) {
             return;
         }
         // A verified chain numbers its records 1, 2, 3…: the seq is the line.
@@ -512,6 +527,7 @@ fn check_logged(
 fn check_unlogged(
     live: &[OutboxItem],
     logged: &HashMap<String, Logged>,
+    removed_before: bool,
     result: &mut Verification,
 ) {
     for item in live {
@@ -521,6 +537,9 @@ fn check_unlogged(
         }
         match item.last_audit_id() {
             None => result.unaudited_items += 1,
+            // The chain (verified) starts where an operator's removal of old
+            // records says: an item with no record since had its records there.
+            Some(_) if removed_before => result.items_with_removed_records += 1,
             Some(id) => result.problems.push(Problem {
                 line: None,
                 idempotency_key: Some(key.to_owned()),
