@@ -111,8 +111,9 @@ impl Migration {
     ///   holds the directory lock or has the outbox open.
     /// - [`Error::AuditBroken`] when the source chain does not verify (a keyed
     ///   chain without its key fails at line 1) or ends before the head the
-    ///   state recorded; [`Error::NotSupported`] when its oldest segments were
-    ///   removed.
+    ///   state recorded. A chain whose oldest segments an operator removed
+    ///   moves from its anchor (`audit.anchor`): the table then starts where
+    ///   the removal's record says, as after a removal on PostgreSQL.
     /// - [`Error::TargetNotEmpty`] when the schema holds items or audit records.
     /// - [`Error::Database`], [`Error::MigrationMismatch`]: the server failed
     ///   or the copy did not read back equal.

@@ -173,10 +173,10 @@ impl Outbox {
     /// transaction-mode pooler ([`Error::SessionLocksUnavailable`]), because
     /// each handle's liveness is a session-level advisory lock.
     ///
-    /// On PostgreSQL, [`dir`](Self::dir) is `None` and
-    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) returns
-    /// [`Error::NotSupported`] (the audit chain is one table, with no
-    /// segments); terminal items stay in the table (history is those past
+    /// On PostgreSQL, [`dir`](Self::dir) is `None`;
+    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) counts
+    /// segments of the one audit table by `audit_rotate_bytes`, as the file
+    /// engine seals them; terminal items stay in the table (history is those past
     /// `history_after`); `history_retention` `MaxAge` deletes them on open
     /// and on [`compact`](Self::compact), audited, and `MaxSegments` keeps
     /// everything.
@@ -993,22 +993,48 @@ impl Outbox {
     }
 
     /// An operator's decision to delete old audit history: removes all sealed
-    /// audit segments but the newest `keep`, after a `pruned` audit record naming
-    /// `operator`, `reason` and the range. The outbox never does this by itself.
-    /// Verification then starts at `audit.anchor`, the last removed record.
-    /// Returns how many segments were removed.
+    /// audit segments but the newest `keep`, after a `pruned` audit record
+    /// (key `audit-segments`) naming `operator`, `reason`, the range and where
+    /// the chain now starts (`the chain now starts after seq S hash H`: the
+    /// last removed record). The outbox never does this by itself. Returns
+    /// how many segments were removed; with no more than `keep`, nothing is
+    /// written and it returns 0. Items are not touched, only their records.
     ///
-    /// **Not on PostgreSQL.** There the audit chain is one table, never cut
-    /// into sealed segments, so there is nothing this call could remove: it
-    /// returns [`Error::NotSupported`] and writes nothing, and the chain in the
-    /// table always verifies from its first record.
-    /// [`compact`](Self::compact) (on either engine) never removes audit records.
+    /// **In a directory** the segments are the files `audit-<first
+    /// seq>.jsonl` that compaction sealed once the active log passed
+    /// [`audit_rotate_bytes`](crate::OutboxBuilder::audit_rotate_bytes).
+    /// Verification then starts at `audit.anchor`, the last removed record.
+    ///
+    /// **On PostgreSQL** the chain is one table, so a segment is counted the
+    /// way the file engine seals one, by this handle's `audit_rotate_bytes`:
+    /// from the chain's first record, a segment ends at the first record that
+    /// brings its lines (as `audit.jsonl` would hold them) to that size; the
+    /// records after the last such one are the active part and always stay.
+    /// One transaction takes the head of the chain as every sealer does,
+    /// seals what is pending, appends the `pruned` record and deletes the
+    /// removed rows; another host's commits meanwhile wait as pending events
+    /// and are sealed after it, and a failure (a lost connection included)
+    /// leaves the chain as it was. No anchor is kept outside the chain:
+    /// verification starts at the first row, which must follow the last
+    /// removed record exactly as a removal's record in the chain names it, so
+    /// rows deleted from the front by hand are found ([`AuditFault::FrontCut`](crate::AuditFault::FrontCut)).
+    ///
+    /// On both engines, an export of what is left ([`audit_records`](Self::audit_records),
+    /// the CLI's `export --audit`) verifies on its own with
+    /// [`AuditLog::verify`](crate::AuditLog::verify) and `fixtures/verify_audit.py`.
+    /// [`compact`](Self::compact) never removes audit records.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidField`] for a blank operator or reason; the load and write
-    /// errors of every operation; [`Error::NotSupported`] on PostgreSQL (see
-    /// above).
+    /// [`Error::InvalidField`] for a blank operator or reason; the load and
+    /// write errors of every operation ([`Error::Database`] on PostgreSQL).
+    ///
+    /// # Durability
+    ///
+    /// In a directory the record is durable (journal, then log) before
+    /// `audit.anchor` is written and the segments unlinked; a crash between
+    /// leaves files the next removal finishes. On PostgreSQL the record and
+    /// the deletion commit together or not at all.
     pub fn remove_old_audit_segments(
         &self,
         keep: usize,
@@ -1030,7 +1056,10 @@ impl Outbox {
     /// [`AuditFault::Truncated`](crate::AuditFault::Truncated); the load errors of `outbox.json`.
     /// On PostgreSQL the `audit` table is checked the same way, row by row in
     /// `seq` order, against its head row ([`Error::AuditBroken`] names
-    /// `postgres:<schema>.audit` and the position).
+    /// `postgres:<schema>.audit` and the position), from its first row: seq
+    /// 1, or, after [`remove_old_audit_segments`](Self::remove_old_audit_segments),
+    /// the row after the last removed record, which the removal's record names
+    /// ([`AuditFault::FrontCut`](crate::AuditFault::FrontCut) when none does).
     pub fn verify_audit(&self) -> Result<AuditReport> {
         on_engine!(self, engine => engine.verify_audit())
     }

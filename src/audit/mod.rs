@@ -31,6 +31,14 @@
 //!     prev = h
 //! ```
 //!
+//! (`fixtures/verify_audit.py` is that loop, plus the one rule for a chain
+//! whose oldest records an operator removed: its first record then follows
+//! the last removed one, and the removal's own record, key `audit-segments`,
+//! outcome `pruned`, must be in the chain with a note ending `the chain now
+//! starts after seq S hash H)` naming exactly that record. The same rule
+//! applies to an export and to a PostgreSQL outbox's table; a directory keeps
+//! the start in `audit.anchor`.)
+//!
 //! # When it is verified
 //!
 //! Every compaction records in `outbox.json` where the verified log ends (the
@@ -140,10 +148,18 @@ impl AuditLog {
     /// A missing file verifies as empty. A torn last line is reported in
     /// [`AuditReport::torn_tail_bytes`], not as an error.
     ///
+    /// The chain starts at seq 1, or, in an export of a chain whose oldest
+    /// records an operator removed
+    /// ([`Outbox::remove_old_audit_segments`](crate::Outbox::remove_old_audit_segments)),
+    /// right after the last removed record, which the removal's own record
+    /// in the file must name.
+    ///
     /// # Errors
     ///
     /// [`Error::AuditBroken`] naming the first bad line and the fault
-    /// ([`AuditFault`]); [`Error::Io`] when the file cannot be read.
+    /// ([`AuditFault`]): [`AuditFault::FrontCut`] at line 1 for a file that
+    /// starts after seq 1 with no removal record naming that start (records
+    /// cut from its front); [`Error::Io`] when the file cannot be read.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;

@@ -73,8 +73,8 @@ impl PgEngine {
     }
 
     /// Verifies the whole chain in the `audit` table, as the file verifier
-    /// checks `audit.jsonl`, from its first row (seq 1, or the start the
-    /// newest removal names: see the module docs), and against the head row
+    /// checks `audit.jsonl`, from its first row (seq 1, or the start a
+    /// removal's record names: see the module docs), and against the head row
     /// (a cut-off tail is found). One consistent snapshot: a repeatable-read
     /// transaction.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {

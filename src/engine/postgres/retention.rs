@@ -26,9 +26,24 @@
 //! `d` early; an upsert that raises a cooldown meanwhile is re-checked by
 //! the server before the delete touches it, so a raised one is kept.
 //!
-//! Neither engine's compaction removes audit records: the chain is kept
-//! whole, and on PostgreSQL it always starts at genesis (there are no sealed
-//! segments for `remove_old_audit_segments` to remove).
+//! Neither engine's compaction removes audit records: that is an operator's
+//! decision, `Outbox::remove_old_audit_segments`, here
+//! [`PgEngine::remove_old_audit_segments`]. The chain is one table, so its
+//! segments are counted as the file engine seals them, by the handle's
+//! `audit_rotate_bytes` ([`Segments`]: a segment ends at the first record
+//! that brings its lines to that size; what follows the last one is the
+//! active part and stays). One transaction, under a removal lock of its own
+//! (one removal at a time, so the rows it measures stay) and then the
+//! chain's head lock (as every sealer takes it): it seals what is pending,
+//! appends the `pruned` record (key `audit-segments`; the note names the
+//! operator, the reason, the range and `the chain now starts after seq S
+//! hash H`, the last removed record) through the sealing path, and deletes
+//! the rows up to S. Nothing is stored beside the chain: the first remaining
+//! row links to S and H, and verification (see `chain`) requires the record
+//! that names them. Another host's commits meanwhile go on (the writers'
+//! gate is not taken) and wait as pending events; its readers wait for the
+//! head. A failure anywhere, a lost connection included, rolls all of it
+//! back.
 
 use chrono::{DateTime, Utc};
 
