@@ -189,6 +189,25 @@ on_both_engines! {
         assert_eq!(AuditLog::verify(export_of(&records).path()).unwrap(), report);
     }
 
+    /// Keyed: the removal's record is keyed like every record, so what is
+    /// left verifies with the key, here and from an export, and a reopened
+    /// keyed handle goes on; without the key the export does not verify.
+    fn a_keyed_chain_is_pruned_and_verifies_with_its_key(engine) {
+        let key = vec![7u8; 32];
+        let keyed = |b| uncapped(b).audit_rotate_bytes(SEGMENT).audit_key(key.clone());
+        let outbox = engine.open_with(keyed);
+        three_segments(&outbox);
+        assert_eq!(outbox.remove_old_audit_segments(1, "ops", "older than a year").unwrap(), 2);
+        let report = outbox.verify_audit().unwrap();
+        assert_eq!(report.records, 5);
+        let export = export_of(&chain(&outbox));
+        assert_eq!(AuditLog::verify_keyed(export.path(), &key).unwrap(), report);
+        assert!(AuditLog::verify(export.path()).is_err(), "not without the key");
+        let reopened = engine.open_with(keyed);
+        reopened.enqueue(msg("after", "chat-2")).unwrap();
+        assert_eq!(reopened.verify_audit().unwrap().records, 6);
+    }
+
     /// An export whose first records were cut, with or without a removal
     /// before, does not verify offline: its start is named by no record.
     fn an_export_cut_at_the_front_fails_offline(engine) {
