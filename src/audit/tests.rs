@@ -381,9 +381,12 @@ mod a_chain_read_on_its_own {
         );
     }
 
+    /// A sixth record made from the anchor it might name.
+    type Sixth = fn(&Head) -> AuditEvent;
+
     #[test]
     fn only_the_engines_words_in_a_removal_record_name_a_start() {
-        let cases: [(&str, fn(&Head) -> AuditEvent); 3] = [
+        let cases: [(&str, Sixth); 3] = [
             ("an item's record with the words", |anchor| {
                 removal("k6", AuditOutcome::Pruned, engine_note("ops", anchor))
             }),

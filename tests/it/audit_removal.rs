@@ -329,6 +329,8 @@ fn psql(engine: &EngineUnderTest, sql: &str) -> String {
 fn another_host_committing_during_a_removal_loses_no_record() {
     use durable_outbox::FailAction;
     use std::time::{Duration, Instant};
+    /// Enqueues the other host commits during the removal.
+    const N: usize = 12;
 
     let Some(engine) = EngineUnderTest::postgres() else {
         return;
@@ -340,7 +342,6 @@ fn another_host_committing_during_a_removal_loses_no_record() {
     });
     let other_host = open(&engine);
     three_segments(&remover);
-    const N: usize = 12;
     let removal = crate::harness::within(
         "a removal and another host's commits both finish",
         crate::harness::DEADLOCK_LIMIT,
@@ -431,6 +432,8 @@ fn a_removal_that_fails_half_way_leaves_the_chain_as_it_was() {
 #[cfg(all(unix, feature = "postgres", feature = "test-failpoints"))]
 #[test]
 fn a_removal_killed_half_way_leaves_the_chain_as_it_was() {
+    use std::os::unix::process::ExitStatusExt;
+
     let Some(engine) = EngineUnderTest::postgres() else {
         return;
     };
@@ -442,7 +445,6 @@ fn a_removal_killed_half_way_leaves_the_chain_as_it_was() {
         .env("DURABLE_OUTBOX_FAILPOINTS", "postgres.audit_removal=kill")
         .output()
         .unwrap();
-    use std::os::unix::process::ExitStatusExt;
     assert_eq!(
         out.status.signal(),
         Some(9),
