@@ -731,3 +731,291 @@ fn until_an_advisory_lock_is_awaited(conn: &mut impl postgres::GenericClient, wh
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// One case of [`a_cap_s_nth_newest_time_equals_the_naive_count_over_every_time`]:
+/// committed send times, the items a transaction changes, and what it asks.
+#[derive(Debug, Clone)]
+struct RateCase {
+    /// `(key, seconds before now)`: key `k<i>` sends to `chat-<i % 2>`.
+    committed: Vec<(usize, i64)>,
+    /// `(key, destination, kind, seconds before now, another)`: an item the
+    /// transaction puts, of any key (one with committed times or not) and to
+    /// any destination (its key's committed one, or another).
+    overlay: Vec<(usize, usize, u8, i64, i64)>,
+    /// `(destination or the global cap, as the cap asks, seconds before now, n)`.
+    asks: Vec<(Option<usize>, bool, i64, usize)>,
+    count: u32,
+    window: u64,
+    one_item: bool,
+    /// Whether the destination's line is read (`head_of`, as a claim does)
+    /// before each ask, and whether the items are put before it.
+    line_first: bool,
+    overlay_first: bool,
+}
+
+fn rate_case() -> impl proptest::strategy::Strategy<Value = RateCase> {
+    use proptest::prelude::*;
+    (
+        prop::collection::vec((0..6usize, 0..8i64), 0..16),
+        prop::collection::vec((0..7usize, 0..3usize, 0..5u8, 0..8i64, 0..8i64), 0..4),
+        prop::collection::vec(
+            (prop::option::weighted(0.8, 0..3usize), any::<bool>(), 0..9i64, 1..7usize),
+            1..4,
+        ),
+        1..3u32,
+        1..9u64,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(committed, overlay, asks, count, window, one_item, line_first, overlay_first)| {
+                RateCase {
+                    committed,
+                    overlay,
+                    asks,
+                    count,
+                    window,
+                    one_item,
+                    line_first,
+                    overlay_first,
+                }
+            },
+        )
+}
+
+/// The overlay item of `RateCase::overlay`'s entry, at `now`.
+fn overlay_item(
+    (key, destination, kind, ago, other): (usize, usize, u8, i64, i64),
+    now: chrono::DateTime<Utc>,
+) -> OutboxItem {
+    let at = now - chrono::Duration::seconds(ago);
+    let other = now - chrono::Duration::seconds(other);
+    let mut item = item(&format!("k{key}"), &format!("chat-{destination}"));
+    match kind {
+        // Claimed: its claim counts.
+        0 => {
+            item.claim = Some(crate::item::Claim {
+                owner: Some("someone".into()),
+                at: Some(at),
+            });
+        }
+        // Sent.
+        1 => {
+            item.state = ItemState::Sent;
+            item.sent_at = Some(at);
+        }
+        // Sent, after an earlier send that may have left.
+        2 => {
+            item.state = ItemState::Sent;
+            item.sent_at = Some(at);
+            item.maybe_sent_at = Some(other);
+        }
+        // Failed after a send that may have left.
+        3 => {
+            item.state = ItemState::Failed;
+            item.maybe_sent_at = Some(at);
+        }
+        // Queued, counting nothing (its committed times leave the count).
+        _ => {}
+    }
+    item
+}
+
+/// A cap's question (`Txn::nth_newest_time`: the `n`-th newest time in a
+/// window) read from PostgreSQL's newest end, bounded by `n` and served from a
+/// claim's line when the line holds the answer, gives what the naive count
+/// over every committed time, less the changed items' committed times, plus
+/// their own times (`rate::nth_newest`), gives: ties, fewer than `n` times, `n`
+/// beyond every row, a window reaching before the line's, items that moved
+/// destination, one-item and drain transactions.
+#[test]
+fn a_cap_s_nth_newest_time_equals_the_naive_count_over_every_time() {
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    // `TestRunner::run` takes a `Fn`: the client is borrowed per case.
+    let client = std::cell::RefCell::new(
+        super::Connector::parse(&db.url())
+            .unwrap()
+            .connect()
+            .unwrap(),
+    );
+    // PostgreSQL keeps microseconds; whole seconds make ties common.
+    let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0);
+    let ago = |secs: i64| now - chrono::Duration::seconds(secs);
+    let cases = std::env::var("OUTBOX_PG_RATE_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(128);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&rate_case(), |case| {
+        let mut committed: Vec<(String, String, chrono::DateTime<Utc>)> = Vec::new();
+        for (key, secs) in &case.committed {
+            let row = (format!("k{key}"), format!("chat-{}", key % 2), ago(*secs));
+            if !committed.iter().any(|c| c.0 == row.0 && c.2 == row.2) {
+                committed.push(row);
+            }
+        }
+        let column = |i: usize| -> Vec<String> {
+            committed
+                .iter()
+                .map(|row| match i {
+                    0 => row.0.clone(),
+                    1 => row.1.clone(),
+                    _ => row.2.to_rfc3339(),
+                })
+                .collect()
+        };
+        // One transaction per case: the last case's rows out, this one's in.
+        let mut client = client.borrow_mut();
+        let mut setup = client.transaction().unwrap();
+        setup
+            .batch_execute("DELETE FROM durable_outbox.items; DELETE FROM durable_outbox.rate_times")
+            .unwrap();
+        setup
+            .execute(
+                "INSERT INTO durable_outbox.rate_times (idempotency_key, destination, at)
+                 SELECT k, d, a::timestamptz FROM unnest($1::text[], $2::text[], $3::text[])
+                   AS t(k, d, a)",
+                &[&column(0), &column(1), &column(2)],
+            )
+            .unwrap();
+        setup.commit().unwrap();
+        drop(client);
+        let overlay: Vec<OutboxItem> = case
+            .overlay
+            .iter()
+            .map(|entry| overlay_item(*entry, now))
+            .collect();
+        // The transaction's items, the last of one key winning.
+        let mut changed: std::collections::BTreeMap<String, OutboxItem> = Default::default();
+        for item in &overlay {
+            changed.insert(item.idempotency_key.clone(), item.clone());
+        }
+        let mut settings = defaults();
+        settings.rates.per_destination = crate::RateLimit {
+            count: case.count,
+            window: Duration::from_secs(case.window),
+        };
+        let asks: Vec<(Option<String>, chrono::DateTime<Utc>, usize)> = case
+            .asks
+            .iter()
+            .map(|(destination, as_cap, secs, n)| {
+                let destination = destination.map(|d| format!("chat-{d}"));
+                if *as_cap && destination.is_some() {
+                    (destination, ago(case.window as i64), case.count as usize)
+                } else {
+                    (destination, ago(*secs), *n)
+                }
+            })
+            .collect();
+        let expected: Vec<Option<chrono::DateTime<Utc>>> = asks
+            .iter()
+            .map(|(destination, after, n)| {
+                let matches = |d: &str| destination.as_deref().is_none_or(|want| want == d);
+                let times = committed
+                    .iter()
+                    .filter(|(key, d, _)| matches(d) && !changed.contains_key(key))
+                    .map(|(_, _, at)| *at)
+                    .chain(
+                        changed
+                            .values()
+                            .filter(|item| matches(&item.destination))
+                            .flat_map(crate::store::rate_times),
+                    );
+                crate::rate::nth_newest(times, *after, *n)
+            })
+            .collect();
+        let scope = if case.one_item {
+            Scope::OneItem("k0")
+        } else {
+            Scope::Any
+        };
+        let got = engine
+            .transact(now, &settings, scope, |txn| {
+                let put = |txn: &mut super::txn::PgTxn<'_, '_>| -> crate::Result<()> {
+                    for item in &overlay {
+                        crate::rules::txn::Txn::insert(txn, item.clone())?;
+                    }
+                    Ok(())
+                };
+                if case.overlay_first {
+                    put(txn)?;
+                }
+                let mut got = Vec::new();
+                for (destination, after, n) in &asks {
+                    if case.line_first
+                        && let Some(destination) = destination
+                    {
+                        txn.head_of(destination)?;
+                    }
+                    got.push(txn.nth_newest_time(destination.as_deref(), *after, *n)?);
+                }
+                if !case.overlay_first {
+                    // Asked again once the items changed.
+                    put(txn)?;
+                    got.clear();
+                    for (destination, after, n) in &asks {
+                        got.push(txn.nth_newest_time(destination.as_deref(), *after, *n)?);
+                    }
+                }
+                Ok(got)
+            })
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        proptest::prop_assert_eq!(got, expected, "asks {:?}", asks);
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
+
+/// A claim reads at most its cap's count (and the two times its own item
+/// may hold) of its destination's send times, however many sends the window
+/// holds: a busy chat's claim costs what a quiet one's does.
+#[test]
+fn a_claim_reads_no_more_send_times_than_its_cap_needs() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 6);
+    // 600 sends in the last minute: 10 a second.
+    db.psql(
+        "INSERT INTO durable_outbox.rate_times (idempotency_key, destination, at)
+         SELECT 'sent-' || i, 'chat-1', now() - i * interval '100 milliseconds'
+         FROM generate_series(1, 600) i",
+    );
+    enqueue(&engine, item("next", "chat-1"));
+    let mut settings = defaults();
+    settings.rates.per_destination = crate::RateLimit {
+        count: 20,
+        window: Duration::from_secs(120),
+    };
+    let (read, capped) = engine
+        .transact(now, &settings, Scope::OneItem("next"), |txn| {
+            txn.head_of("chat-1")?;
+            let read = txn.line_times_read("chat-1");
+            let capped = txn.nth_newest_time(
+                Some("chat-1"),
+                now - chrono::Duration::seconds(120),
+                20,
+            )?;
+            Ok((read, capped))
+        })
+        .unwrap();
+    assert!(
+        read.is_some_and(|read| read <= 22),
+        "the line read {read:?} send times for a cap of 20"
+    );
+    assert!(capped.is_some(), "600 sends in the window fill a cap of 20");
+}

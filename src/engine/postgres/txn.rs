@@ -99,20 +99,59 @@ pub(crate) struct PgTxn<'e, 'c> {
     /// row it holds the key's lock for: no one else can change them before
     /// it ends, so their writes cannot miss (see [`commit`](Self::commit)).
     locked: HashSet<String>,
-    /// Destinations whose committed send times (with their items' keys)
-    /// since a moment, and cooldown, this transaction read under the
-    /// destination's lock (one-item transactions): no other one-item
+    /// Destinations whose newest committed send times (with their items'
+    /// keys) in the cap's window, and cooldown, this transaction read under
+    /// the destination's lock (one-item transactions): no other one-item
     /// transaction decides there until this one ends, so they are read once.
     lines: HashMap<String, Line>,
 }
 
+/// How many committed times a line read takes beyond its cap's count: the
+/// times one item can hold (a send or claim, and a possible send), which
+/// leave the count when the one item of a one-item transaction changes.
+const LINE_SLACK: i64 = 2;
+
 /// What a one-item transaction read about a destination under its lock.
 struct Line {
-    /// Committed send and claim times at or after `since`, with their keys.
+    /// The start of the cap's window: the times read are at or after it.
     since: DateTime<Utc>,
-    times: Vec<(String, DateTime<Utc>)>,
+    /// The newest committed send and claim times at or after `since`, newest
+    /// first, with their keys: at most the cap's count and [`LINE_SLACK`],
+    /// however many sends the window holds.
+    newest: Vec<(String, DateTime<Utc>)>,
+    /// Whether `newest` is every committed time at or after `since` (the
+    /// read returned fewer than it asked for).
+    complete: bool,
     /// The destination's committed cooldown.
     cooldown: Option<DateTime<Utc>>,
+}
+
+impl Line {
+    /// The `n` newest of the committed times later than `after` whose items
+    /// `changed` does not hold (fewer when fewer are), if this line's read
+    /// decides them: `None` when it may have stopped short of them.
+    fn newest_after(
+        &self,
+        after: DateTime<Utc>,
+        n: usize,
+        changed: impl Fn(&str) -> bool,
+    ) -> Option<Vec<DateTime<Utc>>> {
+        if after < self.since {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n.min(self.newest.len()));
+        for (key, at) in &self.newest {
+            if *at <= after || out.len() == n {
+                // Newest first: every time from here on is older, or
+                // `n` are found.
+                return Some(out);
+            }
+            if !changed(key) {
+                out.push(*at);
+            }
+        }
+        (self.complete || out.len() == n).then_some(out)
+    }
 }
 
 impl<'e, 'c> PgTxn<'e, 'c> {
@@ -258,8 +297,11 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 
     /// Reads `destination`'s line under its lock (one-item transactions), in
     /// one round trip: with `head`, its head row (as [`head_of`](Self::head_of)
-    /// reads it; returned), and, once per transaction, its committed send
-    /// times in its cap's window and its cooldown, kept for
+    /// reads it; returned), and, once per transaction, the newest of its
+    /// committed send times in its cap's window (the cap's count and
+    /// [`LINE_SLACK`], by the `(destination, at)` index from its newest end:
+    /// a claim's cost does not grow with the sends in the window) and its
+    /// cooldown, kept for [`nth_newest_time`](Self::nth_newest_time),
     /// [`destination_times`](Self::destination_times) and
     /// [`destination_cooldown`](Self::destination_cooldown).
     ///
@@ -280,13 +322,17 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             return Ok(Vec::new());
         }
         let since = self.line_since(destination);
-        // The window's times with their keys (two arrays in one order), and
-        // the cooldown; `since` is the last parameter.
-        let line_parts = |since: &str| {
+        let limit = i64::from(self.settings.rates.for_destination(destination).count) + LINE_SLACK;
+        // The window's newest times with their keys (two arrays in one
+        // order, newest first), and the cooldown; `since` and the limit are
+        // the last parameters.
+        let line_parts = |since: &str, limit: &str| {
             format!(
-                "(SELECT array_agg(idempotency_key ORDER BY at, idempotency_key) AS keys,
-                         array_agg(at ORDER BY at, idempotency_key) AS ats
-                  FROM {s}.rate_times WHERE destination = $1 AND at >= {since}) t"
+                "(SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys,
+                         array_agg(at ORDER BY at DESC, idempotency_key) AS ats
+                  FROM (SELECT idempotency_key, at FROM {s}.rate_times
+                        WHERE destination = $1 AND at >= {since}
+                        ORDER BY at DESC LIMIT {limit}) r) t"
             )
         };
         let cooldown = format!("(SELECT until FROM {s}.cooldowns WHERE destination = $1)");
@@ -294,17 +340,19 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             format!(
                 "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}
                  FROM {} LEFT JOIN LATERAL ({head_sql}) h ON true",
-                line_parts("$3")
+                line_parts("$3", "$4")
             )
         } else {
             format!(
                 "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown}
                  FROM {}",
-                line_parts("$2")
+                line_parts("$2", "$3")
             )
         };
-        let with_head: [&(dyn postgres::types::ToSql + Sync); 3] = [&destination, &changed, &since];
-        let without_head: [&(dyn postgres::types::ToSql + Sync); 2] = [&destination, &since];
+        let with_head: [&(dyn postgres::types::ToSql + Sync); 4] =
+            [&destination, &changed, &since, &limit];
+        let without_head: [&(dyn postgres::types::ToSql + Sync); 3] =
+            [&destination, &since, &limit];
         let step = match (fetch, head) {
             (true, true) => (
                 Step::QueryOne(&line_sql, &with_head),
@@ -334,11 +382,13 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             .get::<_, Option<Vec<DateTime<Utc>>>>(5)
             .unwrap_or_default();
         let cooldown: Option<DateTime<Utc>> = row.get(6);
+        let complete = i64::try_from(ats.len()).is_ok_and(|read| read < limit);
         self.lines.insert(
             destination.to_owned(),
             Line {
                 since,
-                times: keys.into_iter().zip(ats).collect(),
+                newest: keys.into_iter().zip(ats).collect(),
+                complete,
                 cooldown,
             },
         );
@@ -362,6 +412,12 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             keys.push(key);
         }
         Ok(keys)
+    }
+
+    /// How many send times this transaction read with `destination`'s line.
+    #[cfg(test)]
+    pub(crate) fn line_times_read(&self, destination: &str) -> Option<usize> {
+        self.lines.get(destination).map(|line| line.newest.len())
     }
 
     /// The item with this key as this transaction sees it.
@@ -656,31 +712,29 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// Send and claim times (see `store::rate_times`) at or after `since`,
-    /// of one destination or of all, as this transaction sees them.
+    /// of one destination or of all, as this transaction sees them: every
+    /// one of them (learning a pace, after a refusal); a cap asks
+    /// [`nth_newest_time`](Self::nth_newest_time) instead.
     fn times(
         &mut self,
         destination: Option<&str>,
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>> {
         if let (true, Some(destination)) = (self.one_item, destination) {
-            // Read with the line, under the destination's lock.
+            // Read with the line, under the destination's lock: enough when
+            // the line read every time of the window.
             self.read_line(destination, false)?;
             if let Some(line) = self.lines.get(destination)
+                && line.complete
                 && since >= line.since
             {
                 let mut times: Vec<DateTime<Utc>> = line
-                    .times
+                    .newest
                     .iter()
                     .filter(|(key, at)| *at >= since && !self.overlay.contains_key(key))
                     .map(|(_, at)| *at)
                     .collect();
-                times.extend(
-                    self.overlay
-                        .values()
-                        .filter(|i| i.destination == destination)
-                        .flat_map(rate_times)
-                        .filter(|at| *at >= since),
-                );
+                times.extend(self.pending_times(Some(destination), |at| at >= since));
                 return Ok(times);
             }
         }
@@ -705,14 +759,96 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         }
         .map_err(db("read send times"))?;
         let mut times: Vec<DateTime<Utc>> = rows.iter().map(|row| row.get(0)).collect();
-        times.extend(
-            self.overlay
-                .values()
-                .filter(|i| destination.is_none_or(|d| i.destination == d))
-                .flat_map(rate_times)
-                .filter(|at| *at >= since),
-        );
+        times.extend(self.pending_times(destination, |at| at >= since));
         Ok(times)
+    }
+
+    /// The send and claim times of the items this transaction changed (of
+    /// `destination`, or of all) that `keep` keeps: they replace those items'
+    /// committed times.
+    fn pending_times(
+        &self,
+        destination: Option<&str>,
+        keep: impl Fn(DateTime<Utc>) -> bool,
+    ) -> Vec<DateTime<Utc>> {
+        self.overlay
+            .values()
+            .filter(|i| destination.is_none_or(|d| i.destination == d))
+            .flat_map(rate_times)
+            .filter(|at| keep(*at))
+            .collect()
+    }
+
+    /// The `n`-th newest of the send and claim times later than `after`, of
+    /// `destination` or of all, as this transaction sees them (see
+    /// `Txn::nth_newest_time`), reading at most `n` committed times: the
+    /// newest of them by the `(destination, at)` or `(at)` index, less the
+    /// committed times of the items this transaction changed, merged with
+    /// those items' own times. A one-item transaction answers from its
+    /// destination's line when the line holds them.
+    ///
+    /// # Errors
+    /// [`Error::Database`].
+    pub(crate) fn nth_newest_time(
+        &mut self,
+        destination: Option<&str>,
+        after: DateTime<Utc>,
+        n: usize,
+    ) -> Result<Option<DateTime<Utc>>> {
+        if n == 0 {
+            return Ok(None);
+        }
+        let committed = self.newest_committed(destination, after, n)?;
+        let pending = self.pending_times(destination, |at| at > after);
+        Ok(crate::rate::nth_newest(
+            committed.into_iter().chain(pending),
+            after,
+            n,
+        ))
+    }
+
+    /// The `n` newest committed times later than `after` (fewer when fewer
+    /// are), of `destination` or of all, leaving out the items this
+    /// transaction changed, read under the locks that keep caps whole.
+    fn newest_committed(
+        &mut self,
+        destination: Option<&str>,
+        after: DateTime<Utc>,
+        n: usize,
+    ) -> Result<Vec<DateTime<Utc>>> {
+        if let (true, Some(destination)) = (self.one_item, destination) {
+            // Read with the line, under the destination's lock.
+            self.read_line(destination, false)?;
+            if let Some(found) = self.lines.get(destination).and_then(|line| {
+                line.newest_after(after, n, |key| self.overlay.contains_key(key))
+            }) {
+                return Ok(found);
+            }
+        }
+        self.lock_caps(destination)?;
+        let changed = self.changed_keys();
+        let limit = i64::try_from(n).unwrap_or(i64::MAX);
+        let s = &self.engine.s;
+        let rows = match destination {
+            Some(destination) => self.tx.query(
+                &format!(
+                    "SELECT at FROM {s}.rate_times
+                     WHERE destination = $1 AND at > $2 AND NOT (idempotency_key = ANY($3))
+                     ORDER BY at DESC LIMIT $4"
+                ),
+                &[&destination, &after, &changed, &limit],
+            ),
+            None => self.tx.query(
+                &format!(
+                    "SELECT at FROM {s}.rate_times
+                     WHERE at > $1 AND NOT (idempotency_key = ANY($2))
+                     ORDER BY at DESC LIMIT $3"
+                ),
+                &[&after, &changed, &limit],
+            ),
+        }
+        .map_err(db("read the newest send times"))?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
     /// Send and claim times of every destination since `since`.
@@ -967,6 +1103,15 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         Self::destination_times(self, destination, since)
     }
 
+    fn nth_newest_time(
+        &mut self,
+        destination: Option<&str>,
+        after: DateTime<Utc>,
+        n: usize,
+    ) -> Result<Option<DateTime<Utc>>> {
+        Self::nth_newest_time(self, destination, after, n)
+    }
+
     fn audit_id(&mut self, key: &str, now: DateTime<Utc>) -> Result<String> {
         Ok(self.engine.mint_audit_id(key, now))
     }
@@ -978,5 +1123,93 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
 
     fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
         Self::owner_is_alive(self, owner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests panic loudly")]
+
+    use chrono::{DateTime, Utc};
+    use proptest::prelude::*;
+
+    use super::{LINE_SLACK, Line};
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000 + secs, 0).unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// What a line read of the `limit` newest times holds answers a cap
+        /// exactly when it answers at all, and always answers the question a
+        /// one-item claim asks of it (the cap's count, from the cap's window,
+        /// with the committed times of its one item left out).
+        #[test]
+        fn a_line_answers_exactly_or_not_at_all(
+            rows in prop::collection::vec((0..5usize, 0..10i64), 0..24),
+            changed in prop::collection::vec(0..6usize, 0..3),
+            since in 0..10i64,
+            after in 0..10i64,
+            n in 1..8usize,
+            limit in 1..8usize,
+        ) {
+            // Every committed time at or after `since`, newest first, as the
+            // index reads them (ties in any order).
+            let mut all: Vec<(String, DateTime<Utc>)> = rows
+                .iter()
+                .filter(|(_, secs)| *secs >= since)
+                .map(|(key, secs)| (format!("k{key}"), at(*secs)))
+                .collect();
+            all.sort_by(|a, b| b.1.cmp(&a.1));
+            all.dedup();
+            let changed: Vec<String> = changed.iter().map(|k| format!("k{k}")).collect();
+            let is_changed = |key: &str| changed.iter().any(|c| c == key);
+            let line = Line {
+                since: at(since),
+                newest: all.iter().take(limit).cloned().collect(),
+                complete: all.len() < limit,
+                cooldown: None,
+            };
+            let naive = |after: i64, n: usize| -> Vec<DateTime<Utc>> {
+                all.iter()
+                    .filter(|(key, t)| *t > at(after) && !is_changed(key))
+                    .map(|(_, t)| *t)
+                    .take(n)
+                    .collect()
+            };
+            if let Some(found) = line.newest_after(at(after), n, is_changed) {
+                prop_assert!(after >= since, "answered for a window the line does not cover");
+                prop_assert_eq!(found, naive(after, n));
+            }
+            // A claim's own question: its cap's count, from the line's
+            // window, with one item's (at most two) times left out.
+            let one: Vec<(String, DateTime<Utc>)> = all
+                .iter()
+                .filter(|(key, _)| key != "k0")
+                .cloned()
+                .chain(all.iter().filter(|(key, _)| key == "k0").take(2).cloned())
+                .collect::<Vec<_>>();
+            let mut one = one;
+            one.sort_by(|a, b| b.1.cmp(&a.1));
+            let count = limit.saturating_sub(LINE_SLACK as usize).max(1);
+            let claim_line = Line {
+                since: at(since),
+                newest: one.iter().take(count + LINE_SLACK as usize).cloned().collect(),
+                complete: one.len() < count + LINE_SLACK as usize,
+                cooldown: None,
+            };
+            let expected: Vec<DateTime<Utc>> = one
+                .iter()
+                .filter(|(key, t)| *t > at(since) && key != "k0")
+                .map(|(_, t)| *t)
+                .take(count)
+                .collect();
+            prop_assert_eq!(
+                claim_line.newest_after(at(since), count, |key| key == "k0"),
+                Some(expected)
+            );
+        }
     }
 }
