@@ -94,14 +94,19 @@ const MIGRATIONS: &[&str] = &[
         id bigserial PRIMARY KEY,
         event text NOT NULL
      );",
-    // 4: less written per item. `enqueue_order` (version 1's place in line)
-    // has been read by nothing since version 2 gave items `seq`, yet every
-    // row version wrote its unique index and, while queued, two partial
-    // indexes on it (an item's insert, claim and finish are three row
-    // versions, none of them HOT: each changes an indexed column). Dropping
-    // the column drops those three indexes, and with them the transport
-    // reference's index, which is made again without it, in the order a
-    // lookup reads (`find_by_transport_ref`: the first key). A binary of
+    // 4: less written per item. No statement has named `enqueue_order`
+    // (version 1's place in line) since version 2 gave items `seq`, yet
+    // every row version wrote its unique index and, while queued, two
+    // partial indexes on it (an item's insert, claim and finish are three
+    // row versions, none of them HOT: each changes an indexed column). The
+    // planner used one of them (`WHERE state = 'queued' AND NOT claimed`)
+    // only as the set of queued unclaimed rows, for the unordered fronts and
+    // the due summary; `EXPLAIN` shows it takes the queued index of version
+    // 2 for them now, filtering `claimed` (a queued row is claimed only while
+    // its send runs). Dropping the column drops those three indexes, and
+    // with them the transport reference's index, which is made again
+    // without it, in the order a lookup reads (`find_by_transport_ref`: the
+    // first key). A binary of
     // version 3 opening refuses version 4; one already running goes on
     // (none of its statements names the column or selects `*`).
     "ALTER TABLE {s}.items DROP COLUMN enqueue_order;
