@@ -106,22 +106,31 @@ pub(crate) struct PgTxn<'e, 'c> {
     lines: HashMap<String, Line>,
 }
 
-/// How many committed times a line read takes beyond its cap's count: the
-/// times one item can hold (a send or claim, and a possible send), which
-/// leave the count when the one item of a one-item transaction changes.
-const LINE_SLACK: i64 = 2;
+/// How many of its newest committed times a line read takes: the newest
+/// (what a pace and a cap of one ask for) and the two one item can hold (a
+/// send or claim, and a possible send), which leave the count when the one
+/// item of a one-item transaction changes. A larger cap's answer is read
+/// whole on the server (`Line::nth`).
+const LINE_NEWEST: i64 = 3;
 
 /// What a one-item transaction read about a destination under its lock.
 struct Line {
     /// The start of the cap's window: the times read are at or after it.
     since: DateTime<Utc>,
     /// The newest committed send and claim times at or after `since`, newest
-    /// first, with their keys: at most the cap's count and [`LINE_SLACK`],
-    /// however many sends the window holds.
+    /// first, with their keys: at most [`LINE_NEWEST`], however many sends
+    /// the window holds.
     newest: Vec<(String, DateTime<Utc>)>,
     /// Whether `newest` is every committed time at or after `since` (the
     /// read returned fewer than it asked for).
     complete: bool,
+    /// The cap's answer as the server found it: the `count`-th newest
+    /// committed time later than `since` (`None`: fewer are), read while
+    /// the transaction had changed nothing (else not kept: `None`), so
+    /// right while it still has not.
+    nth: Option<Option<DateTime<Utc>>>,
+    /// The cap's count `nth` answers for.
+    count: usize,
     /// The destination's committed cooldown.
     cooldown: Option<DateTime<Utc>>,
 }
@@ -297,11 +306,12 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 
     /// Reads `destination`'s line under its lock (one-item transactions), in
     /// one round trip: with `head`, its head row (as [`head_of`](Self::head_of)
-    /// reads it; returned), and, once per transaction, the newest of its
-    /// committed send times in its cap's window (the cap's count and
-    /// [`LINE_SLACK`], by the `(destination, at)` index from its newest end:
-    /// a claim's cost does not grow with the sends in the window) and its
-    /// cooldown, kept for [`nth_newest_time`](Self::nth_newest_time),
+    /// reads it; returned), and, once per transaction, what its cap decides
+    /// by (the cap's `count`-th newest committed time in its window, found
+    /// on the server by the `(destination, at)` index from its newest end,
+    /// which walks at most `count` entries and sends one), its
+    /// [`LINE_NEWEST`] newest times with their keys, and its cooldown, kept
+    /// for [`nth_newest_time`](Self::nth_newest_time),
     /// [`destination_times`](Self::destination_times) and
     /// [`destination_cooldown`](Self::destination_cooldown).
     ///
@@ -322,50 +332,47 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             return Ok(Vec::new());
         }
         let since = self.line_since(destination);
-        let limit = i64::from(self.settings.rates.for_destination(destination).count) + LINE_SLACK;
+        let count = self.settings.rates.for_destination(destination).count;
+        let offset = i64::from(count) - 1;
         // The window's newest times with their keys (two arrays in one
-        // order, newest first), and the cooldown; `since` and the limit are
-        // the last parameters.
-        let line_parts = |since: &str, limit: &str| {
-            format!(
-                "(SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys,
-                         array_agg(at ORDER BY at DESC, idempotency_key) AS ats
-                  FROM (SELECT idempotency_key, at FROM {s}.rate_times
-                        WHERE destination = $1 AND at >= {since}
-                        ORDER BY at DESC LIMIT {limit}) r) t"
-            )
-        };
+        // order, newest first), the cap's answer, and the cooldown.
+        let line_parts = format!(
+            "(SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys,
+                     array_agg(at ORDER BY at DESC, idempotency_key) AS ats
+              FROM (SELECT idempotency_key, at FROM {s}.rate_times
+                    WHERE destination = $1 AND at >= $3
+                    ORDER BY at DESC LIMIT {LINE_NEWEST}) r) t"
+        );
+        let nth = format!(
+            "(SELECT at FROM {s}.rate_times
+              WHERE destination = $1 AND at > $3 AND NOT (idempotency_key = ANY($2))
+              ORDER BY at DESC OFFSET $4 LIMIT 1)"
+        );
         let cooldown = format!("(SELECT until FROM {s}.cooldowns WHERE destination = $1)");
         let line_sql = if head {
             format!(
-                "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}
-                 FROM {} LEFT JOIN LATERAL ({head_sql}) h ON true",
-                line_parts("$3", "$4")
+                "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}, {nth}
+                 FROM {line_parts} LEFT JOIN LATERAL ({head_sql}) h ON true"
             )
         } else {
             format!(
-                "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown}
-                 FROM {}",
-                line_parts("$2", "$3")
+                "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown},
+                   {nth}
+                 FROM {line_parts}"
             )
         };
-        let with_head: [&(dyn postgres::types::ToSql + Sync); 4] =
-            [&destination, &changed, &since, &limit];
-        let without_head: [&(dyn postgres::types::ToSql + Sync); 3] =
-            [&destination, &since, &limit];
-        let step = match (fetch, head) {
-            (true, true) => (
-                Step::QueryOne(&line_sql, &with_head),
+        let params: [&(dyn postgres::types::ToSql + Sync); 4] =
+            [&destination, &changed, &since, &offset];
+        let step = if fetch {
+            (
+                Step::QueryOne(&line_sql, &params),
                 "read a destination's line",
-            ),
-            (true, false) => (
-                Step::QueryOne(&line_sql, &without_head),
-                "read a destination's line",
-            ),
-            (false, _) => (
-                Step::Query(&head_sql, &with_head[..2]),
+            )
+        } else {
+            (
+                Step::Query(&head_sql, &params[..2]),
                 "read a destination's head",
-            ),
+            )
         };
         let mut done = self
             .after_destination_lock(destination, &[step])?
@@ -382,13 +389,16 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             .get::<_, Option<Vec<DateTime<Utc>>>>(5)
             .unwrap_or_default();
         let cooldown: Option<DateTime<Utc>> = row.get(6);
-        let complete = i64::try_from(ats.len()).is_ok_and(|read| read < limit);
+        let nth: Option<DateTime<Utc>> = row.get(7);
+        let complete = i64::try_from(ats.len()).is_ok_and(|read| read < LINE_NEWEST);
         self.lines.insert(
             destination.to_owned(),
             Line {
                 since,
                 newest: keys.into_iter().zip(ats).collect(),
                 complete,
+                nth: self.overlay.is_empty().then_some(nth),
+                count: count as usize,
                 cooldown,
             },
         );
@@ -781,11 +791,12 @@ impl<'e, 'c> PgTxn<'e, 'c> {
 
     /// The `n`-th newest of the send and claim times later than `after`, of
     /// `destination` or of all, as this transaction sees them (see
-    /// `Txn::nth_newest_time`), reading at most `n` committed times: the
-    /// newest of them by the `(destination, at)` or `(at)` index, less the
-    /// committed times of the items this transaction changed, merged with
-    /// those items' own times. A one-item transaction answers from its
-    /// destination's line when the line holds them.
+    /// `Txn::nth_newest_time`): the committed times, less those of the items
+    /// this transaction changed, and those items' own times. Found on the
+    /// server, which walks at most `n` entries of the `(destination, at)` or
+    /// `(at)` index from its newest end and sends one time back, or, in a
+    /// one-item transaction, from its destination's line when the line
+    /// holds the answer (a claim's cap and pace: no statement of their own).
     ///
     /// # Errors
     /// [`Error::Database`].
@@ -798,57 +809,63 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         if n == 0 {
             return Ok(None);
         }
-        let committed = self.newest_committed(destination, after, n)?;
-        let pending = self.pending_times(destination, |at| at > after);
-        Ok(crate::rate::nth_newest(
-            committed.into_iter().chain(pending),
-            after,
-            n,
-        ))
-    }
-
-    /// The `n` newest committed times later than `after` (fewer when fewer
-    /// are), of `destination` or of all, leaving out the items this
-    /// transaction changed, read under the locks that keep caps whole.
-    fn newest_committed(
-        &mut self,
-        destination: Option<&str>,
-        after: DateTime<Utc>,
-        n: usize,
-    ) -> Result<Vec<DateTime<Utc>>> {
         if let (true, Some(destination)) = (self.one_item, destination) {
             // Read with the line, under the destination's lock.
             self.read_line(destination, false)?;
-            if let Some(found) = self.lines.get(destination).and_then(|line| {
-                line.newest_after(after, n, |key| self.overlay.contains_key(key))
-            }) {
-                return Ok(found);
+            if let Some(line) = self.lines.get(destination) {
+                if let Some(nth) = line.nth
+                    && self.overlay.is_empty()
+                    && after == line.since
+                    && n == line.count
+                {
+                    return Ok(nth);
+                }
+                if let Some(newest) =
+                    line.newest_after(after, n, |key| self.overlay.contains_key(key))
+                {
+                    let pending = self.pending_times(Some(destination), |at| at > after);
+                    return Ok(crate::rate::nth_newest(
+                        newest.into_iter().chain(pending),
+                        after,
+                        n,
+                    ));
+                }
             }
         }
         self.lock_caps(destination)?;
         let changed = self.changed_keys();
+        let pending = self.pending_times(destination, |at| at > after);
         let limit = i64::try_from(n).unwrap_or(i64::MAX);
+        let offset = limit - 1;
         let s = &self.engine.s;
-        let rows = match destination {
-            Some(destination) => self.tx.query(
+        // The `n` newest committed times (of the keys not changed) and the
+        // changed items' own: the `n`-th newest of all is the `n`-th of them.
+        let row = match destination {
+            Some(destination) => self.tx.query_opt(
                 &format!(
-                    "SELECT at FROM {s}.rate_times
-                     WHERE destination = $1 AND at > $2 AND NOT (idempotency_key = ANY($3))
-                     ORDER BY at DESC LIMIT $4"
+                    "SELECT at FROM (
+                       (SELECT at FROM {s}.rate_times
+                        WHERE destination = $1 AND at > $2 AND NOT (idempotency_key = ANY($3))
+                        ORDER BY at DESC LIMIT $4)
+                       UNION ALL SELECT p FROM unnest($5::timestamptz[]) AS p
+                     ) u ORDER BY at DESC OFFSET $6 LIMIT 1"
                 ),
-                &[&destination, &after, &changed, &limit],
+                &[&destination, &after, &changed, &limit, &pending, &offset],
             ),
-            None => self.tx.query(
+            None => self.tx.query_opt(
                 &format!(
-                    "SELECT at FROM {s}.rate_times
-                     WHERE at > $1 AND NOT (idempotency_key = ANY($2))
-                     ORDER BY at DESC LIMIT $3"
+                    "SELECT at FROM (
+                       (SELECT at FROM {s}.rate_times
+                        WHERE at > $1 AND NOT (idempotency_key = ANY($2))
+                        ORDER BY at DESC LIMIT $3)
+                       UNION ALL SELECT p FROM unnest($4::timestamptz[]) AS p
+                     ) u ORDER BY at DESC OFFSET $5 LIMIT 1"
                 ),
-                &[&after, &changed, &limit],
+                &[&after, &changed, &limit, &pending, &offset],
             ),
         }
         .map_err(db("read the newest send times"))?;
-        Ok(rows.iter().map(|row| row.get(0)).collect())
+        Ok(row.map(|row| row.get(0)))
     }
 
     /// Send and claim times of every destination since `since`.
@@ -1133,19 +1150,31 @@ mod tests {
     use chrono::{DateTime, Utc};
     use proptest::prelude::*;
 
-    use super::{LINE_SLACK, Line};
+    use super::{LINE_NEWEST, Line};
 
     fn at(secs: i64) -> DateTime<Utc> {
         DateTime::from_timestamp(1_700_000_000 + secs, 0).unwrap()
     }
 
+    /// A line holding the `limit` newest of `all` (newest first).
+    fn line(all: &[(String, DateTime<Utc>)], since: i64, limit: usize) -> Line {
+        Line {
+            since: at(since),
+            newest: all.iter().take(limit).cloned().collect(),
+            complete: all.len() < limit,
+            nth: None,
+            count: 1,
+            cooldown: None,
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
 
-        /// What a line read of the `limit` newest times holds answers a cap
-        /// exactly when it answers at all, and always answers the question a
-        /// one-item claim asks of it (the cap's count, from the cap's window,
-        /// with the committed times of its one item left out).
+        /// What a line read of the `limit` newest times holds answers
+        /// exactly when it answers at all, and always answers what a
+        /// one-item claim asks of it (the newest time, for its pace or a cap
+        /// of one, with the committed times of its one item left out).
         #[test]
         fn a_line_answers_exactly_or_not_at_all(
             rows in prop::collection::vec((0..5usize, 0..10i64), 0..24),
@@ -1166,50 +1195,27 @@ mod tests {
             all.dedup();
             let changed: Vec<String> = changed.iter().map(|k| format!("k{k}")).collect();
             let is_changed = |key: &str| changed.iter().any(|c| c == key);
-            let line = Line {
-                since: at(since),
-                newest: all.iter().take(limit).cloned().collect(),
-                complete: all.len() < limit,
-                cooldown: None,
-            };
-            let naive = |after: i64, n: usize| -> Vec<DateTime<Utc>> {
+            let naive = |after: i64, n: usize, left_out: &dyn Fn(&str) -> bool| {
                 all.iter()
-                    .filter(|(key, t)| *t > at(after) && !is_changed(key))
+                    .filter(|(key, t)| *t > at(after) && !left_out(key))
                     .map(|(_, t)| *t)
                     .take(n)
-                    .collect()
+                    .collect::<Vec<_>>()
             };
-            if let Some(found) = line.newest_after(at(after), n, is_changed) {
+            if let Some(found) = line(&all, since, limit).newest_after(at(after), n, is_changed) {
                 prop_assert!(after >= since, "answered for a window the line does not cover");
-                prop_assert_eq!(found, naive(after, n));
+                prop_assert_eq!(found, naive(after, n, &is_changed));
             }
-            // A claim's own question: its cap's count, from the line's
-            // window, with one item's (at most two) times left out.
-            let one: Vec<(String, DateTime<Utc>)> = all
-                .iter()
-                .filter(|(key, _)| key != "k0")
-                .cloned()
-                .chain(all.iter().filter(|(key, _)| key == "k0").take(2).cloned())
-                .collect::<Vec<_>>();
-            let mut one = one;
-            one.sort_by(|a, b| b.1.cmp(&a.1));
-            let count = limit.saturating_sub(LINE_SLACK as usize).max(1);
-            let claim_line = Line {
-                since: at(since),
-                newest: one.iter().take(count + LINE_SLACK as usize).cloned().collect(),
-                complete: one.len() < count + LINE_SLACK as usize,
-                cooldown: None,
-            };
-            let expected: Vec<DateTime<Utc>> = one
-                .iter()
-                .filter(|(key, t)| *t > at(since) && key != "k0")
-                .map(|(_, t)| *t)
-                .take(count)
-                .collect();
-            prop_assert_eq!(
-                claim_line.newest_after(at(since), count, |key| key == "k0"),
-                Some(expected)
-            );
+            // A claim's own question, when its item (`k0`) holds at most the
+            // two times an item can hold.
+            if all.iter().filter(|(key, _)| key == "k0").count() <= 2 {
+                let own = |key: &str| key == "k0";
+                let claim = line(&all, since, LINE_NEWEST as usize);
+                prop_assert_eq!(
+                    claim.newest_after(at(after.max(since)), 1, own),
+                    Some(naive(after.max(since), 1, &own))
+                );
+            }
         }
     }
 }
