@@ -84,9 +84,10 @@ END;
 # - enqueue: the destination's lock with `nextval` (`txn.rs`, `next_seq`),
 #   the row's insert carrying its pending audit event (`rows.rs`), `COMMIT`,
 #   then the wake-up outside the transaction (`notify.rs`);
-# - claim: the destination's lock, its line (head, send times in the cap's
-#   window, cooldown: `txn.rs`, `read_line`), the row's update with its send
-#   times, `COMMIT`;
+# - claim: the destination's lock, its line (head, the three newest send
+#   times, the cap's count-th newest found on the server (W2's cap is
+#   u32::MAX per minute), cooldown: `txn.rs`, `read_line`), the row's update
+#   with its send times, `COMMIT`;
 # - finish: the row's update with its send times and pending event, `COMMIT`;
 # - sealing, once every `seal_one_in` items (`sealing.rs`): the head `FOR
 #   UPDATE SKIP LOCKED`, the pending events taken, the records inserted and
@@ -113,7 +114,7 @@ BEGIN;
 SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
 SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
 SELECT pg_advisory_xact_lock(-1 - :d);
-SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, (SELECT until FROM {s}.cooldowns WHERE destination = 'chat-' || :d) FROM (SELECT array_agg(idempotency_key ORDER BY at, idempotency_key) AS keys, array_agg(at ORDER BY at, idempotency_key) AS ats FROM {s}.rate_times WHERE destination = 'chat-' || :d AND at >= now() - interval '1 minute') t LEFT JOIN LATERAL (SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE destination = 'chat-' || :d AND state = 'queued' AND NOT (idempotency_key = ANY('{{}}'::text[])) ORDER BY seq, created_at, idempotency_key LIMIT 1) h ON true;
+SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, (SELECT until FROM {s}.cooldowns WHERE destination = 'chat-' || :d), (SELECT at FROM {s}.rate_times WHERE destination = 'chat-' || :d AND at > now() - interval '1 minute' AND NOT (idempotency_key = ANY('{{}}'::text[])) ORDER BY at DESC OFFSET 4294967294 LIMIT 1) FROM (SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys, array_agg(at ORDER BY at DESC, idempotency_key) AS ats FROM (SELECT idempotency_key, at FROM {s}.rate_times WHERE destination = 'chat-' || :d AND at >= now() - interval '1 minute' ORDER BY at DESC LIMIT 3) r) t LEFT JOIN LATERAL (SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE destination = 'chat-' || :d AND state = 'queued' AND NOT (idempotency_key = ANY('{{}}'::text[])) ORDER BY seq, created_at, idempotency_key LIMIT 1) h ON true;
 WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT (at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING) UPDATE {s}.items SET revision = revision + 1, destination = 'chat-' || :d, state = 'queued', claimed = true, claim_owner = 'owner-1', next_attempt_at = NULL, transport_ref = NULL, doc = '{{"key":"key-' || :k || '","state":"claimed","pad":"' || repeat('x', {doc_pad}) || '"}}', seq = COALESCE(:seq, seq), created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k AND revision = 1;
 COMMIT;
 BEGIN;
