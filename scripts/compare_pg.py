@@ -2,6 +2,7 @@
 """PostgreSQL W2 figures beside their floor, in one run on one server.
 
     python3 scripts/compare_pg.py [--n 1000] [--n1 300] [--repeats 3] [--no-build]
+        [--before BENCH] [--also NAME=BENCH ...]
     python3 scripts/compare_pg.py --serve      # start the server, print its URL, wait
 
 Starts a throwaway PostgreSQL server as the test harness does
@@ -255,6 +256,9 @@ def main():
     ap.add_argument("--before", metavar="BENCH",
                     help="another bench binary (e.g. built from an older commit) to run "
                          "beside ours, at T=8 and T=1, for a paired before/after figure")
+    ap.add_argument("--also", metavar="NAME=BENCH", action="append", default=[],
+                    help="more bench binaries (e.g. one step of a change alone) to run at "
+                         "T=8 beside ours, each as its own case named NAME (repeatable)")
     ap.add_argument("--serve", action="store_true",
                     help="start the server, print its URL and wait for Ctrl-C")
     args = ap.parse_args()
@@ -417,6 +421,11 @@ def main():
                 8, args.n, args.before, name="before (PostgreSQL) T=8")
             cases["before (PostgreSQL) T=1"] = lambda: ours(
                 1, args.n1, args.before, name="before (PostgreSQL) T=1")
+        for also in args.also:
+            label, _, bench = also.partition("=")
+            name = f"{label} (PostgreSQL) T=8"
+            cases[name] = (lambda bench, name: lambda: ours(8, args.n, bench, name=name))(
+                bench, name)
         runs = {name: [] for name in cases}
         for _ in range(args.repeats):
             for name, case in cases.items():
