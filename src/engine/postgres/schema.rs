@@ -99,11 +99,12 @@ const MIGRATIONS: &[&str] = &[
     // every row version wrote its unique index and, while queued, two
     // partial indexes on it (an item's insert, claim and finish are three
     // row versions, none of them HOT: each changes an indexed column). The
-    // planner used one of them (`WHERE state = 'queued' AND NOT claimed`)
-    // only as the set of queued unclaimed rows, for the unordered fronts and
-    // the due summary; `EXPLAIN` shows it takes the queued index of version
-    // 2 for them now, filtering `claimed` (a queued row is claimed only while
-    // its send runs). Dropping the column drops those three indexes, and
+    // planner used two of them only for their predicates, as row sets: the
+    // queued rows (`(destination, enqueue_order) WHERE state = 'queued'`: due
+    // keys, due summary, fronts, queued counts) and the queued unclaimed ones
+    // (the unordered fronts and due summary); `EXPLAIN` shows it takes the
+    // queued index of version 2 for all of them now, filtering `claimed` (a
+    // queued row is claimed only while its send runs). Dropping the column drops those three indexes, and
     // with them the transport reference's index, which is made again
     // without it, in the order a lookup reads (`find_by_transport_ref`: the
     // first key). A binary of
