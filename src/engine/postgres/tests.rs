@@ -827,6 +827,75 @@ fn overlay_item(
     item
 }
 
+/// A committed send time: key, destination, time.
+type CommittedTime = (String, String, chrono::DateTime<Utc>);
+
+/// Replaces the send times and items of the test database with `case`'s
+/// committed times (one transaction); returns them.
+fn load_rate_case(
+    client: &mut postgres::Client,
+    case: &RateCase,
+    ago: impl Fn(i64) -> chrono::DateTime<Utc>,
+) -> Vec<CommittedTime> {
+    let mut committed: Vec<CommittedTime> = Vec::new();
+    for (key, secs) in &case.committed {
+        let row = (format!("k{key}"), format!("chat-{}", key % 2), ago(*secs));
+        if !committed.iter().any(|c| c.0 == row.0 && c.2 == row.2) {
+            committed.push(row);
+        }
+    }
+    let column = |i: usize| -> Vec<String> {
+        committed
+            .iter()
+            .map(|row| match i {
+                0 => row.0.clone(),
+                1 => row.1.clone(),
+                _ => row.2.to_rfc3339(),
+            })
+            .collect()
+    };
+    let mut setup = client.transaction().unwrap();
+    setup
+        .batch_execute("DELETE FROM durable_outbox.items; DELETE FROM durable_outbox.rate_times")
+        .unwrap();
+    setup
+        .execute(
+            "INSERT INTO durable_outbox.rate_times (idempotency_key, destination, at)
+             SELECT k, d, a::timestamptz FROM unnest($1::text[], $2::text[], $3::text[])
+               AS t(k, d, a)",
+            &[&column(0), &column(1), &column(2)],
+        )
+        .unwrap();
+    setup.commit().unwrap();
+    committed
+}
+
+/// The naive answer to each ask: `rate::nth_newest` over every committed
+/// time of the destination (or all) whose item is not in `changed`, and the
+/// changed items' own times.
+fn naive_answers(
+    committed: &[CommittedTime],
+    changed: &std::collections::BTreeMap<String, OutboxItem>,
+    asks: &[(Option<String>, chrono::DateTime<Utc>, usize)],
+) -> Vec<Option<chrono::DateTime<Utc>>> {
+    asks.iter()
+        .map(|(destination, after, n)| {
+            let matches = |d: &str| destination.as_deref().is_none_or(|want| want == d);
+            let times = committed
+                .iter()
+                .filter(|(key, d, _)| matches(d) && !changed.contains_key(key))
+                .map(|(_, _, at)| *at)
+                .chain(
+                    changed
+                        .values()
+                        .filter(|item| matches(&item.destination))
+                        .flat_map(crate::store::rate_times),
+                );
+            crate::rate::nth_newest(times, *after, *n)
+        })
+        .collect()
+}
+
 /// A cap's question (`Txn::nth_newest_time`: the `n`-th newest time in a
 /// window) read from PostgreSQL's newest end, bounded by `n` and served from a
 /// claim's line when the line holds the answer, gives what the naive count
@@ -862,48 +931,14 @@ fn a_cap_s_nth_newest_time_equals_the_naive_count_over_every_time() {
         ..Config::default()
     });
     let result = runner.run(&rate_case(), |case| {
-        let mut committed: Vec<(String, String, chrono::DateTime<Utc>)> = Vec::new();
-        for (key, secs) in &case.committed {
-            let row = (format!("k{key}"), format!("chat-{}", key % 2), ago(*secs));
-            if !committed.iter().any(|c| c.0 == row.0 && c.2 == row.2) {
-                committed.push(row);
-            }
-        }
-        let column = |i: usize| -> Vec<String> {
-            committed
-                .iter()
-                .map(|row| match i {
-                    0 => row.0.clone(),
-                    1 => row.1.clone(),
-                    _ => row.2.to_rfc3339(),
-                })
-                .collect()
-        };
-        // One transaction per case: the last case's rows out, this one's in.
-        let mut client = client.borrow_mut();
-        let mut setup = client.transaction().unwrap();
-        setup
-            .batch_execute(
-                "DELETE FROM durable_outbox.items; DELETE FROM durable_outbox.rate_times",
-            )
-            .unwrap();
-        setup
-            .execute(
-                "INSERT INTO durable_outbox.rate_times (idempotency_key, destination, at)
-                 SELECT k, d, a::timestamptz FROM unnest($1::text[], $2::text[], $3::text[])
-                   AS t(k, d, a)",
-                &[&column(0), &column(1), &column(2)],
-            )
-            .unwrap();
-        setup.commit().unwrap();
-        drop(client);
+        let committed = load_rate_case(&mut client.borrow_mut(), &case, ago);
         let overlay: Vec<OutboxItem> = case
             .overlay
             .iter()
             .map(|entry| overlay_item(*entry, now))
             .collect();
         // The transaction's items, the last of one key winning.
-        let mut changed: std::collections::BTreeMap<String, OutboxItem> = Default::default();
+        let mut changed = std::collections::BTreeMap::<String, OutboxItem>::new();
         for item in &overlay {
             changed.insert(item.idempotency_key.clone(), item.clone());
         }
@@ -924,23 +959,7 @@ fn a_cap_s_nth_newest_time_equals_the_naive_count_over_every_time() {
                 }
             })
             .collect();
-        let expected: Vec<Option<chrono::DateTime<Utc>>> = asks
-            .iter()
-            .map(|(destination, after, n)| {
-                let matches = |d: &str| destination.as_deref().is_none_or(|want| want == d);
-                let times = committed
-                    .iter()
-                    .filter(|(key, d, _)| matches(d) && !changed.contains_key(key))
-                    .map(|(_, _, at)| *at)
-                    .chain(
-                        changed
-                            .values()
-                            .filter(|item| matches(&item.destination))
-                            .flat_map(crate::store::rate_times),
-                    );
-                crate::rate::nth_newest(times, *after, *n)
-            })
-            .collect();
+        let expected = naive_answers(&committed, &changed, &asks);
         let scope = if case.one_item {
             Scope::OneItem("k0")
         } else {

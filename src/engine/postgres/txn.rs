@@ -125,10 +125,12 @@ struct Line {
     /// read returned fewer than it asked for).
     complete: bool,
     /// The cap's answer as the server found it: the `count`-th newest
-    /// committed time later than `since` (`None`: fewer are), read while
-    /// the transaction had changed nothing (else not kept: `None`), so
+    /// committed time later than `since` (`None`: fewer are). Kept
+    /// (`nth_kept`) when read while the transaction had changed nothing, so
     /// right while it still has not.
-    nth: Option<Option<DateTime<Utc>>>,
+    nth: Option<DateTime<Utc>>,
+    /// Whether `nth` was read while the transaction had changed nothing.
+    nth_kept: bool,
     /// The cap's count `nth` answers for.
     count: usize,
     /// The destination's committed cooldown.
@@ -397,7 +399,8 @@ impl<'e, 'c> PgTxn<'e, 'c> {
                 since,
                 newest: keys.into_iter().zip(ats).collect(),
                 complete,
-                nth: self.overlay.is_empty().then_some(nth),
+                nth,
+                nth_kept: self.overlay.is_empty(),
                 count: count as usize,
                 cooldown,
             },
@@ -813,12 +816,12 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             // Read with the line, under the destination's lock.
             self.read_line(destination, false)?;
             if let Some(line) = self.lines.get(destination) {
-                if let Some(nth) = line.nth
+                if line.nth_kept
                     && self.overlay.is_empty()
                     && after == line.since
                     && n == line.count
                 {
-                    return Ok(nth);
+                    return Ok(line.nth);
                 }
                 if let Some(newest) =
                     line.newest_after(after, n, |key| self.overlay.contains_key(key))
@@ -1163,6 +1166,7 @@ mod tests {
             newest: all.iter().take(limit).cloned().collect(),
             complete: all.len() < limit,
             nth: None,
+            nth_kept: false,
             count: 1,
             cooldown: None,
         }
@@ -1191,7 +1195,7 @@ mod tests {
                 .filter(|(_, secs)| *secs >= since)
                 .map(|(key, secs)| (format!("k{key}"), at(*secs)))
                 .collect();
-            all.sort_by(|a, b| b.1.cmp(&a.1));
+            all.sort_by_key(|row| std::cmp::Reverse(row.1));
             all.dedup();
             let changed: Vec<String> = changed.iter().map(|k| format!("k{k}")).collect();
             let is_changed = |key: &str| changed.iter().any(|c| c == key);
