@@ -112,6 +112,7 @@ fn blocking_here<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Opens connections to one server.
+#[derive(Clone)]
 pub(crate) struct Connector {
     config: tokio_postgres::Config,
 }

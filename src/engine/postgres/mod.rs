@@ -7,8 +7,9 @@
 //! Connections per handle: a small pool for reads and commits (one per thread
 //! calling at once, so the threads of one handle commit side by side; up to
 //! [`IDLE_CONNECTIONS`] kept open between calls), one dedicated to the owner's
-//! advisory lock ([`liveness`]), and one for `LISTEN` once a worker waits
-//! ([`notify`]). A closed reads/commits connection is dropped and a fresh one
+//! advisory lock ([`liveness`]), one for `LISTEN` once a worker waits, and
+//! one for the handle's wake-up sender thread, opened on the first commit
+//! that makes work due ([`notify`]). A closed reads/commits connection is dropped and a fresh one
 //! opened on the next call; a lost owner lock is taken again before the next
 //! claim.
 //!
@@ -135,6 +136,9 @@ pub(crate) struct PgEngine {
     pub(crate) faults: crate::failpoint::Failpoints,
     liveness: Mutex<liveness::Liveness>,
     listener: Mutex<Option<notify::Listener>>,
+    /// Sends the `NOTIFY`s that commits of this handle request, coalesced
+    /// (see [`notify`]); dropped with the handle, it sends what is pending.
+    wake: notify::Sender,
 }
 
 impl std::fmt::Debug for PgEngine {
@@ -156,6 +160,17 @@ impl PgEngine {
     /// Connects, creates or migrates the schema's tables, and registers and
     /// locks a fresh owner id.
     pub(crate) fn open(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
+        Self::open_with(url, schema, hasher, notify::COALESCE)
+    }
+
+    /// [`open`](Self::open), with `wake_interval` between coalesced
+    /// wake-ups (tests use a longer one than [`notify::COALESCE`]).
+    fn open_with(
+        url: &str,
+        schema: &str,
+        hasher: Hasher,
+        wake_interval: std::time::Duration,
+    ) -> Result<Self> {
         check_schema(schema)?;
         let connector = Connector::parse(url)?;
         let mut client = connector.connect()?;
@@ -183,6 +198,7 @@ impl PgEngine {
             }
         };
         liveness.verify(&mut client)?;
+        let wake = notify::Sender::start(&connector, schema, wake_interval)?;
         let engine = Self {
             connector,
             schema: schema.to_owned(),
@@ -197,6 +213,7 @@ impl PgEngine {
             faults: crate::failpoint::Failpoints::from_env(),
             liveness: Mutex::new(liveness),
             listener: Mutex::new(None),
+            wake,
         };
         // Events a crashed handle committed and never sealed go on the chain now.
         drop(client);

@@ -1,40 +1,338 @@
-//! Wake-ups across hosts with `LISTEN`/`NOTIFY`.
+//! Wake-ups across hosts with `LISTEN`/`NOTIFY`, coalesced.
 //!
-//! A commit that makes work due sends `NOTIFY` on the schema's channel right
-//! after its transaction committed, so the notification comes after the change
-//! is visible (and never for a rolled-back one); not inside the transaction,
-//! where PostgreSQL would hold its notify queue lock through the commit's WAL
-//! flush and so serialise every such commit. A waiting worker holds a
-//! dedicated connection that `LISTEN`s. A wake-up is a hint: the waiter reads
-//! the items again, and waits with a timeout so a missed notification (the
-//! listener was reconnecting) only delays work, never loses it.
+//! **A wake-up is a hint.** A waiting worker holds a dedicated connection
+//! that `LISTEN`s on the schema's [`channel`]; when woken it reads the items
+//! again, and it waits with a timeout, so a late or missed notification (the
+//! listener was reconnecting) only delays work, never loses it. A
+//! notification carries nothing: one sent after several commits announces
+//! them all.
+//!
+//! **Requesting costs a commit nothing.** A commit that makes an item
+//! claimable, once its `COMMIT` succeeded, calls [`Sender::request`]: a
+//! counter raised under a mutex, no statement on the commit's connection and
+//! no waiting. (Sending `NOTIFY` on that connection after each such commit
+//! was a fourth transaction per item on the enqueue–claim–finish path: a
+//! commit record, PostgreSQL's database-wide notify queue lock at commit,
+//! and a reply to wait for.) Each handle has one sender thread with a
+//! connection of its own, opened from the handle's connector (same server,
+//! settings and timeouts) on the first request, that sends `NOTIFY`:
+//!
+//! - the first request after a quiet period goes out at once, so a lone
+//!   enqueue is announced as fast as before;
+//! - requests that arrive while a `NOTIFY` is being sent, or within
+//!   [`COALESCE`] after one was sent, are merged into one trailing `NOTIFY`,
+//!   sent when that interval has passed.
+//!
+//! **Invariant:** a `NOTIFY` is sent only after a request, and a request is
+//! made only after the `COMMIT` it announces succeeded: a wake-up never comes
+//! before the change is visible, and never for a rolled-back transaction.
+//!
+//! **Invariant:** every request is followed by at least one `NOTIFY` that
+//! starts after it: the thread takes the request count before each send, and
+//! a count that grew meanwhile calls for another send. Dropping the handle
+//! sends what is pending at once and joins the thread.
+//!
+//! The sender's connection failing (the server restarted, an operator
+//! terminated the session) is logged and the connection opened again at once
+//! for the same `NOTIFY`; if that fails too, the request is given up (logged)
+//! and the next request connects again. It never blocks or fails a commit.
+//!
+//! The connection commits its `NOTIFY`s asynchronously (`synchronous_commit
+//! = off`): `NOTIFY` gives its transaction an id, so it commits with a WAL
+//! record, and a synchronous commit would wait for a flush of its own,
+//! holding the notify queue's lock through it. A server crash may take such
+//! a notification back; the change it announced was durable before it, and
+//! waiters read again after a restart anyway.
+//!
+//! Within one process, the worker is also woken without the server: an
+//! enqueue or a requeue on any clone of the handle calls the worker's
+//! in-process wake-up (`crate::wake`) after its commit.
 
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use postgres::Client;
 use postgres::fallible_iterator::FallibleIterator;
 
 use super::sealing::Seal;
 use super::{Connector, PgEngine, db, lock};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The channel of `schema`'s outbox.
 pub(crate) fn channel(schema: &str) -> String {
     format!("durable_outbox_{schema}")
 }
 
-/// The statement that sends a wake-up (parameter: the [`channel`]), outside
-/// any transaction (after the change it announces committed: the rules'
-/// commit sends it in the same pipeline, after its `COMMIT`): one short
-/// statement, its own transaction. `pg_notify` gives that transaction an id,
-/// so it commits with a WAL record; committed synchronously it would wait for
-/// a WAL flush of its own (a fourth one per item on the W2 path, after the
-/// enqueue's, the claim's and the finish's), holding the notify queue's lock
-/// through it. It commits asynchronously instead: a wake-up is a hint (see
-/// above), and one that a server crash takes back announced a change that
-/// was durable before it.
-pub(crate) const WAKE_SQL: &str =
-    "SELECT pg_notify($1, ''), set_config('synchronous_commit', 'off', true)";
+/// How long after a `NOTIFY` was sent the next one waits, collecting the
+/// requests that come meanwhile into one.
+///
+/// It bounds a handle's `NOTIFY`s to about a hundred a second however fast it
+/// commits (each costs the server about as much CPU as a fifth of an item on
+/// the enqueue–claim–finish path: at a thousand items a second, two per cent
+/// instead of a fifth), and it is the most a worker on another host wakes
+/// later than it would with one `NOTIFY` per commit. That delay only arises
+/// during a burst, whose first commit is announced at once: a worker idle
+/// when the burst starts is woken by it, and while it works it reads the
+/// items again after each send anyway. Ten milliseconds is small beside a
+/// send to a chat service (tens to hundreds of milliseconds).
+pub(crate) const COALESCE: Duration = Duration::from_millis(10);
+
+/// A handle's wake-up sender: [`request`](Self::request) after a commit that
+/// made work due; a thread of its own sends the `NOTIFY`s (see the module
+/// docs). Dropping it sends what is pending and joins the thread.
+pub(crate) struct Sender {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What the requesters and the sender thread share.
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled when a request finds the thread idle, when the handle
+    /// closes, and after each send (for tests that wait for one).
+    changed: Condvar,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Nothing in the state is left half-changed by a panic.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// Requests made so far.
+    requested: u64,
+    /// The request count the last send started after: every request up to
+    /// it has a `NOTIFY` (or a failed attempt at one) after it.
+    covered: u64,
+    /// `NOTIFY`s that reached the server.
+    sent: u64,
+    /// Whether the thread waits for a request (only then must a request
+    /// signal it: a commit pays for no system call otherwise).
+    idle: bool,
+    /// The handle is being dropped: send what is pending now, then end.
+    closing: bool,
+    /// The server process id of the sender's connection, once it connected
+    /// (for the log, and for tests that terminate it).
+    pid: Option<i32>,
+}
+
+/// A snapshot of a sender's counters, for tests.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stats {
+    pub(crate) requested: u64,
+    pub(crate) covered: u64,
+    pub(crate) sent: u64,
+    pub(crate) pid: Option<i32>,
+}
+
+impl Sender {
+    /// Starts the sender thread of the outbox in `schema`, sending at most
+    /// once per `interval` ([`COALESCE`]) after the first; it connects
+    /// through `connector` on the first request.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the thread cannot be started.
+    pub(crate) fn start(connector: &Connector, schema: &str, interval: Duration) -> Result<Self> {
+        let shared = Arc::new(Shared::default());
+        let mut line = Line {
+            connector: connector.clone(),
+            statement: format!("NOTIFY \"{}\"", channel(schema)),
+            client: None,
+            shared: Arc::clone(&shared),
+        };
+        Self::spawn(shared, interval, move || line.send())
+    }
+
+    /// Starts the thread that calls `send` (true: it reached the server) for
+    /// the requests, at most once per `interval` after the first.
+    fn spawn(
+        shared: Arc<Shared>,
+        interval: Duration,
+        send: impl FnMut() -> bool + Send + 'static,
+    ) -> Result<Self> {
+        let theirs = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("outbox-wake".into())
+            .spawn(move || run(&theirs, interval, send))
+            .map_err(|e| Error::Database {
+                op: "start the wake-up sender thread",
+                source: Box::new(e),
+            })?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Asks for a `NOTIFY` after a commit that made work due (call it only
+    /// once that `COMMIT` succeeded). Never blocks on the server.
+    pub(crate) fn request(&self) {
+        let mut state = self.shared.state();
+        state.requested += 1;
+        if state.idle {
+            state.idle = false;
+            self.shared.changed.notify_all();
+        }
+    }
+
+    /// The counters so far.
+    #[cfg(test)]
+    pub(crate) fn stats(&self) -> Stats {
+        let state = self.shared.state();
+        Stats {
+            requested: state.requested,
+            covered: state.covered,
+            sent: state.sent,
+            pid: state.pid,
+        }
+    }
+
+    /// Waits up to `limit` until every request so far has a send started
+    /// after it; the counters then.
+    #[cfg(test)]
+    pub(crate) fn settled(&self, limit: Duration) -> Stats {
+        let state = self.shared.state();
+        let target = state.requested;
+        let (state, _) = self
+            .shared
+            .changed
+            .wait_timeout_while(state, limit, |s| s.covered < target)
+            .unwrap_or_else(PoisonError::into_inner);
+        Stats {
+            requested: state.requested,
+            covered: state.covered,
+            sent: state.sent,
+            pid: state.pid,
+        }
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        self.shared.state().closing = true;
+        self.shared.changed.notify_all();
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::error!("the wake-up sender thread panicked");
+        }
+    }
+}
+
+/// The sender thread: waits for requests and calls `send` for them (see the
+/// module docs), until the handle closes with nothing pending.
+fn run(shared: &Shared, interval: Duration, mut send: impl FnMut() -> bool) {
+    // When the last send ended: the next waits until `interval` after it.
+    let mut last_end: Option<Instant> = None;
+    let mut state = shared.state();
+    loop {
+        if state.requested == state.covered {
+            if state.closing {
+                return;
+            }
+            state.idle = true;
+            shared.changed.notify_all();
+            state = shared
+                .changed
+                .wait_while(state, |s| s.idle && !s.closing)
+                .unwrap_or_else(PoisonError::into_inner);
+            state.idle = false;
+            continue;
+        }
+        let wait = last_end
+            .map(|end| (end + interval).saturating_duration_since(Instant::now()))
+            .filter(|wait| !wait.is_zero() && !state.closing);
+        if let Some(wait) = wait {
+            // Requests meanwhile join this one; closing ends the wait.
+            state = shared
+                .changed
+                .wait_timeout_while(state, wait, |s| !s.closing)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+            continue;
+        }
+        // Every request up to here was made before this send starts.
+        let target = state.requested;
+        drop(state);
+        let reached = send();
+        last_end = Some(Instant::now());
+        state = shared.state();
+        state.covered = target;
+        state.sent += u64::from(reached);
+        shared.changed.notify_all();
+    }
+}
+
+/// The sender thread's connection.
+struct Line {
+    connector: Connector,
+    /// `NOTIFY "<channel>"`.
+    statement: String,
+    /// Opened on the first send; dropped when it fails.
+    client: Option<Client>,
+    shared: Arc<Shared>,
+}
+
+impl Line {
+    /// Sends one `NOTIFY`; whether it reached the server. A connection that
+    /// turns out dead (a terminated session, a restarted server) is opened
+    /// again at once for the same `NOTIFY`; a failure is logged.
+    fn send(&mut self) -> bool {
+        loop {
+            let fresh = self.client.as_ref().is_none_or(Client::is_closed);
+            if fresh && !self.connect() {
+                return false;
+            }
+            let Some(client) = self.client.as_mut() else {
+                return false;
+            };
+            match client.batch_execute(&self.statement) {
+                Ok(()) => return true,
+                Err(e) => {
+                    let pid = self.shared.state().pid.take();
+                    self.client = None;
+                    if fresh {
+                        tracing::warn!(error = %e, pid, "could not send a wake-up (NOTIFY); the next request connects again");
+                        return false;
+                    }
+                    tracing::warn!(error = %e, pid, "the wake-up connection failed; sending the wake-up (NOTIFY) on a new one");
+                }
+            }
+        }
+    }
+
+    /// Opens the connection; false (logged) when that fails.
+    fn connect(&mut self) -> bool {
+        let opened = self.connector.connect().and_then(|mut client| {
+            // Asynchronous commits for this session's `NOTIFY`s (see the
+            // module docs); its server process id for the log.
+            let row = client
+                .query_one(
+                    "SELECT pg_backend_pid(), set_config('synchronous_commit', 'off', false)",
+                    &[],
+                )
+                .map_err(db("set up the wake-up connection"))?;
+            Ok((client, row.get::<_, i32>(0)))
+        });
+        match opened {
+            Ok((client, pid)) => {
+                self.client = Some(client);
+                self.shared.state().pid = Some(pid);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not open the wake-up connection; the next request tries again");
+                false
+            }
+        }
+    }
+}
 
 /// A connection that listens for wake-ups.
 pub(crate) struct Listener {
@@ -96,3 +394,6 @@ impl PgEngine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1046,6 +1046,96 @@ fn a_claim_reads_no_more_send_times_than_its_cap_needs() {
 
 #[test]
 fn a_version_3_schema_migrates_to_4_keeping_items_their_order_and_lookups() {
+/// A session that `LISTEN`s on the default schema's wake-up channel.
+fn listen(url: &str) -> postgres::Client {
+    let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
+    client
+        .batch_execute(&format!(
+            "LISTEN \"{}\"",
+            super::notify::channel(DEFAULT_SCHEMA)
+        ))
+        .unwrap();
+    client
+}
+
+/// Takes `n` notifications from `listener` (each within [`LIMIT`]), then
+/// any more already there; how many in all.
+fn hear(listener: &mut postgres::Client, n: u64) -> u64 {
+    use postgres::fallible_iterator::FallibleIterator;
+    let mut notifications = listener.notifications();
+    for heard in 0..n {
+        assert!(
+            notifications.timeout_iter(LIMIT).next().unwrap().is_some(),
+            "wake-ups: heard {heard} of {n} notifications within {LIMIT:?}"
+        );
+    }
+    n + u64::try_from(notifications.iter().count().unwrap()).unwrap()
+}
+
+/// Waits until no session has server process id `pid`.
+fn until_the_session_is_gone(db: &super::test_server::PgDatabase<'_>, pid: i32, what: &str) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while db.psql(&format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
+    )) != "0"
+    {
+        assert!(std::time::Instant::now() < deadline, "watchdog: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_burst_of_commits_sends_far_fewer_notifies_than_commits_and_one_after_the_last() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    // A longer interval than the default, so that "far fewer" holds however
+    // slowly a loaded machine commits (it is bounded by the interval below).
+    let interval = Duration::from_millis(50);
+    let engine = PgEngine::open_with(&db.url(), DEFAULT_SCHEMA, Hasher::Plain, interval).unwrap();
+    let mut listener = listen(&db.url());
+    let (threads, each) = (8, 50);
+    let start = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let engine = &engine;
+            scope.spawn(move || {
+                for i in 0..each {
+                    enqueue(engine, item(&format!("t{t}-{i}"), &format!("chat-{t}")));
+                }
+            });
+        }
+    });
+    let stats = engine.wake.settled(LIMIT);
+    let elapsed = start.elapsed();
+    let commits = threads * each;
+    eprintln!(
+        "wake-ups: {} NOTIFYs for {commits} commits in {elapsed:?}",
+        stats.sent
+    );
+    assert_eq!(stats.requested, commits, "every enqueue requests a wake-up");
+    assert_eq!(
+        stats.covered, commits,
+        "wake-ups: the last commit of the burst must have a NOTIFY sent after it"
+    );
+    // What the server delivered is what the sender says it sent.
+    assert_eq!(hear(&mut listener, stats.sent), stats.sent);
+    assert!(stats.sent >= 1);
+    assert!(
+        u128::from(stats.sent) <= 1 + elapsed.as_millis() / interval.as_millis(),
+        "wake-ups: {} NOTIFYs in {elapsed:?} exceed one per coalescing interval",
+        stats.sent
+    );
+    assert!(
+        stats.sent * 4 <= commits,
+        "wake-ups: {} NOTIFYs for {commits} commits in {elapsed:?} are not far fewer",
+        stats.sent
+    );
+}
+
+#[test]
+fn only_a_commit_that_succeeded_requests_a_wake_up_and_its_change_is_visible_when_it_comes() {
     let Some(server) = PgServer::shared() else {
         return;
     };
@@ -1126,4 +1216,112 @@ fn a_version_3_schema_migrates_to_4_keeping_items_their_order_and_lookups() {
         Some(3)
     );
     assert!(engine.verify_audit().is_ok());
+    let engine = open(&db.url());
+    let mut listener = listen(&db.url());
+    // An insert of key `refused` fails at `COMMIT` (a deferred trigger).
+    db.psql(&format!(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$; \
+         CREATE CONSTRAINT TRIGGER refuse AFTER INSERT ON {DEFAULT_SCHEMA}.items \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+         WHEN (NEW.idempotency_key = 'refused') EXECUTE FUNCTION public.refuse()"
+    ));
+    let message = |key: &str| crate::NewMessage {
+        idempotency_key: key.into(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: "chat".into(),
+        content: "body".into(),
+        ..Default::default()
+    };
+    let refused = message("refused");
+    let failed = engine.transact(Utc::now(), &defaults(), Scope::OneItem("refused"), |txn| {
+        insert_message(txn, &refused, &content_hash("body"))
+    });
+    assert!(
+        matches!(failed, Err(Error::Database { op: "commit", .. })),
+        "the commit fails: {failed:?}"
+    );
+    let rolled_back = message("rolled-back");
+    let failed = engine.transact(
+        Utc::now(),
+        &defaults(),
+        Scope::OneItem("rolled-back"),
+        |txn| {
+            insert_message(txn, &rolled_back, &content_hash("body"))?;
+            Err::<(), _>(Error::invalid_config("test", "the caller gives up"))
+        },
+    );
+    assert!(failed.is_err());
+    assert_eq!(
+        engine.wake.stats().requested,
+        0,
+        "wake-ups: a failed commit or a rollback must not request one"
+    );
+    enqueue(&engine, item("committed", "chat"));
+    assert_eq!(engine.wake.settled(LIMIT).sent, 1);
+    assert_eq!(hear(&mut listener, 1), 1, "one wake-up, for the one commit");
+    // Once it is heard, the change it announces is there to read.
+    let keys: Vec<String> = listener
+        .query(
+            &format!("SELECT idempotency_key FROM {DEFAULT_SCHEMA}.items"),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(keys, ["committed"]);
+}
+
+#[test]
+fn a_terminated_wake_up_connection_is_replaced_and_never_fails_a_commit() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    let mut listener = listen(&db.url());
+    enqueue(&engine, item("before", "chat"));
+    let before = engine.wake.settled(LIMIT);
+    assert_eq!(hear(&mut listener, 1), 1);
+    let pid = before
+        .pid
+        .expect("the sender connected for its first NOTIFY");
+    db.psql(&format!("SELECT pg_terminate_backend({pid})"));
+    until_the_session_is_gone(&db, pid, "the terminated wake-up session ends");
+    // The commit succeeds, and its wake-up still goes out, on a new session.
+    enqueue(&engine, item("after", "chat"));
+    let after = engine.wake.settled(LIMIT);
+    assert_eq!(
+        (after.covered, after.sent),
+        (2, 2),
+        "wake-ups: the NOTIFY that met the dead connection must be sent on a new one"
+    );
+    assert_ne!(after.pid, Some(pid));
+    assert_eq!(hear(&mut listener, 1), 1);
+}
+
+#[test]
+fn dropping_a_handle_closes_its_wake_up_session() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    let mut listener = listen(&db.url());
+    enqueue(&engine, item("k1", "chat"));
+    let pid = engine.wake.settled(LIMIT).pid.expect("connected");
+    enqueue(&engine, item("k2", "chat"));
+    let (done, dropped) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(engine);
+        done.send(()).ok();
+    });
+    dropped
+        .recv_timeout(LIMIT)
+        .expect("watchdog: dropping a handle joins its wake-up thread");
+    // Both commits' wake-ups went out (the second's at the drop, at the latest).
+    assert!(hear(&mut listener, 1) >= 1);
+    until_the_session_is_gone(&db, pid, "the wake-up session ends with its handle");
 }

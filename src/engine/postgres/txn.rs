@@ -39,10 +39,13 @@
 //! PostgreSQL can group the commits of concurrent writers into one WAL flush.
 //!
 //! Changes go to an overlay; [`PgTxn::commit`] writes the overlay and the
-//! pending events in the one `COMMIT`; the wake-up (`NOTIFY`) for an item
-//! that became claimable is sent right after it (a `NOTIFY` inside the
-//! transaction would serialise every such commit on PostgreSQL's notify queue
-//! lock, held through the commit's WAL flush). A failed statement or a dropped
+//! pending events in the one `COMMIT`; once it succeeded, a commit that made
+//! an item claimable requests a wake-up from the handle's sender thread,
+//! which sends the `NOTIFY`s, coalesced, on a connection of its own (see
+//! [`notify`](super::notify): a `NOTIFY` inside the transaction would
+//! serialise every such commit on PostgreSQL's notify queue lock, held
+//! through the commit's WAL flush, and one after it on the same connection
+//! costs a transaction per commit). A failed statement or a dropped
 //! connection ends the transaction with [`Error::Database`] and nothing of it
 //! is visible; a connection lost during `COMMIT` itself may or may not have
 //! committed, as the error says.
@@ -52,7 +55,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use chrono::{DateTime, Utc};
 
 use super::conn::{Done, Step};
-use super::{ItemWrite, PgEngine, db, lock_key, notify, pending_docs, run_named};
+use super::{ItemWrite, PgEngine, db, lock_key, pending_docs, run_named};
 use crate::audit::AuditEvent;
 use crate::engine::Expect;
 use crate::error::{Error, Result};
@@ -918,15 +921,15 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// Writes the overlay and the events (as pending, in order) in one
-    /// `COMMIT`, then sends a wake-up when an item became claimable. Returns
-    /// whether events were written (to be sealed now).
+    /// `COMMIT`, then, when an item became claimable, requests a wake-up
+    /// (see [`notify`](super::notify); nothing is sent on this connection).
+    /// Returns whether events were written (to be sealed now).
     ///
     /// One round trip when every row written is one this transaction locked
     /// (read `FOR UPDATE`, or absent under its key's lock: every rule's
     /// one-item transaction): no one else can change or add such a row before
     /// this transaction ends, so its conditional write cannot miss, and the
-    /// writes, the pending events, the `COMMIT` and the wake-up go as one
-    /// pipeline. (An insert then has no `ON CONFLICT` escape: a row that
+    /// writes, the pending events and the `COMMIT` go as one pipeline. (An insert then has no `ON CONFLICT` escape: a row that
     /// exists after all fails the statement, and the whole transaction rolls
     /// back.) Otherwise the writes go first, their row counts are checked,
     /// and the `COMMIT` follows.
@@ -967,8 +970,6 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         }
         let pending_sql = self.engine.pending_sql();
         let pending_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&docs];
-        let channel = notify::channel(&self.engine.schema);
-        let wake_params: [&(dyn postgres::types::ToSql + Sync); 1] = [&channel];
         let mut steps: Vec<(Step<'_>, &'static str)> = statements
             .iter()
             .map(|(sql, params, op)| (Step::Execute(sql, params), *op))
@@ -981,19 +982,13 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         }
         let written = if sure {
             steps.push((Step::Simple("COMMIT"), "commit"));
-            let end = steps.len();
-            if wake {
-                // After the `COMMIT`, outside the transaction (see `notify`).
-                steps.push((Step::Query(notify::WAKE_SQL, &wake_params), "wake"));
-            }
             let plain: Vec<Step<'_>> = steps.iter().map(|(step, _)| *step).collect();
-            let mut results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
+            let results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
             self.tx.mark_ended();
-            if let Some(Err(e)) = results.get(end) {
-                tracing::warn!(schema = %self.engine.schema, error = %e, "could not wake waiting workers");
-            }
-            results.truncate(end);
-            let mut done = Vec::with_capacity(end);
+            // Every statement, the `COMMIT` included, must have succeeded (a
+            // `COMMIT` after a failed statement rolls back without an error,
+            // so the first error is the one to return).
+            let mut done = Vec::with_capacity(steps.len());
             for (result, (_, op)) in results.into_iter().zip(&steps) {
                 done.push(result.map_err(db(op))?);
             }
@@ -1001,22 +996,21 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         } else {
             let done = run_named(&mut self.tx, &steps)?;
             Self::check_written(&done, &rows_at)?;
-            let mut end: Vec<(Step<'_>, &'static str)> = vec![(Step::Simple("COMMIT"), "commit")];
-            if wake {
-                end.push((Step::Query(notify::WAKE_SQL, &wake_params), "wake"));
-            }
-            let plain: Vec<Step<'_>> = end.iter().map(|(step, _)| *step).collect();
-            let results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
+            let results = self
+                .tx
+                .pipeline_each(&[Step::Simple("COMMIT")])
+                .map_err(db("commit"))?;
             self.tx.mark_ended();
-            let mut results = results.into_iter();
-            if let Some(Err(e)) = results.next() {
+            if let Some(Err(e)) = results.into_iter().next() {
                 return Err(db("commit")(e));
-            }
-            if let Some(Err(e)) = results.next() {
-                tracing::warn!(schema = %self.engine.schema, error = %e, "could not wake waiting workers");
             }
             done
         };
+        // Committed and visible: only now may waiting workers be woken (a
+        // request, sent by the handle's wake-up thread: see `notify`).
+        if wake {
+            self.engine.wake.request();
+        }
         Self::check_written(&written, &rows_at)?;
         crate::metrics::committed(
             self.events.iter().map(|e| {
