@@ -17,11 +17,14 @@
 //! wake (feature `tokio`): the delivery worker's wake-up latency, from `enqueue`
 //! returning to `send` being called, for N enqueues spaced 100 ms apart (so each
 //! finds the worker asleep): first through a clone of the worker's handle (the
-//! in-process notification), then from a child process (the journal watcher).
-//! Reports median, p99 and max in milliseconds:
+//! in-process notification), then from a child process (the journal watcher;
+//! with `--postgres`, the child is another handle, and the wake-up its
+//! commit's `NOTIFY`). Reports median, p99 and max in milliseconds:
 //!
 //! ```text
 //! cargo run --release --features tokio --example bench -- --workload wake --n 200 --dir /tmp/wake
+//! cargo run --release --features tokio,postgres --example bench -- --workload wake --n 200 \
+//!     --postgres postgres://postgres@127.0.0.1:5432/bench --schema wake
 //! ```
 //!
 //! W2 (`--workload w2 --threads T [--send-us U]`): one `Outbox` shared by T threads;
@@ -32,7 +35,7 @@
 //! directory, each with T threads and keys i ≡ p (mod P) of N (the parent
 //! prints the figure for all of them together).
 //!
-//! `--postgres URL [--schema NAME]` (feature `postgres`; W1 and W2): the same
+//! `--postgres URL [--schema NAME]` (feature `postgres`; W1, W2 and wake): the same
 //! workload on a PostgreSQL outbox in schema NAME (default `bench`; it must be
 //! new or empty), instead of `--dir`:
 //!
@@ -399,7 +402,7 @@ mod wake {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-    use durable_outbox::{Outbox, OutboxItem, SendError};
+    use durable_outbox::{OutboxItem, SendError};
 
     use super::{Args, message, open};
 
@@ -415,7 +418,7 @@ mod wake {
     /// Child process: enqueue N messages (keys `x-{i}`), printing each key
     /// with the time its enqueue returned.
     pub(super) fn enqueuer(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-        let outbox = Outbox::open(&args.dir)?;
+        let outbox = open(args)?;
         let mut out = std::io::stdout().lock();
         for i in 0..args.n {
             let mut m = message(i, format!("chat-{i}"));
@@ -473,13 +476,14 @@ mod wake {
         }
         std::thread::sleep(Duration::from_millis(200));
 
-        // Another process.
-        let child = std::process::Command::new(std::env::current_exe()?)
-            .args(["--workload", "wake-enqueuer", "--n", &args.n.to_string()])
-            .arg("--dir")
-            .arg(&args.dir)
-            .stdout(std::process::Stdio::piped())
-            .spawn()?;
+        // Another process (on PostgreSQL: another handle, as another host's).
+        let mut child = std::process::Command::new(std::env::current_exe()?);
+        child.args(["--workload", "wake-enqueuer", "--n", &args.n.to_string()]);
+        match &args.postgres {
+            Some(url) => child.args(["--postgres", url, "--schema", &args.schema]),
+            None => child.arg("--dir").arg(&args.dir),
+        };
+        let child = child.stdout(std::process::Stdio::piped()).spawn()?;
         let output = child.wait_with_output()?;
         if !output.status.success() {
             return Err("the enqueuing child failed".into());

@@ -83,8 +83,12 @@ END;
 #   stored settings and the owner probe in one statement, then the item's row
 #   `FOR UPDATE` (`transact.rs`, `open_txn`);
 # - enqueue: the destination's lock with `nextval` (`txn.rs`, `next_seq`),
-#   the row's insert carrying its pending audit event (`rows.rs`), `COMMIT`,
-#   then the wake-up outside the transaction (`notify.rs`);
+#   the row's insert carrying its pending audit event (`rows.rs`), `COMMIT`;
+# - the wake-up, once every `notify_one_in` items (ours' coalesced `NOTIFY`s
+#   in the same round, from `pg_stat_statements`, as for sealing): ours sends
+#   it from a connection of its own with asynchronous commits (`notify.rs`),
+#   here one statement after the enqueue on the same connection, committed
+#   asynchronously as ours' session does;
 # - claim: the destination's lock, its line (head, the three newest send
 #   times, the cap's count-th newest found on the server (W2's cap is
 #   u32::MAX per minute), cooldown: `txn.rs`, `read_line`), the row's update
@@ -102,6 +106,7 @@ END;
 OUR_SQL = r"""\set k random(1, 9000000000000000000)
 \set d random(0, :destinations - 1)
 \set seal random(1, :seal_one_in)
+\set wake random(1, :notify_one_in)
 \set gate 11
 \set owner 12
 BEGIN;
@@ -110,7 +115,9 @@ SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key 
 SELECT nextval('{s}.enqueue_seq') AS seq FROM (SELECT pg_advisory_xact_lock(-1 - :d)) l \gset
 WITH pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"queued","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) INSERT INTO {s}.items (idempotency_key, revision, destination, state, claimed, claim_owner, next_attempt_at, transport_ref, doc, seq, created_at, updated_at) VALUES ('key-' || :k, 1, 'chat-' || :d, 'queued', false, NULL, NULL, NULL, '{{"key":"key-' || :k || '","state":"queued","pad":"' || repeat('x', {doc_pad}) || '"}}', COALESCE(:seq, nextval('{s}.enqueue_seq')), now(), now());
 COMMIT;
+\if :wake = 1
 SELECT pg_notify('{chan}', ''), set_config('synchronous_commit', 'off', true);
+\endif
 BEGIN;
 SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
 SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
@@ -283,6 +290,9 @@ def main():
         # Items per sealing transaction in ours' last T=8 run (before any: a
         # typical figure).
         seal_one_in = [16]
+        # Items per `NOTIFY` in ours' last T=8 run (before any: one each, as
+        # before they were coalesced).
+        notify_one_in = [1]
 
         wal = {}
         base = {}
@@ -322,6 +332,11 @@ def main():
                              f"WHERE query LIKE '%INSERT INTO \"{schema}\".audit (seq%'"))
                 if seals:
                     seal_one_in[0] = max(1, round(n / seals))
+                notifies = int(server.psql(
+                    "bench", "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements "
+                             f"WHERE query LIKE 'NOTIFY \"durable_outbox_{schema}\"%'"))
+                if notifies:
+                    notify_one_in[0] = max(1, round(n / notifies))
             if name:
                 base_wal, base_cpu = base[bench]
                 wal.setdefault(name, []).append((used - base_wal) / (n - 1))
@@ -375,7 +390,8 @@ def main():
             out = subprocess.run(
                 [os.path.join(server.bin, "pgbench"), "-n", "-M", "prepared",
                  "-c", str(clients), "-j", str(min(clients, 2)), "-t", str(per_client),
-                 "-D", f"destinations={d}", "-D", f"seal_one_in={seal_one_in[0]}", "-f", path,
+                 "-D", f"destinations={d}", "-D", f"seal_one_in={seal_one_in[0]}",
+                 "-D", f"notify_one_in={notify_one_in[0]}", "-f", path,
                  "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
                 check=True, capture_output=True, text=True).stdout
             server.settle()
@@ -390,7 +406,8 @@ def main():
             cpu.setdefault(f"our SQL via pgbench {clients} clients", []).append(
                 (1000 * (server.cpu_s() - cpu_start) / items, 1000 * client_s / items))
             print(json.dumps({"impl": "our SQL via pgbench", "clients": clients,
-                              "items_per_s": tps, "seal_one_in": seal_one_in[0]}),
+                              "items_per_s": tps, "seal_one_in": seal_one_in[0],
+                              "notify_one_in": notify_one_in[0]}),
                   file=sys.stderr)
             return tps
 

@@ -1,5 +1,5 @@
 //! How a handle reaches its server: the URL parsed once ([`Connector`]),
-//! synchronous clients for the owner lock, `LISTEN` and migrations, and the
+//! synchronous clients for the owner lock, `LISTEN`, `NOTIFY` and migrations, and the
 //! handle's pool of reads/commits connections ([`conn`](super::conn)),
 //! each lent to one caller at a time.
 //!
@@ -136,7 +136,7 @@ impl Connector {
         Ok(Self { config })
     }
 
-    /// A synchronous client (owner lock, `LISTEN`, migrations).
+    /// A synchronous client (owner lock, `LISTEN`, `NOTIFY`, migrations).
     pub(crate) fn connect(&self) -> Result<Client> {
         postgres::Config::from(self.config.clone())
             .connect(NoTls)
