@@ -1046,6 +1046,88 @@ fn a_claim_reads_no_more_send_times_than_its_cap_needs() {
 
 #[test]
 fn a_version_3_schema_migrates_to_4_keeping_items_their_order_and_lookups() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let mut client = super::Connector::parse(&url).unwrap().connect().unwrap();
+    super::schema::migrate_to(&mut client, DEFAULT_SCHEMA, 3).unwrap();
+    // Items as version 3 wrote them (its statements are today's: neither
+    // names `enqueue_order`), one of them sent with a transport reference.
+    let mut sent = item("sent-one", "chat-1");
+    sent.state = ItemState::Sent;
+    sent.attempts = 1;
+    sent.sent_at = Some(sent.updated_at);
+    sent.transport_ref = Some("msg-77".into());
+    sent.seq = Some(1);
+    let mut queued = item("queued-one", "chat-1");
+    queued.seq = Some(2);
+    for item in [&sent, &queued] {
+        let row = super::rows::NewRow::of(item);
+        let written = client
+            .execute(
+                &super::rows::insert_item_sql("durable_outbox"),
+                &row.params(),
+            )
+            .unwrap();
+        assert_eq!(written, 1);
+    }
+    client
+        .execute("SELECT setval('durable_outbox.enqueue_seq', 3, false)", &[])
+        .unwrap();
+    drop(client);
+
+    let engine = open(&url);
+    assert_eq!(
+        db.psql("SELECT version FROM durable_outbox.outbox_meta"),
+        super::SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(
+        db.psql(
+            "SELECT count(*) FROM information_schema.columns
+             WHERE table_schema = 'durable_outbox' AND table_name = 'items'
+               AND column_name = 'enqueue_order'"
+        ),
+        "0",
+        "version 4 drops the column nothing reads, and its indexes"
+    );
+    let listed: Vec<(String, Option<u64>)> = engine
+        .live_items(Utc::now() - chrono::Duration::hours(1))
+        .unwrap()
+        .into_iter()
+        .map(|item| (item.idempotency_key, item.seq))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("queued-one".to_owned(), Some(2)),
+            ("sent-one".to_owned(), Some(1))
+        ]
+    );
+    let found = engine.find_ref(Some("chat-1"), "msg-77").unwrap();
+    assert_eq!(
+        found.map(|item| item.idempotency_key).as_deref(),
+        Some("sent-one"),
+        "the transport reference is still found"
+    );
+    assert_eq!(
+        db.psql(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'durable_outbox'
+               AND tablename = 'items' AND indexdef LIKE '%(transport_ref, idempotency_key)%'"
+        ),
+        "1",
+        "the lookup keeps an index"
+    );
+    // The rules run on the migrated table: a new item takes the next place.
+    enqueue(&engine, item("after", "chat-1"));
+    assert_eq!(
+        engine.item("after").unwrap().and_then(|item| item.seq),
+        Some(3)
+    );
+    assert!(engine.verify_audit().is_ok());
+}
+
 /// A session that `LISTEN`s on the default schema's wake-up channel.
 fn listen(url: &str) -> postgres::Client {
     let mut client = postgres::Client::connect(url, postgres::NoTls).unwrap();
@@ -1140,82 +1222,6 @@ fn only_a_commit_that_succeeded_requests_a_wake_up_and_its_change_is_visible_whe
         return;
     };
     let db = server.database();
-    let url = db.url();
-    let mut client = super::Connector::parse(&url).unwrap().connect().unwrap();
-    super::schema::migrate_to(&mut client, DEFAULT_SCHEMA, 3).unwrap();
-    // Items as version 3 wrote them (its statements are today's: neither
-    // names `enqueue_order`), one of them sent with a transport reference.
-    let mut sent = item("sent-one", "chat-1");
-    sent.state = ItemState::Sent;
-    sent.attempts = 1;
-    sent.sent_at = Some(sent.updated_at);
-    sent.transport_ref = Some("msg-77".into());
-    sent.seq = Some(1);
-    let mut queued = item("queued-one", "chat-1");
-    queued.seq = Some(2);
-    for item in [&sent, &queued] {
-        let row = super::rows::NewRow::of(item);
-        let written = client
-            .execute(
-                &super::rows::insert_item_sql("durable_outbox"),
-                &row.params(),
-            )
-            .unwrap();
-        assert_eq!(written, 1);
-    }
-    client
-        .execute("SELECT setval('durable_outbox.enqueue_seq', 3, false)", &[])
-        .unwrap();
-    drop(client);
-
-    let engine = open(&url);
-    assert_eq!(
-        db.psql("SELECT version FROM durable_outbox.outbox_meta"),
-        super::SCHEMA_VERSION.to_string()
-    );
-    assert_eq!(
-        db.psql(
-            "SELECT count(*) FROM information_schema.columns
-             WHERE table_schema = 'durable_outbox' AND table_name = 'items'
-               AND column_name = 'enqueue_order'"
-        ),
-        "0",
-        "version 4 drops the column nothing reads, and its indexes"
-    );
-    let listed: Vec<(String, Option<u64>)> = engine
-        .live_items(Utc::now() - chrono::Duration::hours(1))
-        .unwrap()
-        .into_iter()
-        .map(|item| (item.idempotency_key, item.seq))
-        .collect();
-    assert_eq!(
-        listed,
-        [
-            ("queued-one".to_owned(), Some(2)),
-            ("sent-one".to_owned(), Some(1))
-        ]
-    );
-    let found = engine.find_ref(Some("chat-1"), "msg-77").unwrap();
-    assert_eq!(
-        found.map(|item| item.idempotency_key).as_deref(),
-        Some("sent-one"),
-        "the transport reference is still found"
-    );
-    assert_eq!(
-        db.psql(
-            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'durable_outbox'
-               AND tablename = 'items' AND indexdef LIKE '%(transport_ref, idempotency_key)%'"
-        ),
-        "1",
-        "the lookup keeps an index"
-    );
-    // The rules run on the migrated table: a new item takes the next place.
-    enqueue(&engine, item("after", "chat-1"));
-    assert_eq!(
-        engine.item("after").unwrap().and_then(|item| item.seq),
-        Some(3)
-    );
-    assert!(engine.verify_audit().is_ok());
     let engine = open(&db.url());
     let mut listener = listen(&db.url());
     // An insert of key `refused` fails at `COMMIT` (a deferred trigger).
