@@ -625,10 +625,12 @@ impl Outbox {
     /// the lock (again on each rerun of a transaction PostgreSQL rolled
     /// back). Returns the members and the batch's result; `ran` not called
     /// means the rules failed (or the transaction never began) and nothing
-    /// was written. Finished claims leave the in-flight set, except when the
-    /// rules or `ran` failed (the caller then records each member's send in
-    /// a step of its own, which takes it out); claims of a batch that did not
-    /// commit leave it too.
+    /// was written. The members' finished claims stay in the in-flight set:
+    /// each member takes its own out when it is dropped (the worker's
+    /// `Finished`), since after a batch whose rules failed its caller records
+    /// each member's send in a step of its own, and until then no look may
+    /// take it for an orphan. Claims of a batch that did not commit leave
+    /// the set here.
     ///
     /// A panic in the rules (or in `ran`) is caught once the transaction has
     /// unwound (nothing of it committed) and handed back with the members,
@@ -643,13 +645,11 @@ impl Outbox {
         let mut collect = Some(collect);
         let mut members: Vec<M> = Vec::new();
         let mut claimed_here: Vec<ClaimId> = Vec::new();
-        let mut ran_ok = false;
         let batched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.transact(|actor, txn| {
                 // A rerun (the server rolled the attempt back) keeps the members
                 // it took and undoes what the attempt did outside the database.
                 let rerun = collect.is_none();
-                ran_ok = false;
                 if collect.is_some() {
                     // A fault on the way in, before the batch has members.
                     self.check_failpoint("step.collect", "batched step")?;
@@ -693,31 +693,16 @@ impl Outbox {
                         .map(|(item, _)| ClaimId::of(item)),
                 );
                 ran(&members)?;
-                ran_ok = true;
                 Ok(batched)
             })
         }));
-        let mut in_flight = self.in_flight();
-        // A batch whose rules (or `ran`) failed wrote nothing, and its caller
-        // records each member's finished send in a step of its own: until then those
-        // sends stay ours, in flight, so that no look in between (another
-        // slot's step, a `process` of the key) takes one for an orphan and
-        // declares it ambiguous.
-        let members_step_alone = matches!(batched, Ok(Err(_))) && !ran_ok;
-        for member in &members {
-            if let Some((claim, _)) = member.member().finished
-                && !members_step_alone
-            {
-                in_flight.remove(claim);
-            }
-        }
         if !matches!(batched, Ok(Ok(_))) {
             // A claim that did not commit is not in flight.
+            let mut in_flight = self.in_flight();
             for claim in &claimed_here {
                 in_flight.remove(claim);
             }
         }
-        drop(in_flight);
         (members, batched)
     }
 

@@ -448,7 +448,9 @@ struct StepQueue {
 
 /// One slot's step, waiting to be batched.
 struct Request {
-    finished: Option<(ClaimId, SendResult)>,
+    /// Declared first, so dropped first: a request dropped unanswered takes
+    /// its send out of the in-flight set before its slot learns it is gone.
+    finished: Option<Finished>,
     claims: usize,
     reply: oneshot::Sender<Reply>,
 }
@@ -456,9 +458,43 @@ struct Request {
 impl AsMember for Request {
     fn member(&self) -> Member<'_> {
         Member {
-            finished: self.finished.as_ref().map(|(claim, r)| (claim, r)),
+            finished: self.finished.as_ref().map(|f| (&f.claim, &f.result)),
             claims: self.claims,
         }
+    }
+}
+
+/// A slot's finished send on its way to its record. Its claim stays in the
+/// handle's in-flight set for exactly as long as this lives, and leaves it
+/// when this is dropped, whichever way: recorded by a batch, failed, or
+/// dropped unrecorded with its request (a leader that unwound, a runtime
+/// gone). Kept in flight meanwhile, no look takes the send for an orphan
+/// (which would settle it as ambiguous under its running record); taken out
+/// after, an unrecorded send is settled by the next look as any unrecorded
+/// claim is (ambiguous, never resent), instead of being reported in flight,
+/// skipped by every drain and holding its chat's line, for as long as the
+/// handle lives. A claim made meanwhile with the same stamp is made a
+/// microsecond apart (`lifecycle::apart_from_our_sends`), so this never
+/// takes out another send's mark.
+pub(crate) struct Finished {
+    outbox: Outbox,
+    claim: ClaimId,
+    result: SendResult,
+}
+
+impl Finished {
+    fn new(outbox: &Outbox, claim: ClaimId, result: SendResult) -> Self {
+        Self {
+            outbox: outbox.clone(),
+            claim,
+            result,
+        }
+    }
+}
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.outbox.in_flight().remove(&self.claim);
     }
 }
 
@@ -469,7 +505,7 @@ enum Reply {
     /// The batch's write or sync failed.
     Failed(Error),
     /// The batch's rules failed and nothing was written: step alone.
-    Alone(Option<(ClaimId, SendResult)>, usize),
+    Alone(Option<Finished>, usize),
     /// The batch's rules panicked and nothing was written: raise this panic
     /// in the slot, as a panic in the rules of a single step is.
     Panicked(Box<dyn std::any::Any + Send>),
@@ -547,17 +583,7 @@ impl Steps {
                 // so whichever slot ends first stops the worker with it.
                 // Nobody records the members' finished sends now: they are
                 // no longer ours to keep in flight (a later look settles
-                // them). `step_batch` took out those of members it
-                // collected; requests taken from the queue above, after a
-                // panic before the collection, are taken out here.
-                if taken_from_queue {
-                    let mut in_flight = outbox.in_flight();
-                    for member in &members {
-                        if let Some((claim, _)) = &member.finished {
-                            in_flight.remove(claim);
-                        }
-                    }
-                }
+                // them), and leave the in-flight set with their requests.
                 let message = panic_copy(payload.as_ref());
                 let mut payload = Some(payload);
                 for member in members {
@@ -615,8 +641,11 @@ impl Drop for Unwinding<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() && !self.handed.get() {
             let mut queue = self.steps.queue();
-            queue.waiting.clear();
+            let dropped = std::mem::take(&mut queue.waiting);
             queue.gathering = false;
+            drop(queue);
+            // Each takes its finished send out of the in-flight set.
+            drop(dropped);
         }
     }
 }
@@ -681,11 +710,10 @@ fn answer(outbox: &Outbox, ctx: &StepCtx<'_>, members: Vec<Request>, batched: Ba
 fn step_alone(
     outbox: &Outbox,
     ctx: &StepCtx<'_>,
-    finished: Option<(ClaimId, SendResult)>,
+    finished: Option<Finished>,
     claims: usize,
 ) -> Result<Vec<ClaimTicket>> {
     let (reply, _answer) = oneshot::channel();
-    let claim = finished.as_ref().map(|(claim, _)| claim.clone());
     let alone = Request {
         finished,
         claims,
@@ -693,18 +721,10 @@ fn step_alone(
     };
     let pick = (!ctx.stopping.load(Ordering::Acquire)).then_some(ctx.picker);
     let (members, result) = outbox.step_batch(|| vec![alone], pick, |_| Ok(()));
-    let batched = match result.unwrap_or_else(|payload| std::panic::resume_unwind(payload)) {
-        Ok(batched) => batched,
-        Err(e) => {
-            // Nobody records this send after us: it is no longer ours to
-            // keep in flight (a later look settles it, as after a failed
-            // single step).
-            if let Some(claim) = &claim {
-                outbox.in_flight().remove(claim);
-            }
-            return Err(e);
-        }
-    };
+    // Whatever happens, the member's send leaves the in-flight set with it:
+    // recorded, or, after an error, nobody records it after us (a later look
+    // settles it, as after a failed single step).
+    let batched = result.unwrap_or_else(|payload| std::panic::resume_unwind(payload))?;
     let claimed = count_outcomes(ctx, batched);
     drop(members);
     Ok(claimed
@@ -805,11 +825,11 @@ async fn claim_next<F>(
 where
     F: Send + Sync + 'static,
 {
-    if let Some((claim, _)) = &finished
-        && let Err(e) = shared.outbox.check_after_send()
-    {
-        shared.outbox.in_flight().remove(claim);
-        return Err(e);
+    // From here on the send leaves the in-flight set when `finished` is
+    // dropped: on an error here, or with its request, recorded or not.
+    let finished = finished.map(|(claim, result)| Finished::new(&shared.outbox, claim, result));
+    if finished.is_some() {
+        shared.outbox.check_after_send()?;
     }
     let (reply, answer) = oneshot::channel();
     if shared.steps.push(Request {
@@ -831,7 +851,9 @@ where
             .await
         }
         // The leader unwound before answering (or the runtime is shutting
-        // down): nothing of this step is known to be durable.
+        // down): nothing of this step is known to be durable. The request
+        // was dropped unanswered, and its finished send with it, out of the
+        // in-flight set: the next look settles it.
         Err(_) => Err(Error::io(
             shared.outbox.location(),
             "batched step",
@@ -1252,12 +1274,13 @@ mod tests {
     /// Queues a slot's step; the first queued starts the gathering.
     fn queue(
         steps: &Steps,
-        finished: (ClaimId, SendResult),
+        outbox: &Outbox,
+        (claim, result): (ClaimId, SendResult),
         claims: usize,
     ) -> oneshot::Receiver<Reply> {
         let (reply, answer) = oneshot::channel();
         steps.push(Request {
-            finished: Some(finished),
+            finished: Some(Finished::new(outbox, claim, result)),
             claims,
             reply,
         });
@@ -1285,9 +1308,9 @@ mod tests {
         let steps = Steps::default();
         // Recording a send of an item that does not exist fails in the rules.
         let answers = [
-            ("ghost", queue(&steps, delivered(&ghost()), 0)),
-            ("a", queue(&steps, delivered(a), 0)),
-            ("b", queue(&steps, delivered(b), 0)),
+            ("ghost", queue(&steps, outbox, delivered(&ghost()), 0)),
+            ("a", queue(&steps, outbox, delivered(a), 0)),
+            ("b", queue(&steps, outbox, delivered(b), 0)),
         ];
         lead(&steps, outbox, &ctx);
         for (name, mut answer) in answers {
@@ -1325,9 +1348,9 @@ mod tests {
         let steps = Steps::default();
         let unavailable: SendResult = Ok(Err(SendError::retryable("http_503")));
         let answers = [
-            ("ghost", queue(&steps, delivered(&ghost()), 0)),
-            ("a", queue(&steps, delivered(a), 0)),
-            ("b", queue(&steps, (b.clone(), unavailable), 0)),
+            ("ghost", queue(&steps, outbox, delivered(&ghost()), 0)),
+            ("a", queue(&steps, outbox, delivered(a), 0)),
+            ("b", queue(&steps, outbox, (b.clone(), unavailable), 0)),
         ];
         lead(&steps, outbox, &ctx);
         let looked = outbox
@@ -1375,8 +1398,8 @@ mod tests {
         } = &fixture;
         let ctx = fixture.ctx();
         let steps = Steps::default();
-        let mut a = queue(&steps, delivered(a), 0);
-        let mut b = queue(&steps, delivered(b), 0);
+        let mut a = queue(&steps, outbox, delivered(a), 0);
+        let mut b = queue(&steps, outbox, delivered(b), 0);
         steps.lead(outbox, &ctx, || {
             panic!("nothing was queued behind the batch")
         });
@@ -1441,8 +1464,8 @@ mod tests {
         let ctx = fixture.ctx();
         let steps = Steps::default();
         let mut answers = [
-            queue(&steps, delivered(a), 0),
-            queue(&steps, delivered(b), 0),
+            queue(&steps, outbox, delivered(a), 0),
+            queue(&steps, outbox, delivered(b), 0),
         ];
         lead(&steps, outbox, &ctx);
         for answer in &mut answers {
@@ -1467,6 +1490,89 @@ mod tests {
         );
     }
 
+    /// A leader that unwinds before handing leadership on (here: as when
+    /// spawning the next leader panics, which tokio does when the OS
+    /// refuses it a thread) drops the requests queued behind its batch
+    /// unanswered: `claim_next` then returns "the leader of the step's batch
+    /// is gone", and nobody will record that slot's finished send. It must
+    /// leave the handle's in-flight set: a send left marked is reported in
+    /// flight by every look, skipped by every drain of this handle and holds
+    /// its chat's line until the handle is dropped, so its item never
+    /// leaves. Other sends of the handle stay marked.
+    #[test]
+    fn a_finished_send_whose_leader_is_gone_does_not_stay_in_flight() {
+        let fixture = TwoClaimed::new(&[], false);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let shared = Arc::new(Shared {
+            outbox: outbox.clone(),
+            send: (),
+            picker: Mutex::new(Picker::worker()),
+            steps: Steps::default(),
+            runtime: runtime.handle().clone(),
+            stopping: AtomicBool::new(false),
+            cancelled: watch::channel(false).1,
+            tally: Mutex::new(Tally::default()),
+            keep_panics: false,
+        });
+        // A leader is gathering a batch: a's step queues behind it.
+        shared.steps.queue().gathering = true;
+        let stepped = runtime.block_on(async {
+            let mut stepping = std::pin::pin!(claim_next(&shared, Some(delivered(a)), 1));
+            tokio::select! {
+                biased;
+                _ = &mut stepping => panic!("a's step was answered without a leader"),
+                () = tokio::task::yield_now() => {}
+            }
+            assert_eq!(shared.steps.queue().waiting.len(), 1, "a's step is queued");
+            // The leader unwinds before it hands leadership on.
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _leader = Unwinding {
+                    steps: &shared.steps,
+                    handed: Cell::new(false),
+                };
+                panic!("OS can't spawn worker thread");
+            }));
+            assert!(unwound.is_err());
+            stepping.await
+        });
+        match stepped {
+            Err(Error::Io {
+                op: "batched step", ..
+            }) => {}
+            other => panic!(
+                "a's slot was not told its leader is gone: {:?}",
+                other.map(|t| t.len())
+            ),
+        }
+        assert!(
+            !outbox.in_flight().contains("a", a.stamp()),
+            "a's unrecorded send was left in flight"
+        );
+        assert!(
+            outbox.in_flight().contains("b", b.stamp()),
+            "b, still being sent, was taken out of flight"
+        );
+        // What a user sees: a look settles a's unrecorded send (it may have
+        // left: failed as ambiguous, never sent again).
+        let looked = outbox
+            .process("a", |_| -> std::result::Result<Option<String>, SendError> {
+                panic!("a was sent again after its record was lost")
+            })
+            .expect("look at a");
+        assert_eq!(
+            looked.outcome,
+            Outcome::Failed,
+            "a's unrecorded send still looks in flight: {looked:?}"
+        );
+    }
+
     #[test]
     fn a_failed_sync_fails_every_member_of_its_batch_and_reports_none() {
         use crate::FailAction;
@@ -1487,8 +1593,8 @@ mod tests {
         } = &fixture;
         let ctx = fixture.ctx();
         let steps = Steps::default();
-        let mut b = queue(&steps, delivered(b), 0);
-        let mut a = queue(&steps, delivered(a), 1);
+        let mut b = queue(&steps, outbox, delivered(b), 0);
+        let mut a = queue(&steps, outbox, delivered(a), 1);
         lead(&steps, outbox, &ctx);
         match b.try_recv() {
             Ok(Reply::Failed(Error::Io { op: "fsync", .. })) => {}
