@@ -6,7 +6,11 @@
 //! future is first polled. A future that is dropped mid-send (a timeout, a
 //! `select!` that went the other way, a cancelled task) may or may not have
 //! delivered: the item fails as [`SEND_CANCELLED`], is never resent, and an
-//! operator may requeue it.
+//! operator may requeue it. A send that has finished is recorded whatever
+//! happens next: every write that must follow a send (its record, the
+//! record of its cancellation, the release of an unused claim) runs exactly
+//! once, on the blocking pool or, when a runtime shutting down drops it
+//! there unrun, where it is dropped (`off_the_runtime_on`).
 
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -57,6 +61,9 @@ impl Outbox {
     ///
     /// Dropping the returned future while `send` is in progress fails the item as
     /// [`SEND_CANCELLED`] (recorded on the blocking pool); it is never resent.
+    /// Once `send` has finished, its outcome is recorded even if the future is
+    /// dropped, or the runtime shuts down, before the blocking pool runs the
+    /// record: a pool that drops the record unrun runs it where it drops it.
     ///
     /// # Panics
     ///
@@ -159,17 +166,12 @@ impl Outbox {
             tracing::Instrument::instrument(CatchUnwind(Box::pin(send(item))), span).await;
         guard.disarm();
         let outbox = self.clone();
-        let recorded = tokio::task::spawn_blocking(move || {
-            // Record first; a panic is resumed here, on the blocking thread, and
-            // surfaces below as the join error's payload.
-            outbox.record_result(&claim, result)
-        })
-        .await;
-        let (receipt, retry_wait) = match recorded {
-            Ok(recorded) => recorded?,
-            Err(join) if join.is_panic() => resume_unwind(join.into_panic()),
-            Err(join) => return Err(pool_gone(self, &join)),
-        };
+        // The send ran: its record must be written even if this future is
+        // dropped now or the runtime shuts down before the pool runs it. A
+        // panic in `send` is resumed by `record_result` after recording, and
+        // here, in the caller.
+        let (receipt, retry_wait) =
+            must_run(self, move || outbox.record_result(&claim, result)).await?;
         Ok(Step::Sent(receipt, retry_wait))
     }
 }
@@ -233,35 +235,88 @@ impl Drop for ClaimTicket {
 }
 
 /// Runs `work` on the current runtime's blocking pool, or right here outside
-/// a runtime, for a guard's `Drop` that must write. A pool whose runtime is
-/// shutting down drops the task it is handed without running it: `work` then
-/// runs where it is dropped. Skipping it would leave the guarded claim in
-/// place and marked in flight: an unused claim would be failed as ambiguous
-/// by a later open although its send never started, and the handle, used on
-/// after its runtime, would report the item in flight for the rest of its life.
+/// a runtime, for a guard's `Drop` that must write (see [`off_the_runtime_on`]).
 fn off_the_runtime(work: impl FnOnce() + Send + 'static) {
+    let runtime = tokio::runtime::Handle::try_current().ok();
+    off_the_runtime_on(runtime.as_ref(), move |_| work());
+}
+
+/// Where work handed to [`off_the_runtime_on`] ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ran {
+    /// On the blocking pool, as asked.
+    OnThePool,
+    /// Where the pool dropped it (its runtime is shutting down), or right
+    /// away, without a runtime.
+    WhereDropped,
+}
+
+/// Runs `work` exactly once, on `runtime`'s blocking pool, or right here
+/// without one: a write that must not be skipped. A pool whose runtime is
+/// shutting down drops the task it is handed without running it (a task
+/// handed over once the shutdown began is dropped at once, by the thread that
+/// hands it over; one still queued when the pool's threads wind down, by
+/// them): `work` then runs where it is dropped, and is told so. Skipping it
+/// would lose what it writes: the record of a send that ran (the claim left
+/// behind is settled as ambiguous after a restart, and until then the
+/// handle, used on after its runtime, reports the item in flight), or the
+/// release of an unused claim (failed as ambiguous later although its send
+/// never started).
+pub(crate) fn off_the_runtime_on(
+    runtime: Option<&tokio::runtime::Handle>,
+    work: impl FnOnce(Ran) + Send + 'static,
+) {
     let once = RunOnce(Some(work));
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => drop(runtime.spawn_blocking(move || once.run())),
-        Err(_) => once.run(),
+    match runtime {
+        Some(runtime) => drop(runtime.spawn_blocking(move || once.run())),
+        None => drop(once),
+    }
+}
+
+/// [`off_the_runtime_on`] the current runtime for a write whose caller
+/// awaits its result: the record of a send that ran, which must be written
+/// even if the caller's future is dropped or the runtime shuts down before
+/// the pool gets to it. A panic in `work` is resumed in the caller.
+///
+/// # Errors
+///
+/// `work`'s; [`Error::Io`] if it was dropped unrun (it never is: the pool
+/// either runs it or drops it, which runs it).
+pub(crate) async fn must_run<T: Send + 'static>(
+    outbox: &Outbox,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (done, result) = tokio::sync::oneshot::channel();
+    off_the_runtime(move || {
+        // Nobody may be waiting any more: the write is what matters.
+        let _ = done.send(catch_unwind(AssertUnwindSafe(work)));
+    });
+    match result.await {
+        Ok(Ok(result)) => result,
+        Ok(Err(panic)) => resume_unwind(panic),
+        Err(_) => Err(Error::io(
+            outbox.location(),
+            "run blocking task",
+            std::io::Error::other("a write handed to the blocking pool was dropped unrun"),
+        )),
     }
 }
 
 /// Work that runs exactly once: when asked, or else when dropped.
-struct RunOnce<F: FnOnce()>(Option<F>);
+struct RunOnce<F: FnOnce(Ran)>(Option<F>);
 
-impl<F: FnOnce()> RunOnce<F> {
+impl<F: FnOnce(Ran)> RunOnce<F> {
     fn run(mut self) {
         if let Some(work) = self.0.take() {
-            work();
+            work(Ran::OnThePool);
         }
     }
 }
 
-impl<F: FnOnce()> Drop for RunOnce<F> {
+impl<F: FnOnce(Ran)> Drop for RunOnce<F> {
     fn drop(&mut self) {
         if let Some(work) = self.0.take() {
-            work();
+            work(Ran::WhereDropped);
         }
     }
 }

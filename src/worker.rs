@@ -35,7 +35,9 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinSet;
 
-use crate::asynchronous::{CatchUnwind, ClaimTicket, blocking, pool_gone};
+use crate::asynchronous::{
+    CatchUnwind, ClaimTicket, Ran, blocking, must_run, off_the_runtime_on, pool_gone,
+};
 use crate::error::{Error, Result};
 use crate::item::{ClaimId, OutboxItem};
 use crate::lock::CounterProbe;
@@ -211,6 +213,9 @@ where
     /// [`SEND_PANICKED`](crate::SEND_PANICKED) and the worker carries on.
     /// Dropping the returned future instead of completing `shutdown` cancels
     /// running sends at once (as `SEND_CANCELLED`) and releases unstarted claims.
+    /// Sends that finished are recorded even when the runtime shuts down
+    /// before their step ran: the step then runs where the runtime drops it,
+    /// and claims nothing more.
     ///
     /// # Panics
     ///
@@ -864,12 +869,21 @@ where
 
 /// Starts a batch's leader on the blocking pool; it hands leadership on the
 /// same way when requests queued behind its batch.
+///
+/// The leader always runs: its batch records sends that ran. A runtime
+/// shutting down drops the task instead of running it, and the leader then
+/// runs where it is dropped ([`off_the_runtime_on`]), as a step of a worker
+/// shutting down: it records the finished sends and claims nothing more
+/// (nothing would send a claim from a runtime that is going away).
 fn spawn_leader<F>(shared: &Arc<Shared<F>>)
 where
     F: Send + Sync + 'static,
 {
     let work = Arc::clone(shared);
-    shared.runtime.spawn_blocking(move || {
+    off_the_runtime_on(Some(&shared.runtime), move |ran| {
+        if ran == Ran::WhereDropped {
+            work.stopping.store(true, Ordering::Release);
+        }
         work.steps
             .lead(&work.outbox, &work.ctx(), || spawn_leader(&work));
     });
@@ -903,7 +917,7 @@ where
                 guard.disarm();
                 let outbox = shared.outbox.clone();
                 let owned = claim.clone();
-                blocking(&shared.outbox, move || outbox.abandon(&owned, SEND_CANCELLED)).await?;
+                must_run(&shared.outbox, move || outbox.abandon(&owned, SEND_CANCELLED)).await?;
                 shared.tally().cancelled += 1;
                 return Ok(SlotEnd::Idle);
             }
@@ -920,7 +934,7 @@ where
         if let Some(payload) = panic {
             // Record, claim nothing more, and hand the panic to the drain's caller.
             let outbox = shared.outbox.clone();
-            let recorded = blocking(&shared.outbox, move || {
+            let recorded = must_run(&shared.outbox, move || {
                 outbox.step(Some((&claim, &result)), None)
             })
             .await;

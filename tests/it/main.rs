@@ -68,6 +68,8 @@ mod concurrency;
 mod crash_repair;
 #[cfg(feature = "tokio")]
 mod current_thread_runtime;
+#[cfg(feature = "tokio")]
+mod finished_sends_survive_shutdown;
 #[cfg(all(unix, feature = "test-failpoints"))]
 mod group_commit;
 #[cfg(feature = "test-failpoints")]
