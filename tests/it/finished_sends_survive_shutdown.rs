@@ -200,6 +200,9 @@ fn assert_untouched(outbox: &Outbox, key: &str) {
 
 /// `process_async`: the send returns just after its runtime was shut down
 /// without waiting for its blocking pool, which then refuses the record.
+/// The caller, still being polled, is told the receipt only once the
+/// record is durable (before the fix it was told `Error::Io`, "run
+/// blocking task", and the record was lost).
 #[test]
 fn a_process_async_send_finished_when_its_runtime_shut_down_is_recorded_as_sent() {
     let h = Harness::with(uncapped);
@@ -209,7 +212,11 @@ fn a_process_async_send_finished_when_its_runtime_shut_down_is_recorded_as_sent(
     let (go, going) = mpsc::channel();
     let transport = held_transport(finished, going);
     let outbox = h.outbox.clone();
-    rt.spawn(async move { outbox.process_async("k", transport).await });
+    let (told, telling) = mpsc::channel();
+    rt.spawn(async move {
+        let receipt = outbox.process_async("k", transport).await;
+        told.send(receipt).unwrap();
+    });
     within(
         "a finished send is recorded after a shutdown",
         DEADLOCK_LIMIT,
@@ -219,6 +226,12 @@ fn a_process_async_send_finished_when_its_runtime_shut_down_is_recorded_as_sent(
             go.send(()).unwrap();
             threads.wait_all_stopped("a finished send is recorded after a shutdown");
         },
+    );
+    let receipt = telling.try_recv().expect("the caller was told nothing");
+    let receipt = receipt.expect("the caller was told an error");
+    assert_eq!(
+        (receipt.outcome, receipt.transport_ref.as_deref()),
+        (Outcome::Sent, Some("tr-k"))
     );
     assert_recorded_as_sent(&h, "k");
 }
