@@ -28,7 +28,7 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -529,20 +529,36 @@ impl Steps {
         !std::mem::replace(&mut queue.gathering, true)
     }
 
-    /// Starts the next leader (`next`) if requests are queued, or ends gathering.
-    fn hand_over(&self, next: &dyn Fn()) {
+    /// Starts the next leader (`next`) if requests are queued, or ends
+    /// gathering. `true`: the next leader was refused (`next` answered
+    /// `false`), and the caller owes the queued requests a batch.
+    fn hand_over(&self, next: &dyn Fn() -> bool) -> bool {
         let mut queue = self.queue();
         if queue.waiting.is_empty() {
             queue.gathering = false;
+            false
         } else {
             drop(queue);
-            next();
+            !next()
         }
     }
 
     /// Gathers and runs one batch, then answers its members; `next` starts
-    /// the leader of the following batch.
-    fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>, next: impl Fn()) {
+    /// the leader of the following batch, or answers `false` if it could
+    /// not (its runtime is shutting down: see [`spawn_leader`]). This leader
+    /// then leads the following batch itself, once its own is done and it
+    /// holds no lock (`next` may be asked under the outbox's lock, which the
+    /// following batch needs), claiming nothing more.
+    fn lead(&self, outbox: &Outbox, ctx: &StepCtx<'_>, next: impl Fn() -> bool) {
+        while self.lead_once(outbox, ctx, &next) {
+            ctx.stopping.store(true, Ordering::Release);
+        }
+    }
+
+    /// One batch of [`lead`](Self::lead); `true` if the next leader was
+    /// refused and this one owes the queued requests their batch.
+    fn lead_once(&self, outbox: &Outbox, ctx: &StepCtx<'_>, next: &dyn Fn() -> bool) -> bool {
+        let owed = Cell::new(false);
         let unwinding = Unwinding {
             steps: self,
             handed: Cell::new(false),
@@ -562,7 +578,7 @@ impl Steps {
                 // Still under the lock: let the next batch form behind it
                 // (once: PostgreSQL may rerun a transaction it rolled back).
                 if !handed.replace(true) {
-                    self.hand_over(&next);
+                    owed.set(self.hand_over(next));
                 }
                 ran.set(true);
                 Ok(())
@@ -578,7 +594,7 @@ impl Steps {
             members = std::mem::take(&mut self.queue().waiting);
         }
         if !handed.get() {
-            self.hand_over(&next);
+            owed.set(self.hand_over(next));
         }
         let result = match result {
             Ok(result) => result,
@@ -596,7 +612,7 @@ impl Steps {
                         payload.take().unwrap_or_else(|| Box::new(message.clone()));
                     let _ = member.reply.send(Reply::Panicked(raised));
                 }
-                return;
+                return owed.get();
             }
         };
         match result {
@@ -620,6 +636,7 @@ impl Steps {
                 }
             }
         }
+        owed.get()
     }
 }
 
@@ -841,8 +858,12 @@ where
         finished,
         claims,
         reply,
-    }) {
-        spawn_leader(shared);
+    }) && !spawn_leader(shared)
+    {
+        // Refused: the runtime is shutting down. This poll holds no lock,
+        // so the batch runs here: it records, and claims nothing more.
+        shared.stopping.store(true, Ordering::Release);
+        lead_on(shared);
     }
     match answer.await {
         Ok(Reply::Done(tickets)) => Ok(tickets),
@@ -868,25 +889,54 @@ where
 }
 
 /// Starts a batch's leader on the blocking pool; it hands leadership on the
-/// same way when requests queued behind its batch.
+/// same way when requests queued behind its batch. `false` if the pool
+/// refused it: the caller then leads itself, once it holds no lock.
 ///
-/// The leader always runs: its batch records sends that ran. A runtime
-/// shutting down drops the task instead of running it, and the leader then
-/// runs where it is dropped ([`off_the_runtime_on`]), as a step of a worker
+/// A leader always runs: its batch records sends that ran. A runtime
+/// shutting down drops the tasks handed to its pool without running them:
+/// one handed over once the shutdown began is dropped at once, inside this
+/// call, by a caller that may hold the outbox's lock (a leader handing on
+/// from inside its transaction), so it does not run there (it would wait
+/// for that lock forever) but is reported refused; one queued before, and
+/// dropped later by the pool's threads, runs where it is dropped
+/// ([`off_the_runtime_on`]). A leader run either way is a step of a worker
 /// shutting down: it records the finished sends and claims nothing more
 /// (nothing would send a claim from a runtime that is going away).
-fn spawn_leader<F>(shared: &Arc<Shared<F>>)
+fn spawn_leader<F>(shared: &Arc<Shared<F>>) -> bool
 where
     F: Send + Sync + 'static,
 {
+    const PENDING: u8 = 0;
+    const SPAWNED: u8 = 1;
+    const REFUSED: u8 = 2;
+    let handing = Arc::new(AtomicU8::new(PENDING));
+    let handed = Arc::clone(&handing);
     let work = Arc::clone(shared);
     off_the_runtime_on(Some(&shared.runtime), move |ran| {
         if ran == Ran::WhereDropped {
+            if handed
+                .compare_exchange(PENDING, REFUSED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return;
+            }
             work.stopping.store(true, Ordering::Release);
         }
-        work.steps
-            .lead(&work.outbox, &work.ctx(), || spawn_leader(&work));
+        lead_on(&work);
     });
+    handing
+        .compare_exchange(PENDING, SPAWNED, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+}
+
+/// Leads batches on this thread (see [`Steps::lead`]).
+fn lead_on<F>(shared: &Arc<Shared<F>>)
+where
+    F: Send + Sync + 'static,
+{
+    shared
+        .steps
+        .lead(&shared.outbox, &shared.ctx(), || spawn_leader(shared));
 }
 
 /// Sends claimed items one after another: each outcome is recorded in the same

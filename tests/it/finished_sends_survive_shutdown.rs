@@ -404,3 +404,72 @@ fn a_drain_send_that_panicked_as_its_runtime_shut_down_is_recorded_as_panicked()
     assert_eq!(looked.outcome, Outcome::Failed);
     h.reopen().verify_audit().unwrap();
 }
+
+/// A leader hands leadership on while it holds the outbox's lock (so the
+/// next batch forms behind it). When the runtime is shutting down, the
+/// pool refuses that next leader: it must not then run in place, under the
+/// lock its own transaction needs (a self-deadlock that kept the runtime's
+/// drop waiting forever and lost every record of the batch), but after the
+/// current batch, by the same thread. Here a and b finish together and
+/// share a batch (`step.collect` slowed so both are in it); while that
+/// batch is held in its rules (`step.batch` slowed), c finishes and queues
+/// behind it, and the runtime is shut down.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_batch_queued_behind_a_leader_when_its_runtime_shut_down_is_recorded() {
+    use durable_outbox::FailAction;
+    let h = Harness::with(|b| {
+        uncapped(b)
+            .failpoint("step.collect", FailAction::DelayMs(300))
+            .failpoint("step.batch", FailAction::DelayMs(1000))
+    });
+    for key in ["a", "b", "c"] {
+        h.enqueue(key, &format!("chat-{key}"));
+    }
+    let (rt, threads) = counted_runtime();
+    let (started, starting) = mpsc::channel::<String>();
+    let (finished, finishing) = mpsc::channel::<String>();
+    let (first, first_go) = tokio::sync::watch::channel(false);
+    let (second, second_go) = tokio::sync::watch::channel(false);
+    let transport = move |item: OutboxItem| {
+        let (started, finished) = (started.clone(), finished.clone());
+        let key = item.idempotency_key().to_owned();
+        let mut go = if key == "c" {
+            second_go.clone()
+        } else {
+            first_go.clone()
+        };
+        Box::pin(async move {
+            started.send(key.clone()).unwrap();
+            go.wait_for(|go| *go).await.unwrap();
+            finished.send(key.clone()).unwrap();
+            Ok(Some(format!("tr-{key}")))
+        }) as Sending
+    };
+    let worker = h.outbox.worker(transport).concurrency(3);
+    rt.spawn(worker.run(std::future::pending()));
+    within(
+        "a batch queued behind a leader is recorded after a shutdown",
+        DEADLOCK_LIMIT,
+        || {
+            for _ in 0..3 {
+                starting.recv().unwrap();
+            }
+            first.send(true).unwrap();
+            let deadline = Instant::now() + DEADLOCK_LIMIT;
+            while h.outbox.failpoint_hits("step.batch") == 0 {
+                assert!(Instant::now() < deadline, "a and b never shared a batch");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            second.send(true).unwrap();
+            let mut done: Vec<String> = (0..3).map(|_| finishing.recv().unwrap()).collect();
+            done.sort();
+            assert_eq!(done, ["a", "b", "c"]);
+            rt.shutdown_background();
+            threads.wait_all_stopped("a batch queued behind a leader is recorded after a shutdown");
+        },
+    );
+    for key in ["a", "b", "c"] {
+        assert_recorded_as_sent(&h, key);
+    }
+}
