@@ -307,12 +307,12 @@ fn a_file_outbox_pruned_before_it_moved_migrates_and_verifies() {
 }
 
 /// The database name of a PostgreSQL engine's outbox, for `psql`.
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "test-failpoints"))]
 fn database(engine: &EngineUnderTest) -> String {
     engine.url().rsplit('/').next().unwrap().to_owned()
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "test-failpoints"))]
 fn psql(engine: &EngineUnderTest, sql: &str) -> String {
     crate::pg_server::PgServer::shared()
         .unwrap()
