@@ -1187,20 +1187,27 @@ impl Outbox {
     /// chain is streamed in bounded memory. For tools that read the whole log
     /// (the CLI's `verify` and `export --audit`) without knowing the engine.
     /// Records past [`audit_head`](Self::audit_head) may appear while a bot
-    /// writes.
+    /// writes. Each record follows the one before: when a
+    /// [`remove_old_audit_segments`](Self::remove_old_audit_segments) takes
+    /// records this reader has not reached yet, it stops there with an error
+    /// instead of handing out a chain with a hole (read it again).
     ///
     /// # Errors
     ///
     /// [`Error::Io`] when the directory cannot be listed, [`Error::Database`]
     /// when the table cannot be read; each item as
-    /// [`AuditLog::records`](crate::AuditLog::records).
+    /// [`AuditLog::records`](crate::AuditLog::records), and
+    /// [`Error::AuditBroken`] with [`AuditFault::SeqGap`](crate::AuditFault::SeqGap)
+    /// (the seq expected, the seq found) for the first record that does not
+    /// follow the one before, after which the reader ends.
     pub fn audit_records(&self) -> Result<crate::audit::AuditChainRecords> {
         #[cfg(feature = "postgres")]
         if let Backend::Postgres(_) = &self.inner.backend {
             let outbox = self.clone();
-            return Ok(crate::audit::AuditChainRecords::paged(Box::new(
-                move |after| outbox.audit_page(after),
-            )));
+            return Ok(crate::audit::AuditChainRecords::paged(
+                std::path::PathBuf::from(format!("{}.audit", self.location())),
+                Box::new(move |after| outbox.audit_page(after)),
+            ));
         }
         crate::audit::AuditLog::records_dir(self.file_dir("audit_records")?)
     }

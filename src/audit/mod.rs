@@ -203,6 +203,7 @@ impl AuditLog {
             ready: VecDeque::new(),
             files: chain_files(dir, &anchor)?.into(),
             current: None,
+            last_seq: None,
             #[cfg(feature = "postgres")]
             pages: None,
         })
@@ -267,12 +268,22 @@ impl AuditLog {
 /// [`AuditLog::records_dir`]); or a PostgreSQL outbox's `audit` table, read a
 /// page at a time (see `Outbox::audit_records`). Either way a long chain is
 /// never held in memory whole.
+///
+/// Each record handed out follows the one before (its `seq` one more): the
+/// chain is read while the outbox goes on, and an operator's removal of old
+/// records ([`Outbox::remove_old_audit_segments`](crate::Outbox::remove_old_audit_segments))
+/// may take records this reader has not reached yet. Then, rather than go on
+/// past the hole, the next item is [`Error::AuditBroken`] with
+/// [`AuditFault::SeqGap`] (the seq expected, the seq found) and the reader
+/// ends: read the chain again from its new start.
 #[derive(Debug)]
 pub struct AuditChainRecords {
     /// Records read already (the current page of a table), handed out first.
     ready: VecDeque<AuditRecord>,
     files: VecDeque<PathBuf>,
     current: Option<AuditRecords>,
+    /// The seq of the last record handed out: the next one must follow it.
+    last_seq: Option<u64>,
     /// Where the next page comes from, for a chain that is not in files.
     #[cfg(feature = "postgres")]
     pages: Option<Pages>,
@@ -286,8 +297,12 @@ type NextPage = Box<dyn FnMut(u64) -> Result<Vec<AuditRecord>> + Send + Sync>;
 #[cfg(feature = "postgres")]
 struct Pages {
     next: NextPage,
-    /// The seq of the last record handed out.
+    /// Where the records are (`postgres:<schema>.audit`), for errors.
+    place: PathBuf,
+    /// The seq of the last record read.
     after: u64,
+    /// How many records were read (a gap's position, for errors).
+    read: u64,
     /// No page is left (the last was empty, or failed).
     done: bool,
 }
@@ -296,6 +311,7 @@ struct Pages {
 impl std::fmt::Debug for Pages {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pages")
+            .field("place", &self.place)
             .field("after", &self.after)
             .field("done", &self.done)
             .finish_non_exhaustive()
@@ -305,47 +321,52 @@ impl std::fmt::Debug for Pages {
 impl AuditChainRecords {
     /// The records `next` returns page by page: `next(after)` reads those with
     /// a seq above `after`, in order, up to a page; an empty page ends the
-    /// chain, an error is handed out once and ends it too.
+    /// chain, an error is handed out once and ends it too. `place` names
+    /// where they are in errors.
     #[cfg(feature = "postgres")]
-    pub(crate) fn paged(next: NextPage) -> Self {
+    pub(crate) fn paged(place: PathBuf, next: NextPage) -> Self {
         Self {
             ready: VecDeque::new(),
             files: VecDeque::new(),
             current: None,
+            last_seq: None,
             pages: Some(Pages {
                 next,
+                place,
                 after: 0,
+                read: 0,
                 done: false,
             }),
         }
     }
 
-    /// The next page, when the chain is read by pages and one is left.
-    #[cfg(feature = "postgres")]
-    fn next_page(&mut self) -> Option<Result<()>> {
-        let pages = self.pages.as_mut().filter(|pages| !pages.done)?;
-        match (pages.next)(pages.after) {
-            Ok(page) if page.is_empty() => {
-                pages.done = true;
-                None
-            }
-            Ok(page) => {
-                pages.after = page.last().map_or(pages.after, |record| record.seq);
-                self.ready = page.into();
-                Some(Ok(()))
-            }
-            Err(e) => {
-                pages.done = true;
-                Some(Err(e))
-            }
+    /// Where the record just read is, for an error about it: the file and
+    /// its line, or the table and the record's position in this read.
+    fn where_read(&self) -> (PathBuf, u64) {
+        #[cfg(feature = "postgres")]
+        if let Some(pages) = &self.pages {
+            let position = pages.read - self.ready.len() as u64;
+            return (pages.place.clone(), position);
+        }
+        self.current.as_ref().map_or_else(
+            || (PathBuf::new(), 0),
+            |file| (file.path.clone(), file.line),
+        )
+    }
+
+    /// Ends the reader: nothing more is handed out.
+    fn stop(&mut self) {
+        self.ready.clear();
+        self.files.clear();
+        self.current = None;
+        #[cfg(feature = "postgres")]
+        if let Some(pages) = self.pages.as_mut() {
+            pages.done = true;
         }
     }
-}
 
-impl Iterator for AuditChainRecords {
-    type Item = Result<AuditRecord>;
-
-    fn next(&mut self) -> Option<Self::Item> {
+    /// The next record as read, before the check that it follows the last.
+    fn next_record(&mut self) -> Option<Result<AuditRecord>> {
         if let Some(record) = self.ready.pop_front() {
             return Some(Ok(record));
         }
@@ -366,6 +387,57 @@ impl Iterator for AuditChainRecords {
                 Err(e) => return Some(Err(e)),
             }
         }
+    }
+
+    /// The next page, when the chain is read by pages and one is left.
+    #[cfg(feature = "postgres")]
+    fn next_page(&mut self) -> Option<Result<()>> {
+        let pages = self.pages.as_mut().filter(|pages| !pages.done)?;
+        match (pages.next)(pages.after) {
+            Ok(page) if page.is_empty() => {
+                pages.done = true;
+                None
+            }
+            Ok(page) => {
+                pages.after = page.last().map_or(pages.after, |record| record.seq);
+                pages.read += page.len() as u64;
+                self.ready = page.into();
+                Some(Ok(()))
+            }
+            Err(e) => {
+                pages.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+impl Iterator for AuditChainRecords {
+    type Item = Result<AuditRecord>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let record = match self.next_record()? {
+            Ok(record) => record,
+            Err(e) => return Some(Err(e)),
+        };
+        if let Some(last) = self.last_seq
+            && record.seq != last + 1
+        {
+            // Records between were removed while this reader went on (or
+            // the chain is damaged): never hand out a chain with a hole.
+            let (place, line) = self.where_read();
+            self.stop();
+            return Some(Err(broken(
+                &place,
+                line,
+                AuditFault::SeqGap {
+                    expected: last + 1,
+                    found: record.seq,
+                },
+            )));
+        }
+        self.last_seq = Some(record.seq);
+        Some(Ok(record))
     }
 }
 

@@ -234,6 +234,70 @@ on_both_engines! {
     }
 }
 
+/// How a reader of the chain ended: the records it handed out, and the error
+/// that ended it, if any.
+fn read_on(reader: durable_outbox::AuditChainRecords, mut last: u64) -> (Vec<u64>, Option<Error>) {
+    let mut seqs = Vec::new();
+    for record in reader {
+        match record {
+            Ok(record) => {
+                assert_eq!(
+                    record.seq,
+                    last + 1,
+                    "record seq {} handed out right after seq {last}: the chain read has a \
+                     hole where the removal overtook the reader",
+                    record.seq
+                );
+                last = record.seq;
+                seqs.push(record.seq);
+            }
+            Err(e) => return (seqs, Some(e)),
+        }
+    }
+    (seqs, None)
+}
+
+on_both_engines! {
+    /// A reader of the chain (`audit_records`: what the CLI's `export
+    /// --audit` and `verify` read) that a removal overtakes never hands out
+    /// a chain with a hole in it: the records it had not reached went, so it
+    /// stops at the gap with `AuditFault::SeqGap` naming the seq it expected
+    /// and the one it found, and nothing after. (More than a page of the
+    /// table, 1,000 records, and two sealed segments of the directory, so
+    /// the reader is part-way when the removal commits.)
+    fn a_reader_overtaken_by_a_removal_stops_at_the_gap(engine) {
+        let outbox = open(engine);
+        for round in 0..2 {
+            let batch = (0..600)
+                .map(|i| msg(&format!("p{round}-{i}"), "chat-1"))
+                .collect();
+            outbox.enqueue_many(batch).unwrap();
+            outbox.compact().unwrap();
+        }
+        outbox.enqueue(msg("last", "chat-1")).unwrap();
+        let mut reader = outbox.audit_records().unwrap();
+        let first = reader.next().unwrap().unwrap();
+        assert_eq!(first.seq, 1);
+        assert!(outbox.remove_old_audit_segments(0, "ops", "all old").unwrap() > 0);
+        let start = chain(&outbox)[0].seq;
+        assert!(start > 1_001, "the removal took records the reader had not reached");
+
+        let (seqs, error) = read_on(reader, first.seq);
+        let last = seqs.last().copied().unwrap_or(first.seq);
+        match error {
+            Some(Error::AuditBroken {
+                fault: AuditFault::SeqGap { expected, found },
+                ..
+            }) => assert_eq!((expected, found), (last + 1, start)),
+            other => panic!("expected the reader to stop at the gap, got {other:?}"),
+        }
+        // A reader started now reads what is left, whole.
+        let (seqs, error) = read_on(outbox.audit_records().unwrap(), start - 1);
+        assert!(error.is_none(), "{error:?}");
+        assert_eq!(seqs.first(), Some(&start));
+    }
+}
+
 /// PostgreSQL: rows deleted by hand from the front of the `audit` table
 /// (without a removal, or past one) fail `verify_audit` at the first row.
 #[cfg(feature = "postgres")]
