@@ -203,6 +203,7 @@ impl AuditLog {
             ready: VecDeque::new(),
             files: chain_files(dir, &anchor)?.into(),
             current: None,
+            dir: Some(dir.to_path_buf()),
             last_seq: None,
             #[cfg(feature = "postgres")]
             pages: None,
@@ -282,6 +283,9 @@ pub struct AuditChainRecords {
     ready: VecDeque<AuditRecord>,
     files: VecDeque<PathBuf>,
     current: Option<AuditRecords>,
+    /// The directory the files are in: listed again when a compaction
+    /// sealed `audit.jsonl` as a segment after the reader listed it.
+    dir: Option<PathBuf>,
     /// The seq of the last record handed out: the next one must follow it.
     last_seq: Option<u64>,
     /// Where the next page comes from, for a chain that is not in files.
@@ -329,6 +333,7 @@ impl AuditChainRecords {
             ready: VecDeque::new(),
             files: VecDeque::new(),
             current: None,
+            dir: None,
             last_seq: None,
             pages: Some(Pages {
                 next,
@@ -362,6 +367,37 @@ impl AuditChainRecords {
         #[cfg(feature = "postgres")]
         if let Some(pages) = self.pages.as_mut() {
             pages.done = true;
+        }
+    }
+
+    /// After a record that does not follow `next - 1` in a directory: lists
+    /// the files again and reads on from the one that holds `next` (a
+    /// compaction sealed `audit.jsonl`, listed before, as a segment, so its
+    /// records moved, they did not go). `None` when no file holds it any
+    /// more (a removal took it) or there is no directory.
+    fn find_moved(&mut self, next: u64) -> Option<Result<AuditRecord>> {
+        let dir = self.dir.clone()?;
+        let sealed = match sealed_segments(&dir) {
+            Ok(sealed) => sealed,
+            Err(e) => return Some(Err(e)),
+        };
+        // The newest segment starting at or before `next`, and every file after.
+        let from = sealed.iter().rposition(|(first, _)| *first <= next)?;
+        let mut files: VecDeque<PathBuf> = sealed
+            .into_iter()
+            .skip(from)
+            .map(|(_, path)| path)
+            .collect();
+        files.push_back(dir.join(AUDIT_FILE));
+        self.files = files;
+        self.current = None;
+        loop {
+            match self.next_record()? {
+                Ok(record) if record.seq < next => {}
+                Ok(record) if record.seq == next => return Some(Ok(record)),
+                Ok(_) => return None,
+                Err(e) => return Some(Err(e)),
+            }
         }
     }
 
@@ -423,6 +459,14 @@ impl Iterator for AuditChainRecords {
         if let Some(last) = self.last_seq
             && record.seq != last + 1
         {
+            if record.seq > last + 1
+                && let Some(moved) = self.find_moved(last + 1)
+            {
+                if let Ok(record) = &moved {
+                    self.last_seq = Some(record.seq);
+                }
+                return Some(moved);
+            }
             // Records between were removed while this reader went on (or
             // the chain is damaged): never hand out a chain with a hole.
             let (place, line) = self.where_read();

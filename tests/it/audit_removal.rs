@@ -298,6 +298,33 @@ on_both_engines! {
     }
 }
 
+/// A directory's reader lists the files when it starts: a compaction that
+/// seals `audit.jsonl` as a segment before the reader reaches it moves those
+/// records, it does not remove them, so the reader finds them in the new
+/// segment and hands out the whole chain.
+#[test]
+fn a_reader_overtaken_by_a_rotation_reads_the_moved_records() {
+    let engine = EngineUnderTest::file();
+    let outbox = open(&engine);
+    let batch = |round: usize| {
+        (0..4)
+            .map(|i| msg(&format!("q{round}-{i}"), "chat-1"))
+            .collect()
+    };
+    outbox.enqueue_many(batch(0)).unwrap();
+    outbox.compact().unwrap();
+    outbox.enqueue_many(batch(1)).unwrap();
+    let mut reader = outbox.audit_records().unwrap();
+    let first = reader.next().unwrap().unwrap();
+    assert_eq!(first.seq, 1);
+    // Seals seq 5 to 8 (listed as `audit.jsonl`) as `audit-5.jsonl`.
+    outbox.compact().unwrap();
+    outbox.enqueue(msg("after", "chat-1")).unwrap();
+    let (seqs, error) = read_on(reader, first.seq);
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(seqs, (2..=9).collect::<Vec<u64>>(), "every record, once");
+}
+
 /// PostgreSQL: rows deleted by hand from the front of the `audit` table
 /// (without a removal, or past one) fail `verify_audit` at the first row.
 #[cfg(feature = "postgres")]
