@@ -190,12 +190,15 @@ impl AuditLog {
     }
 
     /// Streams every record of an outbox directory's audit log, in chain order:
-    /// the sealed segments, then the active `audit.jsonl`.
+    /// the sealed segments, then the active `audit.jsonl` (see
+    /// [`AuditChainRecords`]: each record follows the one before).
     ///
     /// # Errors
     ///
     /// [`Error::Io`] when the directory cannot be listed; each item as
-    /// [`records`](Self::records).
+    /// [`records`](Self::records), or [`Error::AuditBroken`] with
+    /// [`AuditFault::SeqGap`] where records are missing (removed while it
+    /// read), after which it ends.
     pub fn records_dir(dir: impl AsRef<Path>) -> Result<AuditChainRecords> {
         let dir = dir.as_ref();
         let anchor = anchor::read_anchor(dir, &Hasher::Plain)?.head;
