@@ -998,8 +998,11 @@ impl Outbox {
     /// One transaction takes the head of the chain as every sealer does,
     /// seals what is pending, appends the `pruned` record and deletes the
     /// removed rows; another host's commits meanwhile wait as pending events
-    /// and are sealed after it, and a failure (a lost connection included)
-    /// leaves the chain as it was. No anchor is kept outside the chain:
+    /// and are sealed after it, and a failure before the commit (a lost
+    /// connection included) leaves the chain as it was; when the connection
+    /// is lost during the commit itself, the removal may have happened: its
+    /// `pruned` record at the head of [`audit_records`](Self::audit_records)
+    /// says so (run it again only if it is not there). No anchor is kept outside the chain:
     /// verification starts at the first row, which must follow the last
     /// removed record exactly as a removal's record in the chain names it, so
     /// rows deleted from the front by hand are found ([`AuditFault::FrontCut`](crate::AuditFault::FrontCut)).
@@ -1019,7 +1022,8 @@ impl Outbox {
     /// In a directory the record is durable (journal, then log) before
     /// `audit.anchor` is written and the segments unlinked; a crash between
     /// leaves files the next removal finishes. On PostgreSQL the record and
-    /// the deletion commit together or not at all.
+    /// the deletion commit together or not at all (a connection lost during
+    /// the commit may leave it unknown which: see above).
     pub fn remove_old_audit_segments(
         &self,
         keep: usize,

@@ -42,8 +42,10 @@
 //! row links to S and H, and verification (see `chain`) requires the record
 //! that names them. Another host's commits meanwhile go on (the writers'
 //! gate is not taken) and wait as pending events; its readers wait for the
-//! head. A failure anywhere, a lost connection included, rolls all of it
-//! back.
+//! head. A failure before the `COMMIT`, a lost connection included, rolls
+//! all of it back; a connection lost during the `COMMIT` leaves it unknown
+//! whether the removal committed (the error says so; its record at the head
+//! tells).
 
 use chrono::{DateTime, Utc};
 
@@ -264,8 +266,9 @@ impl PgEngine {
     /// stay), cuts the chain up to the head it read into segments, then
     /// locks the head as every sealer does, seals what is pending, appends
     /// the removal's record through the sealing path and deletes the rows up
-    /// to the anchor. A failure anywhere (a lost connection included) rolls
-    /// all of it back: the chain is as it was.
+    /// to the anchor. A failure before the `COMMIT` (a lost connection
+    /// included) rolls all of it back: the chain is as it was. A connection
+    /// lost during the `COMMIT` may have committed it.
     ///
     /// # Errors
     /// [`Error::Database`](crate::Error::Database); the errors of sealing.
