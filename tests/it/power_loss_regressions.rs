@@ -116,36 +116,7 @@ fn a_group_write_torn_with_its_first_sectors_missing_is_set_aside_and_the_outbox
     fs::write(&journal_path, &journal).unwrap();
     fs::write(&audit_path, &audit_before).unwrap();
 
-    {
-        let outbox = open(dir.path());
-        assert!(
-            outbox.get("a").unwrap().is_some(),
-            "acknowledged a was lost"
-        );
-        for key in ["b", "c", "d"] {
-            assert!(
-                outbox.get(key).unwrap().is_none(),
-                "{key} follows a lost entry of its group, yet it was applied"
-            );
-        }
-        outbox
-            .enqueue(msg("p", "chat-4"))
-            .expect("an enqueue after the cut is acknowledged");
-    }
-    let outbox = Outbox::open(dir.path()).expect("the outbox opens after that commit");
-    assert!(outbox.get("a").unwrap().is_some());
-    assert!(
-        outbox.get("p").unwrap().is_some(),
-        "the acknowledged enqueue"
-    );
-    outbox.verify_audit().unwrap();
-    let set_aside = quarantined(dir.path(), "outbox.journal.torn-");
-    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
-    assert_eq!(
-        fs::read(&set_aside[0]).unwrap(),
-        journal[group_start..group_end],
-        "the torn group is kept byte for byte, from the end of the entries on"
-    );
+    assert_the_torn_group_is_set_aside(dir.path(), &journal[group_start..group_end]);
 }
 
 #[test]
@@ -400,36 +371,7 @@ fn a_group_write_that_lost_sectors_across_entries_but_kept_its_last_ones_is_set_
     fs::write(&journal_path, &journal).unwrap();
     fs::write(&audit_path, &audit_before).unwrap();
 
-    {
-        let outbox = open(dir.path());
-        assert!(
-            outbox.get("a").unwrap().is_some(),
-            "acknowledged a was lost"
-        );
-        for key in ["b", "c", "d"] {
-            assert!(
-                outbox.get(key).unwrap().is_none(),
-                "{key} belongs to a torn group write, yet it was applied"
-            );
-        }
-        outbox
-            .enqueue(msg("p", "chat-4"))
-            .expect("an enqueue after the cut is acknowledged");
-    }
-    let outbox = Outbox::open(dir.path()).expect("the outbox opens after that commit");
-    assert!(outbox.get("a").unwrap().is_some());
-    assert!(
-        outbox.get("p").unwrap().is_some(),
-        "the acknowledged enqueue"
-    );
-    outbox.verify_audit().unwrap();
-    let set_aside = quarantined(dir.path(), "outbox.journal.torn-");
-    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
-    assert_eq!(
-        fs::read(&set_aside[0]).unwrap(),
-        journal[group_start..group_end],
-        "the torn group is kept byte for byte, zeros and all"
-    );
+    assert_the_torn_group_is_set_aside(dir.path(), &journal[group_start..group_end]);
 }
 
 /// Opening `dir` is refused, naming `outbox.journal` at `byte {at}`, and
@@ -515,4 +457,41 @@ fn zeros_inside_an_entry_whose_audit_record_is_in_the_log_are_damage_and_are_ref
     let audit = fs::read(&audit_path).unwrap();
     assert_journal_refused_at(dir.path(), b_start);
     assert_eq!(fs::read(&audit_path).unwrap(), audit, "nothing written");
+}
+
+/// After a power cut tore the group write of `b`, `c` and `d` that followed
+/// the acknowledged `a`: the outbox opens with `a` and without any of the
+/// group, takes a new enqueue that a reopen keeps, its chain verifies, and
+/// the group's bytes (`torn`, zeros and all) are set aside once, byte for byte.
+fn assert_the_torn_group_is_set_aside(dir: &Path, torn: &[u8]) {
+    {
+        let outbox = open(dir);
+        assert!(
+            outbox.get("a").unwrap().is_some(),
+            "acknowledged a was lost"
+        );
+        for key in ["b", "c", "d"] {
+            assert!(
+                outbox.get(key).unwrap().is_none(),
+                "{key} belongs to a torn group write, yet it was applied"
+            );
+        }
+        outbox
+            .enqueue(msg("p", "chat-4"))
+            .expect("an enqueue after the cut is acknowledged");
+    }
+    let outbox = Outbox::open(dir).expect("the outbox opens after that commit");
+    assert!(outbox.get("a").unwrap().is_some());
+    assert!(
+        outbox.get("p").unwrap().is_some(),
+        "the acknowledged enqueue"
+    );
+    outbox.verify_audit().unwrap();
+    let set_aside = quarantined(dir, "outbox.journal.torn-");
+    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
+    assert_eq!(
+        fs::read(&set_aside[0]).unwrap(),
+        torn,
+        "the torn group is kept byte for byte, zeros and all"
+    );
 }
