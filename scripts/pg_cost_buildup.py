@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Where a W2 item's PostgreSQL server CPU goes: a build-up from three bare
+durable transactions to the engine's whole SQL, measured with pgbench.
+
+    python3 scripts/pg_cost_buildup.py [--n 4000] [--repeats 3]
+
+Starts a throwaway server as `compare_pg.py` does (its `Server`: `initdb`,
+`pg_ctl`, fsync on) and runs, REPEATS times in turns, `pgbench -M prepared
+-c 8 -j 2` on scripts of one W2 item each, reporting items/s and the
+server's and pgbench's CPU per item (medians):
+
+- `floor`: the issue's floor (`compare_pg.TWO_UPDATES`: two single-row
+  `UPDATE` transactions);
+- `skeleton`: the least any design with three durable transactions per item
+  (enqueue, claim, finish) can do: an insert, then twice a row read `FOR
+  UPDATE` and an update, each transaction's statements sent as pipelines of
+  one `Sync` (`\\startpipeline`), on a table with a primary key and one
+  partial index;
+- `all off` .. `all on`: BASE_SQL below, the statements the engine ran for a
+  W2 item at commit 2987fac (`compare_pg.OUR_SQL` of then), sent as the
+  engine would with one `Sync` per round trip and without the wake-up, with
+  every feature removed (`all off`), with one feature put back (`only +F`),
+  and whole (`all on`). Features: `gate` (the writers' gate, the key's lock,
+  the settings and the owner probe, one statement per transaction), `audit`
+  (the pending events and their sealing), `rate` (the send times' writes),
+  `head` (the claim's line read), `destlock` (the destination's lock in the
+  enqueue and the claim), `indexes` (the six `items` indexes beyond the
+  primary key, `enqueue_order`'s and the queued line's; removed with `DROP`
+  on the schema the bench created).
+
+The schema each script runs on is created by the bench (`BENCH`, default
+`target/release/examples/bench`, built with `--features postgres`) with one
+item, so the tables are the engine's. The SQL is frozen here: a later
+`compare_pg.OUR_SQL` describes the engine of its day; this script answers
+"which feature costs what" for the statements of 2987fac.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_pg as cp  # noqa: E402
+
+BASE_SQL = r"""\set k random(1, 9000000000000000000)
+\set d random(0, :destinations - 1)
+\set seal random(1, :seal_one_in)
+\set gate 11
+\set owner 12
+\startpipeline
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+SELECT pg_advisory_xact_lock(-1 - :d);
+\endpipeline
+\startpipeline
+WITH pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"queued","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) INSERT INTO {s}.items (idempotency_key, revision, destination, state, claimed, claim_owner, next_attempt_at, transport_ref, doc, seq, created_at, updated_at) VALUES ('key-' || :k, 1, 'chat-' || :d, 'queued', false, NULL, NULL, NULL, '{{"key":"key-' || :k || '","state":"queued","pad":"' || repeat('x', {doc_pad}) || '"}}', nextval('{s}.enqueue_seq'), now(), now());
+COMMIT;
+\endpipeline
+\startpipeline
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+SELECT pg_advisory_xact_lock(-1 - :d);
+SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, (SELECT until FROM {s}.cooldowns WHERE destination = 'chat-' || :d) FROM (SELECT array_agg(idempotency_key ORDER BY at, idempotency_key) AS keys, array_agg(at ORDER BY at, idempotency_key) AS ats FROM {s}.rate_times WHERE destination = 'chat-' || :d AND at >= now() - interval '1 minute') t LEFT JOIN LATERAL (SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE destination = 'chat-' || :d AND state = 'queued' AND NOT (idempotency_key = ANY('{{}}'::text[])) ORDER BY seq, created_at, idempotency_key LIMIT 1) h ON true;
+\endpipeline
+\startpipeline
+WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT (at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING) UPDATE {s}.items SET revision = revision + 1, destination = 'chat-' || :d, state = 'queued', claimed = true, claim_owner = 'owner-1', next_attempt_at = NULL, transport_ref = NULL, doc = '{{"key":"key-' || :k || '","state":"claimed","pad":"' || repeat('x', {doc_pad}) || '"}}', seq = seq, created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k AND revision = 1;
+COMMIT;
+\endpipeline
+\startpipeline
+BEGIN;
+SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
+SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
+\endpipeline
+\startpipeline
+WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT (at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO {s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING), pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"sent","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) UPDATE {s}.items SET revision = revision + 1, destination = 'chat-' || :d, state = 'sent', claimed = false, claim_owner = NULL, next_attempt_at = NULL, transport_ref = 'tr-' || :k, doc = '{{"key":"key-' || :k || '","state":"sent","pad":"' || repeat('x', {doc_pad}) || '"}}', seq = seq, created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k AND revision = 2;
+COMMIT;
+\endpipeline
+\if :seal = 1
+\set got 0
+BEGIN;
+SELECT 1 AS got, seq AS head, set_config('synchronous_commit', 'off', true) FROM {s}.audit_head WHERE id = 1 FOR UPDATE SKIP LOCKED \aset
+\if :got
+WITH d AS (DELETE FROM {s}.audit_pending WHERE id IN (SELECT id FROM {s}.audit_pending ORDER BY id LIMIT 1000) RETURNING id, event) SELECT count(*) AS n FROM d \gset
+\set tail :head + :n
+WITH sealed AS (INSERT INTO {s}.audit (seq, hash, line) SELECT * FROM unnest(ARRAY(SELECT :head + g FROM generate_series(1, :n) g), ARRAY(SELECT repeat('h', 64) FROM generate_series(1, :n)), ARRAY(SELECT repeat('x', {line_len}) FROM generate_series(1, :n)))) UPDATE {s}.audit_head SET seq = :tail, hash = repeat('h', 64) WHERE id = 1;
+\endif
+COMMIT;
+\endif
+"""
+
+SKELETON = r"""\set k random(1, 9000000000000000000)
+\set d random(0, 49)
+\startpipeline
+BEGIN;
+INSERT INTO sk VALUES ('key-' || :k, 'chat-' || :d, 'queued', :k, repeat('x', 800));
+COMMIT;
+\endpipeline
+\startpipeline
+BEGIN;
+SELECT state, doc FROM sk WHERE k = 'key-' || :k FOR UPDATE;
+\endpipeline
+\startpipeline
+UPDATE sk SET state = 'claimed', doc = repeat('y', 800) WHERE k = 'key-' || :k;
+COMMIT;
+\endpipeline
+\startpipeline
+BEGIN;
+SELECT state, doc FROM sk WHERE k = 'key-' || :k FOR UPDATE;
+\endpipeline
+\startpipeline
+UPDATE sk SET state = 'sent', doc = repeat('z', 800) WHERE k = 'key-' || :k;
+COMMIT;
+\endpipeline
+"""
+SKELETON_TABLE = """CREATE TABLE IF NOT EXISTS sk (k text PRIMARY KEY, dest text NOT NULL,
+    state text NOT NULL, seq bigint NOT NULL, doc text NOT NULL);
+CREATE INDEX IF NOT EXISTS sk_q ON sk (dest, seq) WHERE state = 'queued';"""
+
+GATE = ("SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) "
+        "FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;\n")
+EVENT = ("(INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{\"key\":\"key-' || :k "
+         "|| '\",\"outcome\":\"%s\",\"pad\":\"' || repeat('x', {event_pad}) || '\"}}']::text[]) "
+         "WITH ORDINALITY AS t(doc, n) ORDER BY n)")
+RATE = ("WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-' || :k AND NOT "
+        "(at = ANY(ARRAY[now()]) AND destination = 'chat-' || :d)), added AS (INSERT INTO "
+        "{s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t "
+        "FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING)")
+
+
+def without(feature, sql):
+    """BASE_SQL (or what is left of it) without `feature`."""
+    if feature == "gate":
+        out = sql.replace(GATE, "")
+    elif feature == "audit":
+        out = sql.replace("WITH pended AS " + EVENT % "queued" + " ", "")
+        out = out.replace(", pended AS " + EVENT % "sent", "")
+        out = out.split("\\if :seal = 1")[0]
+    elif feature == "rate":
+        out = sql.replace(RATE + " UPDATE", "UPDATE").replace(RATE + ", pended", "WITH pended")
+    elif feature == "head":
+        out = "\n".join(l for l in sql.splitlines() if not l.startswith("SELECT h.idempotency_key"))
+    elif feature == "destlock":
+        out = "\n".join(l for l in sql.splitlines() if l != "SELECT pg_advisory_xact_lock(-1 - :d);")
+    else:
+        return sql
+    if out == sql:
+        sys.exit(f"the feature {feature!r} was not found in the SQL: the script is out of date")
+    return out
+
+
+FEATURES = ["gate", "audit", "rate", "head", "destlock", "indexes"]
+
+
+def variant(on):
+    sql = BASE_SQL
+    for feature in FEATURES:
+        if feature not in on:
+            sql = without(feature, sql)
+    return sql, "indexes" not in on
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=4000)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    bench = os.environ.get("BENCH", cp.BENCH)
+    variants = {"floor": None, "skeleton": None, "all off": variant(set())}
+    variants.update({f"only +{f}": variant({f}) for f in FEATURES})
+    variants["all on"] = variant(set(FEATURES))
+    server = cp.Server("/tmp")
+    results = {}
+    try:
+        server.tool("pgbench", "-i", "-s", "1", "-q", "-h", "127.0.0.1", "-p", str(server.port),
+                    "-U", "postgres", "bench", quiet=True)
+        server.psql("bench", SKELETON_TABLE)
+        count = 0
+        for _ in range(args.repeats):
+            for name, spec in variants.items():
+                count += 1
+                path = os.path.join(server.root, f"v{count}.sql")
+                mode = "prepared"
+                if name == "floor":
+                    text, mode = cp.TWO_UPDATES, "simple"
+                elif name == "skeleton":
+                    text = SKELETON
+                else:
+                    sql, drop_indexes = spec
+                    schema = f"b{count}"
+                    subprocess.run([bench, "--workload", "w2", "--threads", "1", "--n", "1",
+                                    "--destinations", "50", "--postgres", server.url(),
+                                    "--schema", schema], check=True, capture_output=True)
+                    if drop_indexes:
+                        server.psql("bench", f"""DO $$ DECLARE i text; BEGIN
+                            ALTER TABLE {schema}.items DROP CONSTRAINT IF EXISTS items_enqueue_order_key;
+                            FOR i IN SELECT format('%I.%I', schemaname, indexname) FROM pg_indexes
+                              WHERE schemaname = '{schema}' AND tablename = 'items'
+                                AND indexname NOT LIKE '%pkey'
+                                AND indexdef NOT LIKE '%(destination, seq, created_at, idempotency_key)%'
+                            LOOP EXECUTE 'DROP INDEX ' || i; END LOOP; END $$""")
+                    text = sql.format(s=f'"{schema}"', chan=f"durable_outbox_{schema}",
+                                      doc_pad=760, event_pad=500, line_len=610)
+                with open(path, "w") as f:
+                    f.write(text)
+                server.psql("bench", "CHECKPOINT")
+                server.settle()
+                cpu0, own0 = server.cpu_s(), os.times()
+                out = subprocess.run(
+                    [os.path.join(server.bin, "pgbench"), "-n", "-M", mode, "-c", "8", "-j", "2",
+                     "-t", str(args.n // 8), "-D", "destinations=50", "-D", "seal_one_in=10",
+                     "-f", path, "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres",
+                     "bench"], check=True, capture_output=True, text=True).stdout
+                server.settle()
+                own1 = os.times()
+                client = (own1.children_user - own0.children_user
+                          + own1.children_system - own0.children_system)
+                tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
+                           if l.startswith("tps ="))
+                row = (tps, 1000 * (server.cpu_s() - cpu0) / args.n, 1000 * client / args.n)
+                results.setdefault(name, []).append(row)
+                print(name, ["%.2f" % x for x in row], file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
+          f"N = {args.n}, 8 clients, medians of {args.repeats}\n")
+    print("| script | items/s | server CPU ms/item | pgbench CPU ms/item |")
+    print("|---|---:|---:|---:|")
+    for name, rows in results.items():
+        med = [statistics.median(r[i] for r in rows) for i in range(3)]
+        print(f"| {name} | {med[0]:,.0f} | {med[1]:.2f} | {med[2]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
