@@ -116,7 +116,12 @@ fn a_group_write_torn_with_its_first_sectors_missing_is_set_aside_and_the_outbox
     fs::write(&journal_path, &journal).unwrap();
     fs::write(&audit_path, &audit_before).unwrap();
 
-    assert_the_torn_group_is_set_aside(dir.path(), &journal[group_start..group_end]);
+    assert_torn_write_set_aside(
+        dir.path(),
+        &journal[group_start..group_end],
+        &["b", "c", "d"],
+        "chat-4",
+    );
 }
 
 #[test]
@@ -281,21 +286,26 @@ fn journal_with_torn_middle(
     (dir, journal[b_start..b_end].to_vec(), written)
 }
 
-/// Opens the outbox `journal_with_torn_middle` left, checks that `a` is there
-/// and `b` is not, commits, and checks the torn write was set aside byte for byte.
-fn assert_torn_middle_set_aside(dir: &Path, torn: &[u8]) {
+/// Opens an outbox whose last unsynced write (of `torn`'s bytes, holding the
+/// entries of `lost`) a power cut tore after the acknowledged `a`: `a` is
+/// there and none of `lost` is, an enqueue to `destination` after the cut is
+/// kept by a reopen, the chain verifies, and the torn bytes (zeros and all)
+/// are set aside once, byte for byte.
+fn assert_torn_write_set_aside(dir: &Path, torn: &[u8], lost: &[&str], destination: &str) {
     {
         let outbox = open(dir);
         assert!(
             outbox.get("a").unwrap().is_some(),
             "acknowledged a was lost"
         );
-        assert!(
-            outbox.get("b").unwrap().is_none(),
-            "b's write was torn, yet it was applied"
-        );
+        for key in lost {
+            assert!(
+                outbox.get(key).unwrap().is_none(),
+                "{key} was in the torn write, yet it was applied"
+            );
+        }
         outbox
-            .enqueue(msg("p", "chat-2"))
+            .enqueue(msg("p", destination))
             .expect("an enqueue after the cut is acknowledged");
     }
     let outbox = Outbox::open(dir).expect("the outbox opens after that commit");
@@ -321,7 +331,7 @@ fn an_unsynced_entry_whose_middle_sector_was_lost_but_whose_newline_landed_is_se
     // zeros and newline come in one read.
     for lost in 0..=4 {
         let (dir, torn, _) = journal_with_torn_middle(&[lost], false);
-        assert_torn_middle_set_aside(dir.path(), &torn);
+        assert_torn_write_set_aside(dir.path(), &torn, &["b"], "chat-2");
     }
 }
 
@@ -329,7 +339,7 @@ fn an_unsynced_entry_whose_middle_sector_was_lost_but_whose_newline_landed_is_se
 fn an_unsynced_entry_that_lost_several_separate_middle_sectors_is_set_aside() {
     for lost in [&[0, 2, 4][..], &[1, 3]] {
         let (dir, torn, _) = journal_with_torn_middle(lost, false);
-        assert_torn_middle_set_aside(dir.path(), &torn);
+        assert_torn_write_set_aside(dir.path(), &torn, &["b"], "chat-2");
     }
 }
 
@@ -371,7 +381,12 @@ fn a_group_write_that_lost_sectors_across_entries_but_kept_its_last_ones_is_set_
     fs::write(&journal_path, &journal).unwrap();
     fs::write(&audit_path, &audit_before).unwrap();
 
-    assert_the_torn_group_is_set_aside(dir.path(), &journal[group_start..group_end]);
+    assert_torn_write_set_aside(
+        dir.path(),
+        &journal[group_start..group_end],
+        &["b", "c", "d"],
+        "chat-4",
+    );
 }
 
 /// Opening `dir` is refused, naming `outbox.journal` at `byte {at}`, and
@@ -457,41 +472,4 @@ fn zeros_inside_an_entry_whose_audit_record_is_in_the_log_are_damage_and_are_ref
     let audit = fs::read(&audit_path).unwrap();
     assert_journal_refused_at(dir.path(), b_start);
     assert_eq!(fs::read(&audit_path).unwrap(), audit, "nothing written");
-}
-
-/// After a power cut tore the group write of `b`, `c` and `d` that followed
-/// the acknowledged `a`: the outbox opens with `a` and without any of the
-/// group, takes a new enqueue that a reopen keeps, its chain verifies, and
-/// the group's bytes (`torn`, zeros and all) are set aside once, byte for byte.
-fn assert_the_torn_group_is_set_aside(dir: &Path, torn: &[u8]) {
-    {
-        let outbox = open(dir);
-        assert!(
-            outbox.get("a").unwrap().is_some(),
-            "acknowledged a was lost"
-        );
-        for key in ["b", "c", "d"] {
-            assert!(
-                outbox.get(key).unwrap().is_none(),
-                "{key} belongs to a torn group write, yet it was applied"
-            );
-        }
-        outbox
-            .enqueue(msg("p", "chat-4"))
-            .expect("an enqueue after the cut is acknowledged");
-    }
-    let outbox = Outbox::open(dir).expect("the outbox opens after that commit");
-    assert!(outbox.get("a").unwrap().is_some());
-    assert!(
-        outbox.get("p").unwrap().is_some(),
-        "the acknowledged enqueue"
-    );
-    outbox.verify_audit().unwrap();
-    let set_aside = quarantined(dir, "outbox.journal.torn-");
-    assert_eq!(set_aside.len(), 1, "{set_aside:?}");
-    assert_eq!(
-        fs::read(&set_aside[0]).unwrap(),
-        torn,
-        "the torn group is kept byte for byte, zeros and all"
-    );
 }
