@@ -222,6 +222,25 @@ class Server:
                 return
             time.sleep(0.1)
 
+    def pgbench(self, *args):
+        """Runs `pgbench -n ARGS` against `bench` once the server is settled:
+        its output, its tps, and the CPU seconds the server and pgbench
+        used meanwhile (see the module's doc)."""
+        self.settle()
+        cpu_start = self.cpu_s()
+        own_start = os.times()
+        out = subprocess.run(
+            [os.path.join(self.bin, "pgbench"), "-n", *args,
+             "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bench"],
+            check=True, capture_output=True, text=True).stdout
+        self.settle()
+        own = os.times()
+        client_s = (own.children_user - own_start.children_user
+                    + own.children_system - own_start.children_system)
+        tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
+                   if l.startswith("tps ="))
+        return out, tps, self.cpu_s() - cpu_start, client_s
+
     def psql(self, db, sql):
         return subprocess.run(
             [os.path.join(self.bin, "psql"), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1",
@@ -347,24 +366,12 @@ def main():
             return line["w2_per_s"]
 
         def floor(clients):
-            server.settle()
-            cpu_start = server.cpu_s()
-            own_start = os.times()
-            out = subprocess.run(
-                [os.path.join(server.bin, "pgbench"), "-n", "-c", str(clients),
-                 "-j", str(min(clients, 2)), "-T", str(args.pgbench_secs), "-f", script,
-                 "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
-                check=True, capture_output=True, text=True).stdout
-            server.settle()
-            own = os.times()
-            client_s = (own.children_user - own_start.children_user
-                        + own.children_system - own_start.children_system)
-            tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
-                       if l.startswith("tps ="))
+            _, tps, server_s, client_s = server.pgbench(
+                "-c", str(clients), "-j", str(min(clients, 2)), "-T", str(args.pgbench_secs),
+                "-f", script)
             items = tps * args.pgbench_secs
             cpu.setdefault(f"pgbench floor {clients} client{'s' if clients > 1 else ''}",
-                           []).append((1000 * (server.cpu_s() - cpu_start) / items,
-                                       1000 * client_s / items))
+                           []).append((1000 * server_s / items, 1000 * client_s / items))
             # One pgbench transaction of this script is two UPDATE
             # transactions, i.e. one item: tps is items/s already.
             print(json.dumps({"impl": "pgbench", "clients": clients, "items_per_s": tps}),
@@ -384,27 +391,16 @@ def main():
                 f.write(our_sql(schema))
             per_client = max(1, n // clients)
             items = per_client * clients
-            server.settle()
-            cpu_start = server.cpu_s()
-            own_start = os.times()
-            out = subprocess.run(
-                [os.path.join(server.bin, "pgbench"), "-n", "-M", "prepared",
-                 "-c", str(clients), "-j", str(min(clients, 2)), "-t", str(per_client),
-                 "-D", f"destinations={d}", "-D", f"seal_one_in={seal_one_in[0]}",
-                 "-D", f"notify_one_in={notify_one_in[0]}", "-f", path,
-                 "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "bench"],
-                check=True, capture_output=True, text=True).stdout
-            server.settle()
-            own = os.times()
-            client_s = (own.children_user - own_start.children_user
-                        + own.children_system - own_start.children_system)
-            tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
-                       if l.startswith("tps ="))
+            out, tps, server_s, client_s = server.pgbench(
+                "-M", "prepared", "-c", str(clients), "-j", str(min(clients, 2)),
+                "-t", str(per_client), "-D", f"destinations={d}",
+                "-D", f"seal_one_in={seal_one_in[0]}",
+                "-D", f"notify_one_in={notify_one_in[0]}", "-f", path)
             failed = next((l for l in out.splitlines() if l.startswith("number of failed")), "")
             if not failed.startswith("number of failed transactions: 0 "):
                 sys.exit(f"our SQL via pgbench: {failed or out}")
             cpu.setdefault(f"our SQL via pgbench {clients} clients", []).append(
-                (1000 * (server.cpu_s() - cpu_start) / items, 1000 * client_s / items))
+                (1000 * server_s / items, 1000 * client_s / items))
             print(json.dumps({"impl": "our SQL via pgbench", "clients": clients,
                               "items_per_s": tps, "seal_one_in": seal_one_in[0],
                               "notify_one_in": notify_one_in[0]}),

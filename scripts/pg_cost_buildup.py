@@ -206,20 +206,10 @@ def main():
                 with open(path, "w") as f:
                     f.write(text)
                 server.psql("bench", "CHECKPOINT")
-                server.settle()
-                cpu0, own0 = server.cpu_s(), os.times()
-                out = subprocess.run(
-                    [os.path.join(server.bin, "pgbench"), "-n", "-M", mode, "-c", "8", "-j", "2",
-                     "-t", str(args.n // 8), "-D", "destinations=50", "-D", "seal_one_in=10",
-                     "-f", path, "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres",
-                     "bench"], check=True, capture_output=True, text=True).stdout
-                server.settle()
-                own1 = os.times()
-                client = (own1.children_user - own0.children_user
-                          + own1.children_system - own0.children_system)
-                tps = next(float(l.split("=")[1].split()[0]) for l in out.splitlines()
-                           if l.startswith("tps ="))
-                row = (tps, 1000 * (server.cpu_s() - cpu0) / args.n, 1000 * client / args.n)
+                _, tps, server_s, client_s = server.pgbench(
+                    "-M", mode, "-c", "8", "-j", "2", "-t", str(args.n // 8),
+                    "-D", "destinations=50", "-D", "seal_one_in=10", "-f", path)
+                row = (tps, 1000 * server_s / args.n, 1000 * client_s / args.n)
                 results.setdefault(name, []).append(row)
                 print(name, ["%.2f" % x for x in row], file=sys.stderr, flush=True)
     finally:
