@@ -539,8 +539,35 @@ impl Steps {
             false
         } else {
             drop(queue);
-            !next()
+            !self.starting(next)
         }
+    }
+
+    /// Runs `start`, which starts a leader for the queued requests (see
+    /// [`spawn_leader`]). If it unwinds (a panic in it, or tokio's when the
+    /// OS refuses the blocking pool a thread), no leader is coming: the
+    /// queue is left as [`abandon`](Self::abandon) leaves it, so no request
+    /// waits for that leader, and the panic goes on.
+    fn starting(&self, start: impl FnOnce() -> bool) -> bool {
+        let unwinding = Unwinding {
+            steps: self,
+            handed: Cell::new(false),
+        };
+        let started = start();
+        unwinding.handed.set(true);
+        started
+    }
+
+    /// Ends gathering with no leader to come: the queued requests are
+    /// dropped unanswered, so their slots get an error instead of waiting
+    /// forever, and the next request leads again.
+    fn abandon(&self) {
+        let mut queue = self.queue();
+        let dropped = std::mem::take(&mut queue.waiting);
+        queue.gathering = false;
+        drop(queue);
+        // Each takes its finished send out of the in-flight set.
+        drop(dropped);
     }
 
     /// Gathers and runs one batch, then answers its members; `next` starts
@@ -650,10 +677,17 @@ fn panic_copy(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a batched step panicked".to_owned())
 }
 
-/// A leader unwinding (a panic outside the rules) before it handed leadership on:
-/// the requests queued behind it are dropped, so their slots get an error
-/// instead of waiting forever for a leader nobody will start, and the next
-/// request leads again.
+/// A leader unwinding (a panic outside the rules) before it handed leadership on,
+/// or a leader's start unwinding ([`Steps::starting`]): the requests queued
+/// are dropped, so their slots get an error instead of waiting forever for a
+/// leader nobody will start, and the next request leads again
+/// ([`Steps::abandon`]).
+///
+/// **Invariant:** the queue is gathering only while a leader is running or
+/// started. Every way out of a leader (its batch answered, an error, a panic
+/// in the rules or in any closure it runs, starting the next leader
+/// included) and of a request's push that starts one either hands the queue
+/// to a leader that runs or leaves it not gathering.
 struct Unwinding<'a> {
     steps: &'a Steps,
     handed: Cell<bool>,
@@ -662,12 +696,7 @@ struct Unwinding<'a> {
 impl Drop for Unwinding<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() && !self.handed.get() {
-            let mut queue = self.steps.queue();
-            let dropped = std::mem::take(&mut queue.waiting);
-            queue.gathering = false;
-            drop(queue);
-            // Each takes its finished send out of the in-flight set.
-            drop(dropped);
+            self.steps.abandon();
         }
     }
 }
@@ -858,7 +887,7 @@ where
         finished,
         claims,
         reply,
-    }) && !spawn_leader(shared)
+    }) && !shared.steps.starting(|| spawn_leader(shared))
     {
         // Refused: the runtime is shutting down. This poll holds no lock,
         // so the batch runs here: it records, and claims nothing more.
@@ -909,6 +938,13 @@ where
     const PENDING: u8 = 0;
     const SPAWNED: u8 = 1;
     const REFUSED: u8 = 2;
+    // As when the pool panics handing the leader a thread (see `Steps::starting`).
+    if let Err(e) = shared
+        .outbox
+        .check_failpoint("step.spawn", "start a batch's leader")
+    {
+        panic!("{e}");
+    }
     let handing = Arc::new(AtomicU8::new(PENDING));
     let handed = Arc::clone(&handing);
     let work = Arc::clone(shared);
@@ -1634,6 +1670,180 @@ mod tests {
             looked.outcome,
             Outcome::Failed,
             "a's unrecorded send still looks in flight: {looked:?}"
+        );
+    }
+
+    /// The guarantee the tests below check, named by their watchdogs.
+    const NEVER_STRANDED: &str = "a panicking leader never strands the queued steps";
+
+    /// How long a step may take before a test takes it for stranded: far
+    /// beyond any step's time on a loaded machine.
+    const STRANDED_AFTER: Duration = Duration::from_secs(60);
+
+    /// A worker's shared state over `outbox`, whose leaders run on `runtime`.
+    fn shared_on(outbox: &Outbox, runtime: &tokio::runtime::Runtime) -> Arc<Shared<()>> {
+        Arc::new(Shared {
+            outbox: outbox.clone(),
+            send: (),
+            picker: Mutex::new(Picker::worker()),
+            steps: Steps::default(),
+            runtime: runtime.handle().clone(),
+            stopping: AtomicBool::new(false),
+            cancelled: watch::channel(false).1,
+            tally: Mutex::new(Tally::default()),
+            keep_panics: false,
+        })
+    }
+
+    /// Waits (polling) until `done` holds; fails naming `what` if it never does.
+    fn wait_until(what: &str, done: impl Fn() -> bool) {
+        let start = std::time::Instant::now();
+        while !done() {
+            assert!(
+                start.elapsed() < STRANDED_AFTER,
+                "{NEVER_STRANDED}: gave up waiting until {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A step (`claim_next`, as a slot or `fill` runs it) awaited under the
+    /// watchdog: a step left waiting for a leader nobody will start fails
+    /// the test, naming the guarantee, instead of hanging it.
+    fn step_within<T>(
+        runtime: &tokio::runtime::Runtime,
+        who: &str,
+        step: impl Future<Output = T>,
+    ) -> T {
+        runtime
+            .block_on(async { tokio::time::timeout(STRANDED_AFTER, step).await })
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{NEVER_STRANDED} is broken: {who} waited {STRANDED_AFTER:?} for a leader \
+                     that never came"
+                )
+            })
+    }
+
+    fn multi_thread_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    /// A leader starts the next one from inside its transaction when a step
+    /// queued behind its batch (`fill`'s, here). If that start panics (a
+    /// panic in our code, or tokio's "OS can't spawn worker thread" when the
+    /// OS refuses the blocking pool a thread), the batch's members raise the
+    /// panic; the step queued behind must not be left waiting for a leader
+    /// that never comes (a worker awaiting `fill` there never saw its slots'
+    /// panic, and no shutdown could end it), and the next step must lead
+    /// again.
+    #[test]
+    fn a_leader_whose_hand_over_panics_never_strands_the_steps_queued_behind_it() {
+        use crate::FailAction;
+        // The first start (a's step) passes; the second, the hand-over, panics.
+        let fixture = TwoClaimed::new(&[("step.spawn", FailAction::PanicOnHit(2))], false);
+        let TwoClaimed {
+            outbox,
+            claims: [a, _],
+            ..
+        } = &fixture;
+        let runtime = multi_thread_runtime();
+        let shared = shared_on(outbox, &runtime);
+        // Holding the picker stops a's leader between collecting its batch
+        // and running it, so the next step queues behind the batch.
+        let picker = shared.picker.lock().expect("picker");
+        let first = runtime.spawn({
+            let (shared, a) = (Arc::clone(&shared), a.clone());
+            async move {
+                claim_next(&shared, Some(delivered(&a)), 0)
+                    .await
+                    .map(|t| t.len())
+            }
+        });
+        wait_until("a's leader collected its batch", || {
+            let queue = shared.steps.queue();
+            queue.gathering && queue.waiting.is_empty()
+        });
+        let behind = runtime.spawn({
+            let shared = Arc::clone(&shared);
+            async move { claim_next(&shared, None, 1).await.map(|t| t.len()) }
+        });
+        wait_until("the next step queued behind a's batch", || {
+            shared.steps.queue().waiting.len() == 1
+        });
+        drop(picker);
+        let first = step_within(&runtime, "a's step", first);
+        assert!(
+            first.as_ref().is_err_and(tokio::task::JoinError::is_panic),
+            "a's step did not raise its leader's panic: {first:?}"
+        );
+        match step_within(&runtime, "the step queued behind a's batch", behind) {
+            Ok(Err(Error::Io {
+                op: "batched step", ..
+            })) => {}
+            other => panic!("the step queued behind was not told its leader is gone: {other:?}"),
+        }
+        let queue = shared.steps.queue();
+        assert!(
+            queue.waiting.is_empty() && !queue.gathering,
+            "{NEVER_STRANDED}: the queue was left gathering with no leader"
+        );
+        drop(queue);
+        let next = step_within(&runtime, "a later step", claim_next(&shared, None, 1));
+        assert!(
+            next.is_ok(),
+            "a later step failed: {:?}",
+            next.map(|t| t.len())
+        );
+    }
+
+    /// The first step of a batch starts its leader itself (`claim_next`);
+    /// if that start panics, the step raises it, and the steps after it
+    /// must find the queue free to lead again, not gathering behind a
+    /// leader that was never started.
+    #[test]
+    fn a_step_whose_leader_fails_to_start_never_strands_the_next_steps() {
+        use crate::FailAction;
+        let fixture = TwoClaimed::new(&[("step.spawn", FailAction::PanicOnHit(1))], false);
+        let TwoClaimed {
+            outbox,
+            claims: [a, b],
+            ..
+        } = &fixture;
+        let runtime = multi_thread_runtime();
+        let shared = shared_on(outbox, &runtime);
+        let first = runtime.spawn({
+            let (shared, a) = (Arc::clone(&shared), a.clone());
+            async move {
+                claim_next(&shared, Some(delivered(&a)), 0)
+                    .await
+                    .map(|t| t.len())
+            }
+        });
+        let first = step_within(&runtime, "a's step", first);
+        assert!(
+            first.as_ref().is_err_and(tokio::task::JoinError::is_panic),
+            "a's step did not raise its leader's panic: {first:?}"
+        );
+        let next = step_within(
+            &runtime,
+            "b's step, after a's leader failed to start",
+            claim_next(&shared, Some(delivered(b)), 0),
+        );
+        assert!(next.is_ok(), "b's step failed: {:?}", next.map(|t| t.len()));
+        let item = outbox.get("b").expect("get").expect("live");
+        assert_eq!(
+            item.transport_ref(),
+            Some("tr-b"),
+            "b's send was not recorded"
+        );
+        assert!(
+            !outbox.in_flight().contains("a", a.stamp()),
+            "a's unrecorded send was left in flight"
         );
     }
 
