@@ -391,6 +391,10 @@ pub(crate) struct Loaded {
     /// Bytes past the cursor that no acknowledged entry owns (a write a power
     /// cut tore), waiting to be set aside before anything is written over them.
     torn: Option<Torn>,
+    /// A journal whose header did not parse, with no entry after it: it holds
+    /// nothing acknowledged, but it is damaged, so it is set aside before a
+    /// fresh journal takes its name (see [`Store::settle_torn`]).
+    bad_journal: Option<BadJournal>,
     /// Journal offset before which no further automatic compaction is tried.
     compaction_retry_at: u64,
 }
@@ -483,6 +487,14 @@ fn fold_cooldown(cooldowns: &mut HashMap<String, DateTime<Utc>>, item: &OutboxIt
 struct Torn {
     at: u64,
     bytes: Vec<u8>,
+}
+
+/// A journal judged unusable on load: its bytes up to the last non-zero one
+/// (the preallocated zeros after them hold nothing), and why.
+#[derive(Debug)]
+struct BadJournal {
+    bytes: Vec<u8>,
+    reason: &'static str,
 }
 
 /// How far a failed commit got.
@@ -600,6 +612,7 @@ impl Store {
             snapshot,
             cursor: None,
             torn: None,
+            bad_journal: None,
             compaction_retry_at: 0,
         };
         let file = match fsutil::open_existing(&self.journal_path, true) {
@@ -631,7 +644,7 @@ impl Store {
         let generation = match journal::next_line(&header) {
             // Created atomically, so a bad header alone was never acknowledged;
             // but a bad header with entries after it is damage, not a tear.
-            Line::Invalid { len, .. } => {
+            Line::Invalid { len, terminated } => {
                 let mut rest = Vec::new();
                 (&file)
                     .read_to_end(&mut rest)
@@ -639,6 +652,18 @@ impl Store {
                 let mut after = header[len.min(header.len())..].to_vec();
                 after.extend_from_slice(&rest);
                 if journal::is_remnant(false, &after) {
+                    // Nothing acknowledged is in it, and the next commit starts
+                    // a fresh journal; but the file is damaged, so its bytes are
+                    // set aside first, never overwritten.
+                    header.extend_from_slice(&rest);
+                    loaded.bad_journal = Some(BadJournal {
+                        bytes: without_trailing_zeros(header),
+                        reason: if terminated {
+                            "its header line is whole but invalid, and no entry follows it"
+                        } else {
+                            "its header line is unfinished, and no entry follows it"
+                        },
+                    });
                     return Ok(loaded);
                 }
                 return Err(invalid(
@@ -832,7 +857,11 @@ impl Store {
     /// The bytes are read again first: another handle may have set them aside
     /// already (then there is nothing left to do), and only the bytes that were
     /// judged a remnant are ever zeroed.
+    ///
+    /// A journal whose header was judged bad, with nothing after it, is set
+    /// aside the same way, whole ([`set_aside_bad_journal`](Self::set_aside_bad_journal)).
     pub(crate) fn settle_torn(&self, loaded: &mut Loaded) -> Result<()> {
+        self.set_aside_bad_journal(loaded)?;
         let (Some(torn), Some(cursor)) = (loaded.torn.take(), loaded.cursor.as_mut()) else {
             return Ok(());
         };
@@ -864,6 +893,51 @@ impl Store {
             quarantine = %quarantine.display(),
             bytes = torn.bytes.len(),
             "moved an unacknowledged, torn journal tail aside"
+        );
+        Ok(())
+    }
+
+    /// Copies a journal judged bad on load (its header did not parse and no
+    /// entry follows it: nothing acknowledged) to `outbox.journal.torn-<n>`,
+    /// then removes it, so that a fresh journal can take its name and no
+    /// later load finds it again. Like a torn tail, it is set aside only once
+    /// the state has been checked, and its bytes are read again first: gone
+    /// already (another handle set it aside) means nothing to do, changed
+    /// means an error, and nothing is removed.
+    fn set_aside_bad_journal(&self, loaded: &mut Loaded) -> Result<()> {
+        if loaded.cursor.is_some() {
+            loaded.bad_journal = None;
+            return Ok(());
+        }
+        let Some(bad) = loaded.bad_journal.take() else {
+            return Ok(());
+        };
+        let now = match fsutil::read_existing(&self.journal_path) {
+            Ok(now) => without_trailing_zeros(now),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io(&self.journal_path, "read", e)),
+        };
+        if now != bad.bytes {
+            return Err(invalid(
+                &self.journal_path,
+                "line 1".into(),
+                "the journal judged damaged changed while the directory was locked",
+            ));
+        }
+        let quarantine = (!bad.bytes.is_empty())
+            .then(|| {
+                fsutil::write_quarantine(&self.dir, &format!("{JOURNAL_FILE}.torn"), &bad.bytes)
+            })
+            .transpose()?;
+        fs::remove_file(&self.journal_path)
+            .and_then(|()| fsutil::sync_dir(&self.dir))
+            .map_err(|e| Error::io(&self.journal_path, "set aside damaged journal", e))?;
+        tracing::warn!(
+            journal = %self.journal_path.display(),
+            quarantine = %quarantine.as_deref().map_or_else(|| "none (only zeros)".into(), |q| q.display().to_string()),
+            bytes = bad.bytes.len(),
+            reason = bad.reason,
+            "moved a damaged journal aside; the next change starts a fresh one"
         );
         Ok(())
     }
@@ -923,11 +997,11 @@ impl Store {
         faults: &Failpoints,
         sync: bool,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
+        self.settle_torn(loaded)
+            .map_err(|e| (CommitFailure::Uncertain, e))?;
         if loaded.cursor.is_none() {
             self.start_journal(loaded, loaded.state.generation, faults)?;
         }
-        self.settle_torn(loaded)
-            .map_err(|e| (CommitFailure::Uncertain, e))?;
         let Some(cursor) = loaded.cursor.as_mut() else {
             unreachable!("started above")
         };
@@ -1009,13 +1083,17 @@ impl Store {
         Ok(())
     }
 
-    /// Creates an empty journal (just its header) for `generation`, atomically.
+    /// Creates an empty journal (just its header) for `generation`, atomically,
+    /// after setting aside a damaged one it would replace (a compaction may
+    /// get here first).
     fn start_journal(
         &self,
         loaded: &mut Loaded,
         generation: u64,
         faults: &Failpoints,
     ) -> std::result::Result<(), (CommitFailure, Error)> {
+        self.set_aside_bad_journal(loaded)
+            .map_err(|e| (CommitFailure::Clean, e))?;
         let header = journal::encode_line(&HeaderV1 {
             journal: JOURNAL_VERSION,
             generation,
@@ -1118,6 +1196,13 @@ impl Store {
         loaded.cursor = None;
         self.start_journal(loaded, next.generation, faults)
     }
+}
+
+/// `bytes` without the zeros at their end.
+fn without_trailing_zeros(mut bytes: Vec<u8>) -> Vec<u8> {
+    let end = bytes.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+    bytes.truncate(end);
+    bytes
 }
 
 /// Makes every entry written to `journal` so far durable.

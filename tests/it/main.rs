@@ -22,6 +22,7 @@ mod bulk_actions;
 mod byte_compat;
 #[cfg(feature = "postgres")]
 mod claim_identity;
+mod damaged_never_overwritten;
 #[cfg(feature = "postgres")]
 mod deferred_sealing;
 mod delivery;
