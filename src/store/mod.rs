@@ -1050,6 +1050,17 @@ impl Store {
                     extend(needed).map(|()| needed)
                 }
             });
+            // The zeros are made durable before any entry is written into
+            // them: until then a power cut may leave the file's new length
+            // with blocks that were never written, which a filesystem may
+            // show as old disk contents (ext4 mounted `data=writeback`), and
+            // garbage after the entries reads as damage.
+            let grown = grown.and_then(|grown| {
+                faults
+                    .check("journal.extend_sync")
+                    .and_then(|()| self.sync_growth(cursor))
+                    .map(|()| grown)
+            });
             match grown {
                 Ok(grown) => cursor.allocated = grown,
                 Err(e) => {
@@ -1081,6 +1092,35 @@ impl Store {
         loaded.journal_audit.extend(entry.audit);
         let _ = mark.end(crate::profile::Span::AppendApply);
         Ok(())
+    }
+
+    /// Makes a growth of the journal (its new zeros and its length) durable.
+    ///
+    /// Through a descriptor of its own: a commit group's leader may be
+    /// between its write and its `fdatasync` on the shared one, and Linux
+    /// reports a write-back error once per open file description, to the
+    /// first `fsync` on it. An error this sync met would be consumed on the
+    /// shared descriptor, and the leader told its group is durable; on a
+    /// description of its own, the leader's sync still reports it.
+    ///
+    /// A failure fails the transaction that grew the journal, cleanly: no
+    /// entry was written into the zeros, and the growth is made again (and
+    /// synced) by the next entry that needs it.
+    fn sync_growth(&self, cursor: &Cursor) -> io::Result<()> {
+        let own = fsutil::open_existing(&self.journal_path, false)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            let meta = own.metadata()?;
+            if (meta.dev(), meta.ino()) != (cursor.dev, cursor.ino) {
+                return Err(io::Error::other(
+                    "outbox.journal was replaced while the directory was locked",
+                ));
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = cursor;
+        own.sync_data()
     }
 
     /// Creates an empty journal (just its header) for `generation`, atomically,

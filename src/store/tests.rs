@@ -65,17 +65,24 @@ fn version_zero_and_future_versions_are_refused() {
     }
 }
 
-/// A transaction whose journal cannot grow (a full disk) fails alone and
-/// cleanly: nothing of its entry may stay behind for the group's write, or
-/// the next entry would follow it with the same sequence number.
+/// A transaction whose journal cannot grow (a full disk), or whose growth
+/// cannot be synced, fails alone and cleanly: nothing of its entry may stay
+/// behind for the group's write, or the next entry would follow it with the
+/// same sequence number.
 #[test]
 fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
+    for point in ["journal.extend", "journal.extend_sync"] {
+        a_failed_growth_leaves_nothing_of_its_entry(point);
+    }
+}
+
+fn a_failed_growth_leaves_nothing_of_its_entry(point: &str) {
     use super::{CommitFailure, Store};
     use crate::failpoint::{FailAction, Failpoints};
     let dir = tempfile::tempdir().unwrap();
     let store = Store::new(dir.path());
     let faults = Failpoints::none();
-    faults.arm("journal.extend", FailAction::ErrorOnHit(1));
+    faults.arm(point, FailAction::ErrorOnHit(1));
     let mut ours = None;
     let loaded = store.refresh(&mut ours).unwrap();
     let mut appended = 0u64;
@@ -87,7 +94,10 @@ fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
                 break;
             }
         }
-        assert!(appended < 1_000_000, "the journal never had to grow");
+        assert!(
+            appended < 1_000_000,
+            "{point}: the journal never had to grow"
+        );
     }
     // The next entry grows the file and takes the failed one's place.
     store
@@ -100,8 +110,9 @@ fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
     assert_eq!(
         reread.cursor.as_ref().map(|c| c.next_seq - 1),
         Some(appended),
-        "the journal does not hold exactly the entries that were appended"
+        "{point}: the journal does not hold exactly the entries that were appended"
     );
+    assert_eq!(faults.hits(point), 2, "{point}: not reached by each growth");
 }
 
 /// A synchronous commit (settings, an audit prune, compaction's record)

@@ -79,6 +79,8 @@ mod history;
 mod http_loopback;
 #[cfg(feature = "test-failpoints")]
 mod injected_faults;
+#[cfg(all(target_os = "linux", feature = "test-failpoints"))]
+mod journal_growth_durable;
 #[cfg(all(unix, feature = "matrix", feature = "test-failpoints"))]
 mod matrix_delivery;
 #[cfg(all(target_os = "linux", feature = "test-failpoints"))]

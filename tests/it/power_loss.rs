@@ -39,7 +39,7 @@
 //! File-only by design: what a power cut leaves of the files.
 
 mod crash_states;
-mod recorder;
+pub(crate) mod recorder;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
