@@ -86,6 +86,10 @@ pub(crate) struct Group {
     /// [`Group::gather`]), not every one.
     wake_at: AtomicU64,
     wake_also: AtomicU64,
+    /// Run once between `wait_durable`'s first look at `durable` and its
+    /// look at `failed`: the window a test needs to reach.
+    #[cfg(test)]
+    between_looks: tests::Hook,
 }
 
 impl Default for Group {
@@ -103,6 +107,8 @@ impl Default for Group {
             closing: AtomicBool::new(false),
             wake_at: AtomicU64::new(0),
             wake_also: AtomicU64::new(0),
+            #[cfg(test)]
+            between_looks: tests::Hook::default(),
         }
     }
 }
@@ -308,6 +314,8 @@ impl Group {
             if ticket <= self.durable.load(Ordering::Acquire) {
                 return Ok(());
             }
+            #[cfg(test)]
+            self.between_looks.run();
             if self.failed() {
                 // A sync may have made this ticket durable after the load
                 // above and before a later sync failed: `failed` is stored
@@ -408,6 +416,67 @@ mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Work a test runs once at a point of `Group`'s code.
+    #[derive(Default)]
+    pub(super) struct Hook(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+    impl Hook {
+        fn set(&self, work: impl FnOnce() + Send + 'static) {
+            *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(work));
+        }
+
+        pub(super) fn run(&self) {
+            let work = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(work) = work {
+                work();
+            }
+        }
+    }
+
+    impl std::fmt::Debug for Hook {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Hook")
+        }
+    }
+
+    /// A thread that found its ticket not durable yet, and then the group
+    /// failed, must look at `durable` again: a sync may have covered its
+    /// ticket in between, before a later sync failed. Its change is durable
+    /// and must be reported so, not as `Poisoned` (a caller told `Poisoned`
+    /// may do again what is already done, e.g. enqueue under a new key).
+    #[test]
+    fn a_ticket_made_durable_just_before_the_group_failed_is_reported_durable() {
+        let group = Arc::new(Group::default());
+        let failing = |cover| Synced {
+            cover,
+            result: Err(Error::io(
+                std::path::Path::new("j"),
+                "fsync",
+                std::io::Error::other("injected"),
+            )),
+        };
+        // Between this thread's two looks: a sync covers ticket 1, then the
+        // next one (ticket 2's) fails.
+        let others = Arc::clone(&group);
+        group.between_looks.set(move || {
+            others
+                .wait_durable(1, || Synced {
+                    cover: 1,
+                    result: Ok(()),
+                })
+                .map_err(|e| e.to_string())
+                .unwrap();
+            assert!(others.wait_durable(2, || failing(2)).is_err());
+        });
+        let told = group.wait_durable(1, || failing(1));
+        assert!(
+            told.is_ok(),
+            "a ticket a sync made durable was reported as {told:?} because a later sync failed"
+        );
+        assert!(group.failed(), "the later sync's failure was lost");
+        assert!(matches!(group.wait_durable(2, || failing(2)), Err(Error::Poisoned)));
+    }
 
     #[test]
     fn one_sync_covers_every_ticket_written_before_it() {
