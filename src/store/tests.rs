@@ -144,3 +144,38 @@ fn a_synchronous_commit_writes_the_unwritten_entries_ahead_of_its_own() {
         "the entries on disk end where the writer's do"
     );
 }
+
+/// Entries appended for a commit group that its leader never wrote (the
+/// group failed, the handle is poisoned) leave the cached state ahead of the
+/// files: a refresh must read the files afresh. Keeping them would make the
+/// next synchronous commit write them ahead of its own entry, so a change
+/// whose caller was told it failed would become durable after all.
+#[test]
+fn a_refresh_forgets_entries_that_were_never_written() {
+    use super::Store;
+    use crate::failpoint::Failpoints;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(dir.path());
+    let faults = Failpoints::none();
+    let mut ours = None;
+    let loaded = store.refresh(&mut ours).unwrap();
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    // A group's entry, appended, never written.
+    store
+        .append_unsynced(loaded, None, Vec::new(), &[], &faults)
+        .unwrap();
+    let loaded = store.refresh(&mut ours).unwrap();
+    assert_eq!(
+        loaded.cursor.as_ref().map(|c| c.next_seq),
+        Some(2),
+        "the refreshed state still counts the entry that was never written"
+    );
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let mut theirs = None;
+    let reread = store.refresh(&mut theirs).unwrap();
+    assert_eq!(
+        reread.cursor.as_ref().map(|c| c.next_seq - 1),
+        Some(2),
+        "the journal holds the entry that was never written (or lost a committed one)"
+    );
+}
