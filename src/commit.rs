@@ -475,7 +475,10 @@ mod tests {
             "a ticket a sync made durable was reported as {told:?} because a later sync failed"
         );
         assert!(group.failed(), "the later sync's failure was lost");
-        assert!(matches!(group.wait_durable(2, || failing(2)), Err(Error::Poisoned)));
+        assert!(matches!(
+            group.wait_durable(2, || failing(2)),
+            Err(Error::Poisoned)
+        ));
     }
 
     #[test]

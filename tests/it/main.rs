@@ -69,6 +69,8 @@ mod concurrency;
 mod crash_repair;
 #[cfg(feature = "tokio")]
 mod current_thread_runtime;
+#[cfg(all(feature = "tokio", feature = "test-failpoints"))]
+mod cut_off_sends_never_resent;
 #[cfg(feature = "tokio")]
 mod finished_sends_survive_shutdown;
 #[cfg(all(unix, feature = "test-failpoints"))]
