@@ -645,32 +645,8 @@ impl Store {
             // Created atomically, so a bad header alone was never acknowledged;
             // but a bad header with entries after it is damage, not a tear.
             Line::Invalid { len, terminated } => {
-                let mut rest = Vec::new();
-                (&file)
-                    .read_to_end(&mut rest)
-                    .map_err(|e| Error::io(&self.journal_path, "read", e))?;
-                let mut after = header[len.min(header.len())..].to_vec();
-                after.extend_from_slice(&rest);
-                if journal::is_remnant(false, &after) {
-                    // Nothing acknowledged is in it, and the next commit starts
-                    // a fresh journal; but the file is damaged, so its bytes are
-                    // set aside first, never overwritten.
-                    header.extend_from_slice(&rest);
-                    loaded.bad_journal = Some(BadJournal {
-                        bytes: without_trailing_zeros(header),
-                        reason: if terminated {
-                            "its header line is whole but invalid, and no entry follows it"
-                        } else {
-                            "its header line is unfinished, and no entry follows it"
-                        },
-                    });
-                    return Ok(loaded);
-                }
-                return Err(invalid(
-                    &self.journal_path,
-                    "line 1".into(),
-                    "the header is damaged but entries follow it",
-                ));
+                loaded.bad_journal = Some(self.bad_header(&file, header, len, terminated)?);
+                return Ok(loaded);
             }
             Line::Valid(json, len) => {
                 let head: HeaderV1 = serde_json::from_slice(json).map_err(|e| {
@@ -710,6 +686,42 @@ impl Store {
         self.read_journal(&mut loaded)?;
         self.check_beyond_end(&mut loaded)?;
         Ok(loaded)
+    }
+
+    /// A journal whose header line (the first `len` bytes of `header`, the
+    /// file's first bytes; `terminated`: whole) did not parse. With no entry
+    /// after it, nothing acknowledged is in it and the next commit starts a
+    /// fresh journal; but the file is damaged, so its bytes are kept to be
+    /// set aside first, never overwritten. With entries after it, it is
+    /// damage, not a tear: an error.
+    fn bad_header(
+        &self,
+        mut file: &File,
+        mut header: Vec<u8>,
+        len: usize,
+        terminated: bool,
+    ) -> Result<BadJournal> {
+        let mut rest = Vec::new();
+        file.read_to_end(&mut rest)
+            .map_err(|e| Error::io(&self.journal_path, "read", e))?;
+        let mut after = header[len.min(header.len())..].to_vec();
+        after.extend_from_slice(&rest);
+        if !journal::is_remnant(false, &after) {
+            return Err(invalid(
+                &self.journal_path,
+                "line 1".into(),
+                "the header is damaged but entries follow it",
+            ));
+        }
+        header.extend_from_slice(&rest);
+        Ok(BadJournal {
+            bytes: without_trailing_zeros(header),
+            reason: if terminated {
+                "its header line is whole but invalid, and no entry follows it"
+            } else {
+                "its header line is unfinished, and no entry follows it"
+            },
+        })
     }
 
     /// Applies journal entries past the cursor; quarantines a torn tail.

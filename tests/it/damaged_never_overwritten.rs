@@ -51,15 +51,18 @@ fn compacted(dir: &Path) {
     drop(open(dir));
     let journal = fs::read(dir.join(JOURNAL)).unwrap();
     let end = journal.iter().position(|b| *b == 0).unwrap();
-    assert!(
-        journal[..end].ends_with(b"\n")
-            && journal[..end].iter().filter(|b| **b == b'\n').count() == 1,
+    assert_eq!(
+        journal.iter().position(|b| *b == b'\n').map(|at| at + 1),
+        Some(end),
         "the journal is not a lone header"
     );
 }
 
-/// Ways a header line can be damaged, each applied to the header bytes.
-fn damages() -> Vec<(&'static str, fn(&mut [u8]))> {
+/// A way a header line can be damaged, applied to the header's bytes.
+type Damage = fn(&mut [u8]);
+
+/// Ways a header line can be damaged, each with its name.
+fn damages() -> Vec<(&'static str, Damage)> {
     vec![
         // A flipped byte: the line is whole, its checksum does not match.
         ("a flipped byte in a whole header line", |header| {
@@ -74,7 +77,7 @@ fn damages() -> Vec<(&'static str, fn(&mut [u8]))> {
 }
 
 /// The journal with its header damaged by `damage`, trailing zeros kept.
-fn damaged_journal(dir: &Path, damage: fn(&mut [u8])) -> Vec<u8> {
+fn damaged_journal(dir: &Path, damage: Damage) -> Vec<u8> {
     let mut journal = fs::read(dir.join(JOURNAL)).unwrap();
     let header_len = journal.iter().position(|b| *b == b'\n').unwrap() + 1;
     damage(&mut journal[..header_len]);
