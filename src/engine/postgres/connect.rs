@@ -34,6 +34,27 @@ pub(super) const STALE_RERUNS: usize = IDLE_CONNECTIONS;
 /// How long opening a connection may take when the URL sets no `connect_timeout`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Idle time before the first TCP keepalive probe, on both ends of every
+/// connection, when the URL sets no `keepalives_idle` (the client library's
+/// own default is two hours, the kernel's too).
+pub(crate) const KEEPALIVES_IDLE: Duration = Duration::from_secs(15);
+
+/// Time between unanswered keepalive probes (URL: `keepalives_interval`).
+pub(crate) const KEEPALIVES_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Unanswered probes after which the connection is given up (URL:
+/// `keepalives_retries`): an idle connection whose peer vanished is closed
+/// [`KEEPALIVES_IDLE`] + [`KEEPALIVES_INTERVAL`] × this = 30 s after its last
+/// traffic.
+pub(crate) const KEEPALIVES_RETRIES: u32 = 3;
+
+/// How long sent data may stay unacknowledged before the connection is
+/// given up (URL: `tcp_user_timeout`; keepalives do not run while data is
+/// outstanding). It is also how long a statement on a dedicated connection
+/// (the owner lock, `LISTEN`, `NOTIFY`: see [`session`](super::session)) may
+/// go unanswered, which catches a peer that acknowledges but never answers.
+pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Runs `f`, which uses the synchronous client, so that the client may block
 /// the thread:
 ///
@@ -114,12 +135,25 @@ fn blocking_here<T>(f: impl FnOnce() -> T) -> T {
 /// Opens connections to one server.
 #[derive(Clone)]
 pub(crate) struct Connector {
+    /// The URL's settings with our defaults where it has none: what every
+    /// connection of the handle is opened with (the pooled ones in
+    /// [`conn`] too).
     config: tokio_postgres::Config,
+    /// `SELECT set_config(…)` of the server-side dead-peer settings the
+    /// URL's `options` do not set, run first on each connection; `None` when
+    /// it sets them all.
+    server_settings: Option<String>,
 }
 
 impl Connector {
     /// Parses a `postgres://` URL (or `key=value` string). The error never
     /// repeats the URL: it may hold a password.
+    ///
+    /// Where the URL does not say otherwise, every connection gets a bounded
+    /// `connect_timeout` and TCP keepalives and a `tcp_user_timeout` that
+    /// close it about 30 s after its peer went silent, and asks the server
+    /// for the same on its end (see [`ServerSettings`]): a handle on a dead
+    /// host holds its owner lock that long, not the kernel's two hours.
     pub(crate) fn parse(url: &str) -> Result<Self> {
         let mut config: tokio_postgres::Config = url.parse().map_err(|e: postgres::Error| {
             Error::invalid_config(
@@ -127,20 +161,88 @@ impl Connector {
                 format!("not a PostgreSQL connection URL ({e}); expected postgres://user@host:port/database"),
             )
         })?;
+        let given = named_parameters(url);
+        let names = |key: &str| given.iter().any(|n| n == key);
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         if config.get_application_name().is_none() {
             config.application_name("durable-outbox");
         }
-        Ok(Self { config })
+        // `keepalives=0` in the URL turns them off; `keepalives_idle` has no
+        // "unset" in the client's config (it reads as its 2 h default), so
+        // whether the URL names it decides.
+        if !names("keepalives_idle") {
+            config.keepalives_idle(KEEPALIVES_IDLE);
+        }
+        if config.get_keepalives_interval().is_none() {
+            config.keepalives_interval(KEEPALIVES_INTERVAL);
+        }
+        if config.get_keepalives_retries().is_none() {
+            config.keepalives_retries(KEEPALIVES_RETRIES);
+        }
+        if config.get_tcp_user_timeout().is_none() && !names("tcp_user_timeout") {
+            config.tcp_user_timeout(TCP_USER_TIMEOUT);
+        }
+        let server_settings = ServerSettings::of(&config).statement();
+        Ok(Self {
+            config,
+            server_settings,
+        })
     }
 
-    /// A synchronous client (owner lock, `LISTEN`, `NOTIFY`, migrations).
+    /// The client configuration every connection of the handle is opened with.
+    pub(crate) fn config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+
+    /// The statement that asks the server for its end of the dead-peer
+    /// bounds (see [`ServerSettings`]), to run first on a new connection;
+    /// `None` when the URL's `options` set them all.
+    pub(crate) fn server_settings(&self) -> Option<&str> {
+        self.server_settings.as_deref()
+    }
+
+    /// How long a statement on a dedicated connection may go unanswered:
+    /// the URL's `tcp_user_timeout`, or [`TCP_USER_TIMEOUT`].
+    pub(crate) fn answer_timeout(&self) -> Duration {
+        self.config
+            .get_tcp_user_timeout()
+            .copied()
+            .filter(|t| !t.is_zero())
+            .unwrap_or(TCP_USER_TIMEOUT)
+    }
+
+    /// How long opening a connection may take in all: the socket's
+    /// `connect_timeout` (which the client applies to the socket alone),
+    /// then the startup and the server settings, each answer within
+    /// [`answer_timeout`](Self::answer_timeout).
+    pub(crate) fn open_timeout(&self) -> Duration {
+        self.config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(CONNECT_TIMEOUT)
+            + self.answer_timeout()
+    }
+
+    /// A synchronous client (migrations, opening checks), its server-side
+    /// settings applied.
     pub(crate) fn connect(&self) -> Result<Client> {
-        postgres::Config::from(self.config.clone())
+        let mut client = postgres::Config::from(self.config.clone())
             .connect(NoTls)
-            .map_err(db("connect"))
+            .map_err(db("connect"))?;
+        if let Some(settings) = self.server_settings() {
+            client
+                .batch_execute(settings)
+                .map_err(db("apply the connection's server settings"))?;
+        }
+        Ok(client)
+    }
+
+    /// A dedicated connection whose every call has a deadline (see
+    /// [`session`](super::session)).
+    pub(crate) fn session(&self) -> Result<super::session::Session> {
+        super::session::Session::open(self)
     }
 
     /// A reads/commits connection (see [`conn`]).
@@ -152,6 +254,132 @@ impl Connector {
                 source: Box::new(e),
             },
         })
+    }
+}
+
+/// The server's end of the dead-peer bounds: the same keepalive timing and
+/// `tcp_user_timeout` as the client's, so that the *server* ends the session
+/// of a host that vanished (and releases its owner lock: its claims are
+/// found orphaned) in about 30 s, not after the kernel's two hours and more.
+/// Sent as `set_config` after connecting, not as the startup `options`,
+/// which pgbouncer refuses; a setting the URL's `options` already give
+/// (`-c tcp_keepalives_idle=…`) is left to them, and one the server does not
+/// know (`tcp_user_timeout` before PostgreSQL 12) is skipped.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct ServerSettings {
+    /// `(name, value)` to set, in the server's units.
+    pub(crate) settings: Vec<(&'static str, String)>,
+}
+
+impl ServerSettings {
+    fn of(config: &tokio_postgres::Config) -> Self {
+        let options = config.get_options().unwrap_or_default();
+        let mut settings = Vec::new();
+        if config.get_keepalives() {
+            let interval = config
+                .get_keepalives_interval()
+                .unwrap_or(KEEPALIVES_INTERVAL);
+            let retries = config.get_keepalives_retries().unwrap_or(KEEPALIVES_RETRIES);
+            settings.push((
+                "tcp_keepalives_idle",
+                config.get_keepalives_idle().as_secs().max(1).to_string(),
+            ));
+            settings.push((
+                "tcp_keepalives_interval",
+                interval.as_secs().max(1).to_string(),
+            ));
+            settings.push(("tcp_keepalives_count", retries.to_string()));
+        }
+        if let Some(timeout) = config.get_tcp_user_timeout() {
+            settings.push(("tcp_user_timeout", timeout.as_millis().to_string()));
+        }
+        settings.retain(|(name, _)| !options_set(options, name));
+        Self { settings }
+    }
+
+    /// One statement setting them all for the session (`None`: nothing to set).
+    fn statement(&self) -> Option<String> {
+        if self.settings.is_empty() {
+            return None;
+        }
+        let values = self
+            .settings
+            .iter()
+            .map(|(name, value)| format!("('{name}', '{value}')"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Some(format!(
+            "SELECT set_config(s.name, s.value, false) FROM (VALUES {values}) AS s(name, value) \
+             WHERE EXISTS (SELECT 1 FROM pg_settings p WHERE p.name = s.name)"
+        ))
+    }
+}
+
+/// Whether the startup `options` (`-c name=value`, `--name=value`) set `name`.
+fn options_set(options: &str, name: &str) -> bool {
+    let mut words = options.split_whitespace();
+    while let Some(word) = words.next() {
+        let setting = if word == "-c" {
+            words.next()
+        } else {
+            word.strip_prefix("-c").or_else(|| word.strip_prefix("--"))
+        };
+        if setting
+            .and_then(|s| s.split_once('='))
+            .is_some_and(|(n, _)| n.replace('-', "_") == name)
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// The parameter names a connection string gives, in either of its forms:
+/// the query of a `postgres://` URL (`?keepalives_idle=5&…`), or the keys of
+/// a `key=value` string (values may be quoted). Run on a string the client
+/// parsed already, so it only needs to find the keys, not to validate.
+fn named_parameters(url: &str) -> Vec<String> {
+    if let Some(rest) = url
+        .strip_prefix("postgresql://")
+        .or_else(|| url.strip_prefix("postgres://"))
+    {
+        // The credentials end at the first '@'; the query starts at the
+        // first '?' after them.
+        let after_credentials = rest.split_once('@').map_or(rest, |(_, r)| r);
+        return after_credentials
+            .split_once('?')
+            .map(|(_, query)| {
+                query
+                    .split('&')
+                    .filter_map(|pair| pair.split_once('=').map(|(key, _)| key.to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+    }
+    let mut keys = Vec::new();
+    let mut chars = url.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| !c.is_whitespace() && *c != '=') {
+            key.push(c);
+        }
+        if key.is_empty() {
+            return keys;
+        }
+        keys.push(key);
+        while chars.next_if(|c| c.is_whitespace() || *c == '=').is_some() {}
+        let quoted = chars.next_if_eq(&'\'').is_some();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => {
+                    chars.next();
+                }
+                '\'' if quoted => break,
+                c if c.is_whitespace() && !quoted => break,
+                _ => {}
+            }
+        }
     }
 }
 
@@ -274,5 +502,34 @@ impl PgEngine {
         drop(idle);
         // Its runtime cannot be dropped inside a current-thread runtime.
         blocking(move || drop(client));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{named_parameters, options_set};
+
+    #[test]
+    fn the_parameters_a_connection_string_names_are_found_in_either_form() {
+        assert_eq!(
+            named_parameters("postgres://u:p%3Fw@h:5432/db?keepalives_idle=5&sslmode=disable"),
+            ["keepalives_idle", "sslmode"]
+        );
+        assert!(named_parameters("postgresql://u@h/db").is_empty());
+        assert_eq!(
+            named_parameters(
+                "host=h password='a b\\' keepalives_idle=9' dbname = d  tcp_user_timeout=4"
+            ),
+            ["host", "password", "dbname", "tcp_user_timeout"],
+            "a quoted value with spaces and an escaped quote is one value"
+        );
+    }
+
+    #[test]
+    fn startup_options_that_set_a_server_setting_are_recognised() {
+        assert!(options_set("-c tcp_keepalives_idle=5", "tcp_keepalives_idle"));
+        assert!(options_set("-ctcp_user_timeout=5", "tcp_user_timeout"));
+        assert!(options_set("--tcp-keepalives-count=2", "tcp_keepalives_count"));
+        assert!(!options_set("-c tcp_keepalives_idle=5", "tcp_keepalives_count"));
     }
 }

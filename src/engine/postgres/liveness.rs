@@ -17,12 +17,19 @@
 
 use postgres::Client;
 
+use super::session::Session;
 use super::{Connector, db, lock_key};
 use crate::error::{Error, Result};
 
 /// The lock that makes one owner alive.
+///
+/// Its connection is a [`Session`]: each check is answered within the
+/// connection's answer timeout or counts as the lock lost (and the
+/// connection is closed, so the server ends the session and the lock with
+/// it as soon as it hears of it), instead of holding every claim of the
+/// handle behind a check that never returns.
 pub(crate) struct Liveness {
-    client: Client,
+    client: Session,
     /// The server process of `client`'s session when the lock was taken.
     pid: i32,
     key: i64,
@@ -34,19 +41,17 @@ impl Liveness {
     /// Connects and locks `owner`. `Ok(None)` when the lock is taken already
     /// (only possible for an id someone else registered: pick another).
     pub(crate) fn take(connector: &Connector, schema: &str, owner: &str) -> Result<Option<Self>> {
-        let mut client = connector.connect()?;
+        let mut client = connector.session()?;
         let key = lock_key(schema, owner);
-        let locked: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
-            .map_err(db("take the owner lock"))?
-            .get(0);
+        let row = client.query_one(
+            "take the owner lock",
+            "SELECT pg_try_advisory_lock($1), pg_backend_pid()",
+            &[&key],
+        )?;
+        let (locked, pid): (bool, i32) = (row.get(0), row.get(1));
         if !locked {
             return Ok(None);
         }
-        let pid: i32 = client
-            .query_one("SELECT pg_backend_pid()", &[])
-            .map_err(db("read the owner session's pid"))?
-            .get(0);
         Ok(Some(Self {
             client,
             pid,
@@ -62,8 +67,11 @@ impl Liveness {
     pub(crate) fn verify(&mut self, other: &mut Client) -> Result<()> {
         let now: i32 = self
             .client
-            .query_one("SELECT pg_backend_pid()", &[])
-            .map_err(db("read the owner session's pid"))?
+            .query_one(
+                "read the owner session's pid",
+                "SELECT pg_backend_pid()",
+                &[],
+            )?
             .get(0);
         let holder: Option<i32> = other
             .query_opt(
@@ -92,16 +100,24 @@ impl Liveness {
 
     /// Whether the session that holds the lock is still there (a cheap round
     /// trip on the dedicated connection). `false` after a cut or a restart:
-    /// the lock is gone, and other handles may already treat our claims as orphans.
+    /// the lock is gone, and other handles may already treat our claims as
+    /// orphans. `false` too, within the connection's answer timeout, when
+    /// the server does not answer: the connection is then closed.
     pub(crate) fn is_held(&mut self) -> bool {
         let began = std::time::Instant::now();
         let held = !self.client.is_closed()
             && self
                 .client
-                .query_one("SELECT pg_backend_pid()", &[])
+                .query_one("check the owner lock", "SELECT pg_backend_pid()", &[])
                 .is_ok_and(|row| row.get::<_, i32>(0) == self.pid);
         self.confirmed_from = held.then_some(began);
         held
+    }
+
+    /// The dedicated connection, for tests that look at its settings.
+    #[cfg(test)]
+    pub(crate) fn session(&mut self) -> &mut Session {
+        &mut self.client
     }
 
     /// Whether the lock was held at some moment after `asked`: a check that
@@ -175,13 +191,6 @@ mod tests {
     use super::super::test_server::PgServer;
     use super::*;
 
-    fn pid_of(client: &mut Client) -> i32 {
-        client
-            .query_one("SELECT pg_backend_pid()", &[])
-            .unwrap()
-            .get(0)
-    }
-
     /// `refuse_transaction_pooling` is the first line against a pooler; this
     /// is the second, for one that passed it: at open and after a cut, the
     /// owner lock must be held by the owner connection's own session, or
@@ -204,8 +213,11 @@ mod tests {
 
         // The lock stays with the session that took it while the owner
         // connection now talks to another one (as if a pooler moved it).
-        let mut stray = connector.connect().unwrap();
-        let stray_session = pid_of(&mut stray);
+        let mut stray = connector.session().unwrap();
+        let stray_session: i32 = stray
+            .query_one("test", "SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
         // The connection that took the lock stays open, so its session keeps it.
         let _taken_in = std::mem::replace(&mut liveness.client, stray);
         let refused = |result: Result<()>, what: &str| match result {

@@ -59,6 +59,7 @@ mod retry;
 mod rows;
 mod schema;
 mod sealing;
+mod session;
 mod settings;
 mod transact;
 mod txn;

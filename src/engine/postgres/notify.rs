@@ -30,7 +30,12 @@
 //! **Invariant:** every request is followed by at least one `NOTIFY` that
 //! starts after it: the thread takes the request count before each send, and
 //! a count that grew meanwhile calls for another send. Dropping the handle
-//! sends what is pending at once and joins the thread.
+//! sends what is pending at once and joins the thread, waiting at most
+//! [`CLOSE_WAIT`]: when the server does not answer, the thread is left to
+//! end on its own (its `NOTIFY` fails within the connection's answer
+//! timeout, see [`session`](super::session)), and the drop returns. The
+//! last wake-up is then lost, which only delays other hosts' workers until
+//! their next poll.
 //!
 //! The sender's connection failing (the server restarted, an operator
 //! terminated the session) is logged and the connection opened again at once
@@ -52,11 +57,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use postgres::Client;
-use postgres::fallible_iterator::FallibleIterator;
-
 use super::sealing::Seal;
-use super::{Connector, PgEngine, db, lock};
+use super::session::Session;
+use super::{Connector, PgEngine, lock};
 use crate::error::{Error, Result};
 
 /// The channel of `schema`'s outbox.
@@ -80,6 +83,10 @@ pub(crate) fn channel(schema: &str) -> String {
 /// items again after each send anyway. Ten milliseconds is small beside a
 /// send to a chat service (tens to hundreds of milliseconds).
 pub(crate) const COALESCE: Duration = Duration::from_millis(10);
+
+/// The longest dropping a handle waits for its sender thread to send what
+/// is pending and end.
+pub(crate) const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 /// A handle's wake-up sender: [`request`](Self::request) after a commit that
 /// made work due; a thread of its own sends the `NOTIFY`s (see the module
@@ -119,6 +126,8 @@ struct State {
     idle: bool,
     /// The handle is being dropped: send what is pending now, then end.
     closing: bool,
+    /// The thread has ended (or unwound).
+    ended: bool,
     /// The server process id of the sender's connection, once it connected
     /// (for the log, and for tests that terminate it).
     pid: Option<i32>,
@@ -162,7 +171,10 @@ impl Sender {
         let theirs = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("outbox-wake".into())
-            .spawn(move || run(&theirs, interval, send))
+            .spawn(move || {
+                let _ended = Ended(&theirs);
+                run(&theirs, interval, send);
+            })
             .map_err(|e| Error::Database {
                 op: "start the wake-up sender thread",
                 source: Box::new(e),
@@ -218,13 +230,38 @@ impl Sender {
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        self.shared.state().closing = true;
+        let mut state = self.shared.state();
+        state.closing = true;
         self.shared.changed.notify_all();
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
+        let (state, _) = self
+            .shared
+            .changed
+            .wait_timeout_while(state, CLOSE_WAIT, |s| !s.ended)
+            .unwrap_or_else(PoisonError::into_inner);
+        let ended = state.ended;
+        drop(state);
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        if !ended {
+            // Detached: it ends once its call fails (see the module docs).
+            tracing::warn!(
+                "the wake-up sender did not finish within {CLOSE_WAIT:?} (the server does not \
+                 answer); closing without waiting for it"
+            );
+        } else if thread.join().is_err() {
             tracing::error!("the wake-up sender thread panicked");
         }
+    }
+}
+
+/// Marks the sender thread ended when it returns or unwinds.
+struct Ended<'s>(&'s Shared);
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        self.0.state().ended = true;
+        self.0.changed.notify_all();
     }
 }
 
@@ -278,7 +315,7 @@ struct Line {
     /// `NOTIFY "<channel>"`.
     statement: String,
     /// Opened on the first send; dropped when it fails.
-    client: Option<Client>,
+    client: Option<Session>,
     shared: Arc<Shared>,
 }
 
@@ -288,14 +325,14 @@ impl Line {
     /// again at once for the same `NOTIFY`; a failure is logged.
     fn send(&mut self) -> bool {
         loop {
-            let fresh = self.client.as_ref().is_none_or(Client::is_closed);
+            let fresh = self.client.as_ref().is_none_or(Session::is_closed);
             if fresh && !self.connect() {
                 return false;
             }
             let Some(client) = self.client.as_mut() else {
                 return false;
             };
-            match client.batch_execute(&self.statement) {
+            match client.batch_execute("send a wake-up", &self.statement) {
                 Ok(()) => return true,
                 Err(e) => {
                     let pid = self.shared.state().pid.take();
@@ -312,15 +349,14 @@ impl Line {
 
     /// Opens the connection; false (logged) when that fails.
     fn connect(&mut self) -> bool {
-        let opened = self.connector.connect().and_then(|mut client| {
+        let opened = self.connector.session().and_then(|mut client| {
             // Asynchronous commits for this session's `NOTIFY`s (see the
             // module docs); its server process id for the log.
-            let row = client
-                .query_one(
-                    "SELECT pg_backend_pid(), set_config('synchronous_commit', 'off', false)",
-                    &[],
-                )
-                .map_err(db("set up the wake-up connection"))?;
+            let row = client.query_one(
+                "set up the wake-up connection",
+                "SELECT pg_backend_pid(), set_config('synchronous_commit', 'off', false)",
+                &[],
+            )?;
             Ok((client, row.get::<_, i32>(0)))
         });
         match opened {
@@ -339,16 +375,17 @@ impl Line {
 
 /// A connection that listens for wake-ups.
 pub(crate) struct Listener {
-    client: Client,
+    client: Session,
 }
 
 impl Listener {
     /// Connects and subscribes. Wake-ups committed before this returns are not seen.
     pub(crate) fn start(connector: &Connector, schema: &str) -> Result<Self> {
-        let mut client = connector.connect()?;
-        client
-            .batch_execute(&format!("LISTEN \"{}\"", channel(schema)))
-            .map_err(db("listen for wake-ups"))?;
+        let mut client = connector.session()?;
+        client.batch_execute(
+            "listen for wake-ups",
+            &format!("LISTEN \"{}\"", channel(schema)),
+        )?;
         Ok(Self { client })
     }
 
@@ -356,21 +393,16 @@ impl Listener {
         self.client.is_closed()
     }
 
+    /// The dedicated connection, for tests that look at its settings.
+    #[cfg(test)]
+    pub(crate) fn session(&mut self) -> &mut Session {
+        &mut self.client
+    }
+
     /// Waits up to `timeout` for a wake-up; `true` when one came. Wake-ups that
     /// arrived together count as one.
     pub(crate) fn wait(&mut self, timeout: Duration) -> Result<bool> {
-        let mut notifications = self.client.notifications();
-        let woken = notifications
-            .timeout_iter(timeout)
-            .next()
-            .map_err(db("wait for a wake-up"))?
-            .is_some();
-        if woken {
-            // Drain what is already here: one re-read answers them all.
-            let mut pending = notifications.iter();
-            while pending.next().map_err(db("drain wake-ups"))?.is_some() {}
-        }
-        Ok(woken)
+        self.client.notified("wait for a wake-up", timeout)
     }
 }
 

@@ -193,3 +193,36 @@ fn dropping_the_sender_sends_what_is_pending_at_once_and_joins_its_thread() {
         "wake-ups: the sender thread (which owns the send) must have ended when the drop returns"
     );
 }
+
+/// The sender's connection is one of the handle's: it asks the server to
+/// drop it within the dead-peer bounds, as every other does
+/// (`session::tests`).
+#[test]
+fn the_wake_up_senders_connection_asks_the_server_for_the_dead_peer_bounds() {
+    let Some(server) = super::super::test_server::PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let mut line = super::Line {
+        connector: super::Connector::parse(&db.url()).unwrap(),
+        statement: "SELECT 1".to_owned(),
+        client: None,
+        shared: Arc::new(Shared::default()),
+    };
+    assert!(line.connect(), "the sender connects");
+    let row = line
+        .client
+        .as_mut()
+        .unwrap()
+        .query_one(
+            "test",
+            "SELECT (SELECT setting FROM pg_settings WHERE name = 'tcp_keepalives_idle'), \
+                    (SELECT setting FROM pg_settings WHERE name = 'tcp_user_timeout')",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        ("15".to_owned(), "30000".to_owned())
+    );
+}
