@@ -830,9 +830,9 @@ pub(crate) fn chain_lines(
 /// store recorded (`expected`), so a cut-off tail is found too. Faults name
 /// `place` and the 1-based position in the rows.
 #[cfg(feature = "postgres")]
-pub(crate) fn verify_lines<'l>(
+pub(crate) fn verify_lines(
     place: &Path,
-    lines: impl IntoIterator<Item = &'l [u8]>,
+    lines: impl IntoIterator<Item = impl AsRef<[u8]>>,
     hasher: &Hasher,
     expected: &Head,
 ) -> Result<AuditReport> {
@@ -841,7 +841,7 @@ pub(crate) fn verify_lines<'l>(
     for line in lines {
         records += 1;
         chain
-            .check(line)
+            .check(line.as_ref())
             .map_err(|fault| broken(place, records, fault))?;
     }
     chain.finish().map_err(|fault| broken(place, 1, fault))?;

@@ -30,6 +30,9 @@ use crate::error::{Error, Result};
 /// How many audit records one page of `Outbox::audit_records` reads.
 pub(crate) const AUDIT_PAGE: i64 = 1_000;
 
+/// How many audit rows `verify_audit` reads per statement.
+const VERIFY_PAGE: i64 = 1_000;
+
 impl PgEngine {
     /// Every audit record about `key`, oldest first.
     pub(crate) fn records_of(&self, key: &str) -> Result<Vec<AuditRecord>> {
@@ -75,9 +78,16 @@ impl PgEngine {
     /// Verifies the whole chain in the `audit` table, as the file verifier
     /// checks `audit.jsonl`, from its first row (seq 1, or the start a
     /// removal's record names: see the module docs), and against the head row
-    /// (a cut-off tail is found). One consistent snapshot: a repeatable-read
-    /// transaction.
+    /// (a cut-off tail is found). One consistent snapshot (a repeatable-read
+    /// transaction), read in pages of [`VERIFY_PAGE`] rows keyed by seq:
+    /// memory stays bounded however long the history.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
+        self.verify_audit_in_pages(VERIFY_PAGE).map(|(report, _)| report)
+    }
+
+    /// [`verify_audit`](Self::verify_audit) reading `page` rows at a time;
+    /// also the most rows one statement returned.
+    pub(super) fn verify_audit_in_pages(&self, page: i64) -> Result<(AuditReport, usize)> {
         let mut client = self.sealed_client()?;
         let mut tx = client.begin_snapshot();
         let row = tx
@@ -90,20 +100,48 @@ impl PgEngine {
             seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
             hash: row.get(1),
         };
-        let rows = tx
-            .query(
-                &format!("SELECT line FROM {}.audit ORDER BY seq", self.s),
-                &[],
-            )
-            .map_err(db("read the audit log"))?;
-        tx.commit().map_err(db("end verifying the audit log"))?;
+        let sql = format!(
+            "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq LIMIT $2",
+            self.s
+        );
+        let mut failed = None;
+        let mut largest = 0;
+        let mut ready = std::collections::VecDeque::new();
+        let mut after = 0i64;
+        let mut done = false;
+        let lines = std::iter::from_fn(|| {
+            loop {
+                if let Some(line) = ready.pop_front() {
+                    return Some(line);
+                }
+                if done {
+                    return None;
+                }
+                match tx.query(&sql, &[&after, &page]) {
+                    Ok(rows) => {
+                        largest = largest.max(rows.len());
+                        done = i64::try_from(rows.len()).map_or(true, |n| n < page);
+                        for row in rows {
+                            after = row.get(0);
+                            ready.push_back(row.get::<_, String>(1));
+                        }
+                    }
+                    Err(e) => {
+                        failed = Some(db("read the audit log")(e));
+                        return None;
+                    }
+                }
+            }
+        });
         let place = PathBuf::from(format!("postgres:{}.audit", self.schema));
-        crate::audit::verify_lines(
-            &place,
-            rows.iter().map(|row| row.get::<_, &str>(0).as_bytes()),
-            &self.hasher,
-            &expected,
-        )
+        let report = crate::audit::verify_lines(&place, lines, &self.hasher, &expected);
+        // A page that could not be read ends the lines early: that is the
+        // answer, not the truncation the verifier would report.
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        tx.commit().map_err(db("end verifying the audit log"))?;
+        report.map(|report| (report, largest))
     }
 
     /// Up to `limit` of the audit chain's records with `seq` above `after`,
@@ -123,3 +161,6 @@ impl PgEngine {
         rows.iter().map(|row| self.record_of_row(row)).collect()
     }
 }
+
+#[cfg(test)]
+mod tests;

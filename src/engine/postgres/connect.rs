@@ -245,15 +245,22 @@ impl Connector {
         super::session::Session::open(self)
     }
 
-    /// A reads/commits connection (see [`conn`]).
+    /// A reads/commits connection (see [`conn`]), its server-side settings
+    /// applied: a host that vanished in the middle of a transaction holds
+    /// its row and advisory locks until the server ends its session.
     pub(super) fn conn(&self) -> Result<Conn> {
-        blocking(|| Conn::connect(&self.config)).map_err(|e| match e {
+        let mut conn = blocking(|| Conn::connect(&self.config)).map_err(|e| match e {
             conn::ConnectError::Postgres(e) => db("connect")(e),
             conn::ConnectError::Runtime(e) => Error::Database {
                 op: "connect",
                 source: Box::new(e),
             },
-        })
+        })?;
+        if let Some(settings) = self.server_settings() {
+            conn.batch_execute(settings)
+                .map_err(db("apply the connection's server settings"))?;
+        }
+        Ok(conn)
     }
 }
 

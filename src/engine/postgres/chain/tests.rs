@@ -1,0 +1,107 @@
+//! `verify_audit` reads the chain in pages within one snapshot: the same
+//! answers (report, or the first bad record's position and fault) whatever
+//! the page size, wherever a page boundary falls (on the removal record
+//! that names the chain's start included), and never more rows at once
+//! than a page.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests panic loudly"
+)]
+
+use chrono::Utc;
+
+use super::super::test_server::PgServer;
+use super::super::{DEFAULT_SCHEMA, PgEngine};
+use crate::audit::{AuditOutcome, Hasher};
+use crate::error::Error;
+use crate::message::content_hash;
+use crate::rules::enqueue::insert_message;
+use crate::rules::txn::Scope;
+
+fn enqueue(engine: &PgEngine, key: &str) {
+    let message = crate::NewMessage {
+        idempotency_key: key.to_owned(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: "chat".into(),
+        content: format!("body of {key}"),
+        ..Default::default()
+    };
+    let hash = content_hash(&message.content);
+    let settings = crate::settings::Settings {
+        rates: crate::rate::RatePolicy::default(),
+        history_after: std::time::Duration::from_secs(60),
+        retention: crate::history::Retention::KeepAll,
+        max_attempts: 3,
+        backoff: crate::retry::Backoff::default(),
+        give_up_after: std::time::Duration::from_secs(3600),
+        ordering: crate::order::Ordering::PerDestination,
+        stored: Vec::new(),
+    };
+    engine
+        .transact(Utc::now(), &settings, Scope::OneItem(key), |txn| {
+            insert_message(txn, &message, &hash)
+        })
+        .expect("enqueue");
+}
+
+#[test]
+fn verify_reads_in_pages_with_the_same_answers_wherever_a_page_ends() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
+    for n in 0..9 {
+        enqueue(&engine, &format!("before-{n}"));
+    }
+    // Every record its own segment: all but the newest two go.
+    let removed = engine
+        .remove_old_audit_segments(2, "test", 1, Utc::now())
+        .unwrap();
+    assert!(removed > 0, "old records were removed");
+    for n in 0..5 {
+        enqueue(&engine, &format!("after-{n}"));
+    }
+    let rows = engine.audit_page(0, 1_000).unwrap();
+    let first = rows[0].seq;
+    assert!(first > 1, "the chain starts after the removed records");
+    let removal = rows
+        .iter()
+        .position(|r| r.outcome == AuditOutcome::Pruned)
+        .expect("the removal's record is in the chain");
+    assert!(removal > 0, "records precede the removal's record");
+    let n = i64::try_from(rows.len()).unwrap();
+
+    let (whole, _) = engine.verify_audit_in_pages(i64::MAX).unwrap();
+    assert_eq!(whole.records, rows.len() as u64);
+    // Every page size from one row up: some page ends right before the
+    // removal's record, some right on it, some past it.
+    for page in 1..=n + 1 {
+        let (report, largest) = engine.verify_audit_in_pages(page).unwrap();
+        assert_eq!(report, whole, "page size {page}");
+        assert!(
+            largest <= usize::try_from(page).unwrap(),
+            "page size {page}: one statement returned {largest} rows"
+        );
+    }
+    assert_eq!(engine.verify_audit().unwrap(), whole);
+
+    // A record edited right after the removal's: found at the same
+    // position, with the same fault, whatever the page size.
+    let edited = i64::try_from(rows[removal + 1].seq).unwrap();
+    db.psql(&format!(
+        "UPDATE {DEFAULT_SCHEMA}.audit SET line = replace(line, '\"chat\"', '\"evil\"') WHERE seq = {edited}"
+    ));
+    let broken = |page: i64| match engine.verify_audit_in_pages(page) {
+        Err(Error::AuditBroken { line, fault, .. }) => (line, fault),
+        other => panic!("page size {page}: an edited record must fail, got {other:?}"),
+    };
+    let expected = broken(i64::MAX);
+    assert_eq!(expected.0, removal as u64 + 2, "the edited record's position");
+    for page in 1..=n + 1 {
+        assert_eq!(broken(page), expected, "page size {page}");
+    }
+}
