@@ -29,6 +29,13 @@ pub enum FailAction {
     /// fdatasync) without a fault. Hits are counted, as for every armed point
     /// (see `Outbox::failpoint_hits`).
     DelayMs(u32),
+    /// On the n-th hit (1-based), hold the step until another process says
+    /// go: create `<name>.paused` in the directory
+    /// `DURABLE_OUTBOX_FAILPOINT_DIR` names, then wait until `<name>.resume`
+    /// appears there (at most two minutes), then pass. For tests that must
+    /// act at an exact point of a child process's run (an operator's removal
+    /// between two pages the CLI reads). Without the variable it passes.
+    PauseOnHit(u32),
 }
 
 #[cfg(any(test, feature = "test-failpoints"))]
@@ -79,6 +86,12 @@ mod enabled {
                                 Err(_) => FailAction::Panic,
                             }
                         }
+                        other if other.starts_with("pause@") => {
+                            match other.trim_start_matches("pause@").parse() {
+                                Ok(n) => FailAction::PauseOnHit(n),
+                                Err(_) => FailAction::Error,
+                            }
+                        }
                         other if other.starts_with("delay@") => {
                             match other.trim_start_matches("delay@").parse() {
                                 Ok(ms) => FailAction::DelayMs(ms),
@@ -125,6 +138,11 @@ mod enabled {
                     std::thread::sleep(std::time::Duration::from_millis(u64::from(ms)));
                     Ok(())
                 }
+                FailAction::PauseOnHit(n) if n == hits => {
+                    super::pause(name);
+                    Ok(())
+                }
+                FailAction::PauseOnHit(_) => Ok(()),
                 FailAction::KillOnHit(n) if n != hits => Ok(()),
                 FailAction::Kill | FailAction::KillOnHit(_) => {
                     // SIGKILL ourselves: the closest a test can get to pulling the plug
@@ -145,6 +163,29 @@ mod enabled {
 
 #[cfg(any(test, feature = "test-failpoints"))]
 pub use enabled::Failpoints;
+
+/// [`FailAction::PauseOnHit`]: announces the pause with a file and waits
+/// for the file that ends it.
+#[cfg(any(test, feature = "test-failpoints"))]
+fn pause(name: &str) {
+    let Some(dir) = std::env::var_os("DURABLE_OUTBOX_FAILPOINT_DIR") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    if let Err(e) = std::fs::write(dir.join(format!("{name}.paused")), b"") {
+        tracing::error!(error = %e, "failpoint {name}: could not announce the pause");
+        return;
+    }
+    let resume = dir.join(format!("{name}.resume"));
+    let began = std::time::Instant::now();
+    while !resume.exists() {
+        if began.elapsed() > std::time::Duration::from_secs(120) {
+            tracing::error!("failpoint {name}: nobody resumed it in two minutes; going on");
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
 
 /// The failpoints of one open outbox: nothing, without the `test-failpoints` feature
 /// (outside the unit tests).

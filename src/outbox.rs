@@ -1213,7 +1213,17 @@ impl Outbox {
                 Box::new(move |after| outbox.audit_page(after)),
             ));
         }
-        crate::audit::AuditLog::records_dir(self.file_dir("audit_records")?)
+        let records = crate::audit::AuditLog::records_dir(self.file_dir("audit_records")?)?;
+        #[cfg(any(test, feature = "test-failpoints"))]
+        let records = {
+            let outbox = self.clone();
+            records.before_each_next_file(Box::new(move || {
+                // Only pauses and delays are meant here: a failure has
+                // nowhere to go.
+                let _ = outbox.check_failpoint("audit.next_file", "read the audit log");
+            }))
+        };
+        Ok(records)
     }
 
     /// Runs `f` (a rule, given this handle as its [`Actor`]) inside one

@@ -210,6 +210,8 @@ impl AuditLog {
             last_seq: None,
             #[cfg(feature = "postgres")]
             pages: None,
+            before_file: BeforeFile(None),
+            opened: false,
         })
     }
 
@@ -294,6 +296,22 @@ pub struct AuditChainRecords {
     /// Where the next page comes from, for a chain that is not in files.
     #[cfg(feature = "postgres")]
     pages: Option<Pages>,
+    /// Called before each file after the first is opened (a test seam).
+    before_file: BeforeFile,
+    /// Whether a file was opened yet.
+    opened: bool,
+}
+
+/// What runs before the reader opens its next file: tests hold the reader
+/// there (`Outbox::audit_records` arms the `audit.next_file` failpoint) to
+/// change the directory between two files.
+#[derive(Default)]
+struct BeforeFile(Option<Box<dyn FnMut() + Send + Sync>>);
+
+impl std::fmt::Debug for BeforeFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "<hook>" } else { "none" })
+    }
 }
 
 /// Reads the page of records after a seq (empty: the chain ends there).
@@ -345,7 +363,16 @@ impl AuditChainRecords {
                 read: 0,
                 done: false,
             }),
+            before_file: BeforeFile(None),
+            opened: false,
         }
+    }
+
+    /// Calls `hook` before each file after the first is opened.
+    #[cfg(any(test, feature = "test-failpoints"))]
+    pub(crate) fn before_each_next_file(mut self, hook: Box<dyn FnMut() + Send + Sync>) -> Self {
+        self.before_file = BeforeFile(Some(hook));
+        self
     }
 
     /// Where the record just read is, for an error about it: the file and
@@ -421,6 +448,11 @@ impl AuditChainRecords {
                 return Some(record);
             }
             let path = self.files.pop_front()?;
+            if std::mem::replace(&mut self.opened, true)
+                && let Some(hook) = self.before_file.0.as_mut()
+            {
+                hook();
+            }
             match AuditLog::records(&path) {
                 Ok(records) => self.current = Some(records),
                 Err(e) => return Some(Err(e)),

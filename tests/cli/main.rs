@@ -29,3 +29,7 @@ mod seed_v1;
 mod status;
 mod usage;
 mod verify;
+#[cfg(feature = "test-failpoints")]
+mod verify_during_removal;
+#[cfg(feature = "postgres")]
+mod verify_postgres;

@@ -38,7 +38,8 @@ impl StallProxy {
     /// # Panics
     /// When no loopback port can be bound.
     pub fn to(target: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port for the proxy");
+        let listener =
+            TcpListener::bind("127.0.0.1:0").expect("bind a loopback port for the proxy");
         let port = listener.local_addr().expect("the proxy's port").port();
         let flags = Arc::new(Flags::default());
         let theirs = Arc::clone(&flags);

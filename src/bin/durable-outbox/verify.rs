@@ -23,6 +23,54 @@ const LINE_TICK: Duration = Duration::from_secs(10);
 const RECORDS_PER_REPORT: u64 = 100_000;
 /// How many times to look for a moment when the bot is not committing (see `snapshot`).
 const SNAPSHOT_TRIES: usize = 100;
+/// How many times the whole check starts again after an operator's removal
+/// of old audit records took records the cross-check had not read yet.
+const REMOVAL_REREADS: usize = 3;
+
+/// How the records of the chain are named in problems: the lines of
+/// `audit.jsonl` (a verified chain numbers its records 1, 2, 3…: the seq is
+/// the line), or the rows of a PostgreSQL outbox's `audit` table, by seq.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Records {
+    Lines,
+    Rows,
+}
+
+impl Records {
+    fn of(place: crate::Place<'_>) -> Self {
+        match place {
+            crate::Place::Dir(_) => Self::Lines,
+            crate::Place::Postgres(_) => Self::Rows,
+        }
+    }
+
+    /// The record with this seq, for a message.
+    fn record(self, seq: u64) -> String {
+        match self {
+            Self::Lines => format!("audit.jsonl line {seq}"),
+            Self::Rows => format!("audit record seq {seq}"),
+        }
+    }
+
+    /// The log, for a message.
+    fn log(self) -> &'static str {
+        match self {
+            Self::Lines => "audit.jsonl",
+            Self::Rows => "the audit table",
+        }
+    }
+
+    /// A problem about the record with this seq.
+    fn problem(self, seq: u64, key: &str, message: String) -> Problem {
+        Problem {
+            line: (self == Self::Lines).then_some(seq),
+            seq: (self == Self::Rows).then_some(seq),
+            idempotency_key: Some(key.to_owned()),
+            message,
+            hint: None,
+        }
+    }
+}
 
 /// The result; its JSON form is `verify --json`.
 #[derive(Debug, Default, Serialize)]
@@ -41,8 +89,11 @@ struct Verification {
     items_with_removed_records: usize,
     /// A crash remnant after the last whole line, not yet set aside.
     torn_tail_bytes: u64,
-    /// The line of the first problem, when a problem has one.
+    /// The line of the first problem, when a problem has one (a directory).
     first_bad_line: Option<u64>,
+    /// The seq of the first problem's record, when a problem has one (PostgreSQL).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_bad_seq: Option<u64>,
     /// Every problem found, those with a line first, in line order.
     problems: Vec<Problem>,
     /// The checks that passed, in order (text output).
@@ -52,8 +103,11 @@ struct Verification {
 
 #[derive(Debug, Serialize)]
 struct Problem {
-    /// 1-based line of `audit.jsonl`, when the problem is one record.
+    /// 1-based line of `audit.jsonl`, when the problem is one record (a directory).
     line: Option<u64>,
+    /// The seq of the record, when the problem is one record (PostgreSQL).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq: Option<u64>,
     /// The item involved, if any.
     idempotency_key: Option<String>,
     message: String,
@@ -80,17 +134,20 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
             "looking for the expected head, seq {}",
             expected.seq
         ))?;
-        check_expected_head(outbox, expected, &mut result);
+        check_expected_head(
+            outbox,
+            expected,
+            Records::of(crate::place(&args.target)),
+            &mut result,
+        );
     }
     progress.finish()?;
     result.problems.sort_by(|a, b| {
-        (a.line.is_none(), a.line, &a.idempotency_key).cmp(&(
-            b.line.is_none(),
-            b.line,
-            &b.idempotency_key,
-        ))
+        let (a_at, b_at) = (a.line.or(a.seq), b.line.or(b.seq));
+        (a_at.is_none(), a_at, &a.idempotency_key).cmp(&(b_at.is_none(), b_at, &b.idempotency_key))
     });
     result.first_bad_line = result.problems.iter().find_map(|p| p.line);
+    result.first_bad_seq = result.problems.iter().find_map(|p| p.seq);
     result.verified = result.problems.is_empty();
     if args.json {
         view::write_json(out, &result)?;
@@ -153,7 +210,11 @@ pub fn run(args: &VerifyArgs, out: &mut dyn Write, err: &mut dyn Write) -> CliRe
     Ok(ExitCode::from(ATTENTION))
 }
 
-/// Runs the phases in order; the first one that fails ends the run with its problem.
+/// Runs the phases in order; the first one that fails ends the run with its
+/// problem. A cross-check that found records gone which an operator's
+/// removal of old audit records took while it read (see [`removed_meanwhile`])
+/// starts the checks again on the chain as it is now, up to
+/// [`REMOVAL_REREADS`] times.
 fn check(
     place: crate::Place<'_>,
     builder: durable_outbox::OutboxBuilder,
@@ -167,21 +228,64 @@ fn check(
         }
         crate::Place::Postgres(_) => "opening the outbox".to_owned(),
     };
+    let records = Records::of(place);
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
         Err(e) => {
-            result.problems.push(problem_of(&e));
+            result.problems.push(problem_of(&e, records, None));
             return Ok(None);
         }
     };
+    for _ in 0..REMOVAL_REREADS {
+        *result = Verification::default();
+        match check_open(&outbox, place, progress, result)? {
+            Checked::Done => return Ok(Some(outbox)),
+            Checked::RemovedMeanwhile(e) => {
+                tracing::debug!(error = %e, "records went in a removal while they were read");
+                progress.update("old audit records were removed meanwhile; reading again")?;
+            }
+        }
+    }
+    *result = Verification::default();
+    result.problems.push(Problem {
+        line: None,
+        seq: None,
+        idempotency_key: None,
+        message: format!(
+            "old audit records were removed during each of {REMOVAL_REREADS} attempts to \
+             read the log; run verify again"
+        ),
+        hint: None,
+    });
+    Ok(Some(outbox))
+}
+
+/// How one pass of the checks on an open outbox ended.
+enum Checked {
+    /// With the result filled in.
+    Done,
+    /// The cross-check met a hole that a removal which committed while it
+    /// read explains: not damage; read again.
+    RemovedMeanwhile(Error),
+}
+
+/// The chain, its head and the cross-check, once.
+fn check_open(
+    outbox: &Outbox,
+    place: crate::Place<'_>,
+    progress: &mut Progress<'_>,
+    result: &mut Verification,
+) -> io::Result<Checked> {
+    let records = Records::of(place);
     let report = match progress.phase(
         "checking every record of the audit chain and the recorded head",
         || outbox.verify_audit(),
     )? {
         Ok(report) => report,
         Err(e) => {
-            result.problems.push(problem_of(&e));
-            return Ok(Some(outbox));
+            let first = first_seq(outbox);
+            result.problems.push(problem_of(&e, records, first));
+            return Ok(Checked::Done);
         }
     };
     result.torn_tail_bytes = report.torn_tail_bytes;
@@ -205,24 +309,62 @@ fn check(
         Some(files) => format!("the log reaches the head {files} recorded"),
         None => "the log is the whole record: there is no state file recording a head".to_owned(),
     });
-    if let Err(e) = cross_check(&outbox, progress, result) {
+    if let Err(e) = cross_check(outbox, records, progress, result) {
         match e {
             Failure::Io(e) => return Err(e),
-            Failure::Outbox(e) => result.problems.push(problem_of(&e)),
+            Failure::Outbox(e) if removed_meanwhile(outbox, &e) => {
+                return Ok(Checked::RemovedMeanwhile(e));
+            }
+            Failure::Outbox(e) => {
+                let first = first_seq(outbox);
+                result.problems.push(problem_of(&e, records, first));
+            }
         }
     }
-    Ok(Some(outbox))
+    Ok(Checked::Done)
+}
+
+/// Whether `error`, met while reading the chain record by record, is a hole
+/// that an operator's removal of old audit records explains: the reader
+/// missed seq *n*, and the chain now starts after *n* (the removal committed
+/// between two of the reader's pages or files, and took records it had not
+/// reached). A hole the chain's start does not explain (records deleted from
+/// the middle) is damage and reported.
+fn removed_meanwhile(outbox: &Outbox, error: &Error) -> bool {
+    let Error::AuditBroken {
+        fault: AuditFault::SeqGap { expected, .. },
+        ..
+    } = error
+    else {
+        return false;
+    };
+    first_seq(outbox).is_some_and(|first| first > *expected)
+}
+
+/// The seq of the chain's first record now (`None` when it cannot be read).
+fn first_seq(outbox: &Outbox) -> Option<u64> {
+    match outbox.audit_records().ok()?.next()? {
+        Ok(record) => Some(record.seq),
+        Err(_) => None,
+    }
 }
 
 /// `--expect-head`: the (verified) log still holds the record an operator
 /// copied off the host earlier, with the same hash.
-fn check_expected_head(outbox: &Outbox, expected: &Head, result: &mut Verification) {
+fn check_expected_head(
+    outbox: &Outbox,
+    expected: &Head,
+    records_are: Records,
+    result: &mut Verification,
+) {
     let mut last = 0;
     let mut found = None;
     let records = match outbox.audit_records() {
         Ok(records) => records,
         Err(e) => {
-            result.problems.push(problem_of(&e));
+            result
+                .problems
+                .push(problem_of(&e, records_are, first_seq(outbox)));
             return;
         }
     };
@@ -238,7 +380,9 @@ fn check_expected_head(outbox: &Outbox, expected: &Head, result: &mut Verificati
                 }
             }
             Err(e) => {
-                result.problems.push(problem_of(&e));
+                result
+                    .problems
+                    .push(problem_of(&e, records_are, first_seq(outbox)));
                 return;
             }
         }
@@ -268,6 +412,7 @@ fn check_expected_head(outbox: &Outbox, expected: &Head, result: &mut Verificati
     };
     result.problems.push(Problem {
         line: None,
+        seq: None,
         idempotency_key: None,
         message,
         hint: None,
@@ -317,6 +462,7 @@ struct Logged {
 /// in between, so the items match the log up to that head.
 fn cross_check(
     outbox: &Outbox,
+    records: Records,
     progress: &mut Progress<'_>,
     result: &mut Verification,
 ) -> Result<(), Failure> {
@@ -327,10 +473,10 @@ fn cross_check(
         "cross-checking {} records against the items",
         head.seq
     ))?;
-    read_log(&mut reader, &head, &mut logged, progress, result)?;
+    read_log(&mut reader, &head, records, &mut logged, progress, result)?;
     for _ in 0..SNAPSHOT_TRIES {
         let before = outbox.audit_head()?;
-        read_log(&mut reader, &before, &mut logged, progress, result)?;
+        read_log(&mut reader, &before, records, &mut logged, progress, result)?;
         let live = outbox.list_items()?;
         let live_keys: HashSet<&str> = live.iter().map(OutboxItem::idempotency_key).collect();
         let mut moved = Vec::new();
@@ -346,8 +492,8 @@ fn cross_check(
             .chain(&moved)
             .map(|i| (i.idempotency_key(), i))
             .collect();
-        check_logged(&logged, &items, result);
-        check_unlogged(&live, &logged, reader.first_seq > 1, result);
+        check_logged(&logged, &items, records, result);
+        check_unlogged(&live, &logged, reader.first_seq > 1, records, result);
         let history = outbox.history_len()?;
         if result.problems.len() == before_items {
             result.records = Some(before.seq);
@@ -376,6 +522,7 @@ fn cross_check(
     }
     result.problems.push(Problem {
         line: None,
+        seq: None,
         idempotency_key: None,
         message: format!(
             "the outbox changed during each of {SNAPSHOT_TRIES} attempts to read it \
@@ -391,6 +538,7 @@ fn cross_check(
 fn read_log(
     reader: &mut LogReader,
     head: &Head,
+    records: Records,
     logged: &mut HashMap<String, Logged>,
     progress: &mut Progress<'_>,
     result: &mut Verification,
@@ -437,16 +585,15 @@ fn read_log(
                     None
                 };
                 if let Some(field) = differs {
-                    result.problems.push(Problem {
-                        line: Some(seq),
-                        idempotency_key: Some(key.clone()),
-                        message: format!(
-                            "audit.jsonl line {seq}: item {key:?}: the {field} differs from its \
-                             record at line {}",
-                            known.first_seq
+                    result.problems.push(records.problem(
+                        seq,
+                        &key,
+                        format!(
+                            "{}: item {key:?}: the {field} differs from its record at {}",
+                            records.record(seq),
+                            records.record(known.first_seq)
                         ),
-                        hint: None,
-                    });
+                    ));
                 }
                 known.last_seq = seq;
                 known.last_audit_id = record.audit_id;
@@ -465,14 +612,16 @@ fn read_log(
 fn check_logged(
     logged: &HashMap<String, Logged>,
     items: &HashMap<&str, &OutboxItem>,
+    records: Records,
     result: &mut Verification,
 ) {
     for (key, log) in logged {
-        let bad = |line: u64, message: String| Problem {
-            line: Some(line),
-            idempotency_key: Some(key.clone()),
-            message: format!("audit.jsonl line {line}: item {key:?}: {message}"),
-            hint: None,
+        let bad = |seq: u64, message: String| {
+            records.problem(
+                seq,
+                key,
+                format!("{}: item {key:?}: {message}", records.record(seq)),
+            )
         };
         let Some(item) = items.get(key.as_str()) else {
             result.problems.push(bad(
@@ -528,6 +677,7 @@ fn check_unlogged(
     live: &[OutboxItem],
     logged: &HashMap<String, Logged>,
     removed_before: bool,
+    records: Records,
     result: &mut Verification,
 ) {
     for item in live {
@@ -542,9 +692,11 @@ fn check_unlogged(
             Some(_) if removed_before => result.items_with_removed_records += 1,
             Some(id) => result.problems.push(Problem {
                 line: None,
+                seq: None,
                 idempotency_key: Some(key.to_owned()),
                 message: format!(
-                    "item {key:?}: its latest outcome (audit id {id}) has no record in audit.jsonl"
+                    "item {key:?}: its latest outcome (audit id {id}) has no record in {}",
+                    records.log()
                 ),
                 hint: None,
             }),
@@ -582,9 +734,28 @@ fn state_after(outcome: AuditOutcome) -> Option<ItemState> {
     }
 }
 
-/// A library error as a verification problem, with its line when it names one.
-fn problem_of(error: &Error) -> Problem {
-    let mut message = error.to_string();
+/// A library error as a verification problem, with its line when it names
+/// one. On PostgreSQL the verifier counts a bad record's position from the
+/// table's first row (seq `first`, more than 1 after a removal of old
+/// records): the problem names the record's seq instead.
+fn problem_of(error: &Error, records: Records, first: Option<u64>) -> Problem {
+    let (line, seq, mut message) = match error {
+        Error::AuditBroken { line, fault, .. } if records == Records::Rows => {
+            // A gap names the seq found; otherwise the rows up to this one
+            // followed each other from the first.
+            let seq = match fault {
+                AuditFault::SeqGap { found, .. } => Some(*found),
+                _ => first.map(|first| first + line.saturating_sub(1)),
+            };
+            let at = seq.map_or_else(
+                || format!("row {line} of the audit table"),
+                |seq| format!("{} (row {line} of the table)", records.record(seq)),
+            );
+            (None, seq, format!("{at}: {fault}"))
+        }
+        Error::AuditBroken { line, .. } => (Some(*line), None, error.to_string()),
+        _ => (None, None, error.to_string()),
+    };
     let mut source = std::error::Error::source(error);
     while let Some(cause) = source {
         message.push_str(": ");
@@ -600,10 +771,8 @@ fn problem_of(error: &Error) -> Problem {
         }
     );
     Problem {
-        line: match error {
-            Error::AuditBroken { line, .. } => Some(*line),
-            _ => None,
-        },
+        line,
+        seq,
         idempotency_key: None,
         message,
         hint: first_line_forged.then_some(

@@ -82,7 +82,8 @@ impl PgEngine {
     /// transaction), read in pages of [`VERIFY_PAGE`] rows keyed by seq:
     /// memory stays bounded however long the history.
     pub(crate) fn verify_audit(&self) -> Result<AuditReport> {
-        self.verify_audit_in_pages(VERIFY_PAGE).map(|(report, _)| report)
+        self.verify_audit_in_pages(VERIFY_PAGE)
+            .map(|(report, _)| report)
     }
 
     /// [`verify_audit`](Self::verify_audit) reading `page` rows at a time;

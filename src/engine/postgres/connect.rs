@@ -286,7 +286,9 @@ impl ServerSettings {
             let interval = config
                 .get_keepalives_interval()
                 .unwrap_or(KEEPALIVES_INTERVAL);
-            let retries = config.get_keepalives_retries().unwrap_or(KEEPALIVES_RETRIES);
+            let retries = config
+                .get_keepalives_retries()
+                .unwrap_or(KEEPALIVES_RETRIES);
             settings.push((
                 "tcp_keepalives_idle",
                 config.get_keepalives_idle().as_secs().max(1).to_string(),
@@ -534,9 +536,18 @@ mod tests {
 
     #[test]
     fn startup_options_that_set_a_server_setting_are_recognised() {
-        assert!(options_set("-c tcp_keepalives_idle=5", "tcp_keepalives_idle"));
+        assert!(options_set(
+            "-c tcp_keepalives_idle=5",
+            "tcp_keepalives_idle"
+        ));
         assert!(options_set("-ctcp_user_timeout=5", "tcp_user_timeout"));
-        assert!(options_set("--tcp-keepalives-count=2", "tcp_keepalives_count"));
-        assert!(!options_set("-c tcp_keepalives_idle=5", "tcp_keepalives_count"));
+        assert!(options_set(
+            "--tcp-keepalives-count=2",
+            "tcp_keepalives_count"
+        ));
+        assert!(!options_set(
+            "-c tcp_keepalives_idle=5",
+            "tcp_keepalives_count"
+        ));
     }
 }

@@ -100,7 +100,11 @@ fn verify_reads_in_pages_with_the_same_answers_wherever_a_page_ends() {
         other => panic!("page size {page}: an edited record must fail, got {other:?}"),
     };
     let expected = broken(i64::MAX);
-    assert_eq!(expected.0, removal as u64 + 2, "the edited record's position");
+    assert_eq!(
+        expected.0,
+        removal as u64 + 2,
+        "the edited record's position"
+    );
     for page in 1..=n + 1 {
         assert_eq!(broken(page), expected, "page size {page}");
     }

@@ -72,15 +72,26 @@ fn every_connection_kind_asks_the_server_to_drop_a_dead_peer_within_the_bounds()
     let mut owner = Liveness::take(&connector, "outbox", "owner-settings")
         .unwrap()
         .expect("a fresh owner id is free");
-    assert_eq!(settings_of(owner.session()), defaults, "the owner lock's connection");
+    assert_eq!(
+        settings_of(owner.session()),
+        defaults,
+        "the owner lock's connection"
+    );
 
     let mut listener = Listener::start(&connector, "outbox").unwrap();
-    assert_eq!(settings_of(listener.session()), defaults, "the LISTEN connection");
+    assert_eq!(
+        settings_of(listener.session()),
+        defaults,
+        "the LISTEN connection"
+    );
 
     let mut sync = connector.connect().unwrap();
     let row = sync.query_one(SETTINGS, &[]).unwrap();
     let seen: [String; 4] = [row.get(0), row.get(1), row.get(2), row.get(3)];
-    assert_eq!(seen, defaults, "a synchronous client (migrations, opening checks)");
+    assert_eq!(
+        seen, defaults,
+        "a synchronous client (migrations, opening checks)"
+    );
     // The wake-up sender's connection: `notify::tests`.
 }
 
@@ -211,5 +222,41 @@ fn dropping_the_wake_up_sender_returns_while_its_server_does_not_answer() {
         Duration::from_secs(30),
         "dropping a handle returns within CLOSE_WAIT while its server does not answer",
         move || drop(sender),
+    );
+}
+
+/// The whole handle: its owner lock, `LISTEN`, pooled and wake-up
+/// connections all behind a path that stopped answering, with a wake-up
+/// pending. Dropping it returns (within `CLOSE_WAIT` and what closing its
+/// sockets takes) instead of waiting for any of them.
+#[test]
+fn dropping_a_handle_whose_server_stopped_answering_returns() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let proxy = StallProxy::to(server.port());
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600",
+        proxy.port(),
+        db.name()
+    );
+    let engine = super::super::PgEngine::open(
+        &url,
+        super::super::DEFAULT_SCHEMA,
+        crate::audit::Hasher::Plain,
+    )
+    .unwrap();
+    // Every connection kind is open: the LISTEN one once a worker waited.
+    assert!(!engine.wait_for_work(Duration::from_millis(10)).unwrap());
+    engine.wake.request();
+    assert_eq!(engine.wake.settled(Duration::from_secs(60)).sent, 1);
+
+    proxy.stall();
+    engine.wake.request();
+    within(
+        Duration::from_secs(30),
+        "dropping a handle returns while its server does not answer",
+        move || drop(engine),
     );
 }
