@@ -133,16 +133,15 @@ mod enabled {
             match action {
                 FailAction::Error => Err(super::injected(name)),
                 FailAction::ErrorOnHit(n) if n == hits => Err(super::injected(name)),
-                FailAction::ErrorOnHit(_) => Ok(()),
-                FailAction::DelayMs(ms) => {
-                    std::thread::sleep(std::time::Duration::from_millis(u64::from(ms)));
-                    Ok(())
-                }
                 FailAction::PauseOnHit(n) if n == hits => {
                     super::pause(name);
                     Ok(())
                 }
-                FailAction::PauseOnHit(_) => Ok(()),
+                FailAction::ErrorOnHit(_) | FailAction::PauseOnHit(_) => Ok(()),
+                FailAction::DelayMs(ms) => {
+                    std::thread::sleep(std::time::Duration::from_millis(u64::from(ms)));
+                    Ok(())
+                }
                 FailAction::KillOnHit(n) if n != hits => Ok(()),
                 FailAction::Kill | FailAction::KillOnHit(_) => {
                     // SIGKILL ourselves: the closest a test can get to pulling the plug
