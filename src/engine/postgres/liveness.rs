@@ -21,6 +21,14 @@ use super::session::Session;
 use super::{Connector, db, lock_key};
 use crate::error::{Error, Result};
 
+/// Another connection of the handle, to look at the owner lock from outside.
+pub(crate) enum Other<'c> {
+    /// The synchronous client opening uses.
+    Client(&'c mut Client),
+    /// A dedicated connection, answered within its deadline (after a cut).
+    Session(&'c mut Session),
+}
+
 /// The lock that makes one owner alive.
 ///
 /// Its connection is a [`Session`]: each check is answered within the
@@ -64,7 +72,7 @@ impl Liveness {
     /// connection's own server session, and that the session is still the one
     /// that took it. Either failing means something between us and the server
     /// (a transaction-mode pooler) moves statements between sessions.
-    pub(crate) fn verify(&mut self, other: &mut Client) -> Result<()> {
+    pub(crate) fn verify(&mut self, other: Other<'_>) -> Result<()> {
         let now: i32 = self
             .client
             .query_one(
@@ -73,16 +81,18 @@ impl Liveness {
                 &[],
             )?
             .get(0);
-        let holder: Option<i32> = other
-            .query_opt(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
-                   AND objsubid = 1
-                   AND classid = ((($1::bigint >> 32) & 4294967295)::bigint)::oid
-                   AND objid = (($1::bigint & 4294967295)::bigint)::oid",
-                &[&self.key],
-            )
-            .map_err(db("look up the owner lock"))?
-            .map(|row| row.get(0));
+        let holder_sql = "SELECT (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND objsubid = 1
+               AND classid = ((($1::bigint >> 32) & 4294967295)::bigint)::oid
+               AND objid = (($1::bigint & 4294967295)::bigint)::oid LIMIT 1)";
+        let op = "look up the owner lock";
+        let holder: Option<i32> = match other {
+            Other::Client(client) => client
+                .query_one(holder_sql, &[&self.key])
+                .map_err(db(op))?
+                .get(0),
+            Other::Session(session) => session.query_one(op, holder_sql, &[&self.key])?.get(0),
+        };
         if now != self.pid || holder != Some(self.pid) {
             return Err(Error::SessionLocksUnavailable {
                 reason: format!(
@@ -207,7 +217,7 @@ mod tests {
             .unwrap()
             .expect("a fresh owner id is free");
         liveness
-            .verify(&mut other)
+            .verify(Other::Client(&mut other))
             .expect("the lock is held by the session that took it: verified");
         let lock_session = liveness.pid;
 
@@ -230,7 +240,7 @@ mod tests {
             other => panic!("{what}: must be refused, got {other:?}"),
         };
         refused(
-            liveness.verify(&mut other),
+            liveness.verify(Other::Client(&mut other)),
             "the connection moved to another session",
         );
 
@@ -239,7 +249,7 @@ mod tests {
         liveness.pid = stray_session;
         assert_ne!(stray_session, lock_session);
         refused(
-            liveness.verify(&mut other),
+            liveness.verify(Other::Client(&mut other)),
             "the lock is held by another session",
         );
     }

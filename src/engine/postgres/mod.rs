@@ -198,7 +198,7 @@ impl PgEngine {
                 break (candidate, liveness);
             }
         };
-        liveness.verify(&mut client)?;
+        liveness.verify(liveness::Other::Client(&mut client))?;
         let wake = notify::Sender::start(&connector, schema, wake_interval)?;
         let engine = Self {
             connector,

@@ -84,7 +84,9 @@ impl PgEngine {
                 ),
             });
         };
-        fresh.verify(&mut self.connector.connect()?)?;
+        // A dedicated connection: after a cut the path to the server may
+        // still be unwell, and the claim that asked must not wait for ever.
+        fresh.verify(liveness::Other::Session(&mut self.connector.session()?))?;
         *liveness = fresh;
         Ok(())
     }

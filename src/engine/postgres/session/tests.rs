@@ -260,3 +260,47 @@ fn dropping_a_handle_whose_server_stopped_answering_returns() {
         move || drop(engine),
     );
 }
+
+/// What a claim asks first: that the handle's owner lock is held, taking it
+/// again after a cut. With the server no longer answering, the check, the
+/// new connection and its verification are each bounded: the claim gets an
+/// error (and claims nothing) instead of waiting for ever.
+#[test]
+fn a_claim_on_a_handle_whose_server_stopped_answering_gets_an_error_in_bounded_time() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let proxy = StallProxy::to(server.port());
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2&connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    let engine = super::super::PgEngine::open(
+        &url,
+        super::super::DEFAULT_SCHEMA,
+        crate::audit::Hasher::Plain,
+    )
+    .unwrap();
+    engine.ensure_owner().expect("held while the path answers");
+
+    proxy.stall();
+    let (engine, owned) = within(
+        Duration::from_secs(60),
+        "a claim's owner check on a handle whose server stopped answering ends in bounded time",
+        move || {
+            let owned = engine.ensure_owner();
+            (engine, owned)
+        },
+    );
+    assert!(
+        matches!(owned, Err(crate::Error::Database { .. })),
+        "{owned:?}"
+    );
+    within(
+        Duration::from_secs(30),
+        "dropping a handle returns while its server does not answer",
+        move || drop(engine),
+    );
+}
