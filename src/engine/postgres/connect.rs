@@ -1,7 +1,16 @@
-//! How a handle reaches its server: the URL parsed once ([`Connector`]),
-//! synchronous clients for the owner lock, `LISTEN`, `NOTIFY` and migrations, and the
-//! handle's pool of reads/commits connections ([`conn`](super::conn)),
-//! each lent to one caller at a time.
+//! How a handle reaches its server: the URL parsed once ([`Connector`]) into
+//! the one configuration every connection is opened with (with the dead-peer
+//! defaults: keepalives, `tcp_user_timeout`, `connect_timeout`, and the same
+//! bounds asked of the server, see [`ServerSettings`]); synchronous clients
+//! for migrations and opening checks; dedicated connections with a deadline
+//! on every call for the owner lock, `LISTEN` and `NOTIFY`
+//! ([`session`](super::session)); and the handle's pool of reads/commits
+//! connections ([`conn`](super::conn)), each lent to one caller at a time.
+//!
+//! **Not bounded yet:** a synchronous client's startup and statements (used
+//! while opening: migrations, the pooler check) and a pooled connection's
+//! statements wait for a peer that acknowledges but never answers; a dead
+//! network ends them within the keepalive and `tcp_user_timeout` bounds.
 //!
 //! **A pooled connection can be dead without knowing it.** A connection's
 //! runtime is driven only during a call, so an idle connection whose server
