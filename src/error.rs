@@ -143,7 +143,7 @@ pub enum Error {
     /// A transaction the server aborted to break a deadlock (SQLSTATE
     /// `40P01`) or a serialization conflict (`40001`) is run again first, up
     /// to 5 times in all, with a short pause between; this error is returned
-    /// only when the last run failed too (the source carries the code).
+    /// only when the last run failed too ([`Error::sqlstate`] gives the code).
     #[error("postgres: {op} failed")]
     Database {
         /// What was being done, e.g. `connect`, `commit`.
@@ -351,6 +351,19 @@ impl Error {
             column: source.column(),
             source,
         }
+    }
+
+    /// The SQLSTATE a PostgreSQL server reported for an
+    /// [`Error::Database`], e.g. `"40001"` (a serialization failure) or
+    /// `"28P01"` (a wrong password); `None` for every other error, and for a
+    /// database error no server reported (an unreachable server, a lost
+    /// connection). Whichever of the engine's connections failed.
+    pub fn sqlstate(&self) -> Option<&str> {
+        #[cfg(feature = "postgres")]
+        if let Self::Database { source, .. } = self {
+            return crate::engine::postgres::sqlstate(source.as_ref());
+        }
+        None
     }
 }
 

@@ -21,8 +21,7 @@
 
 use std::path::PathBuf;
 
-use postgres::Row;
-
+use super::conn::Row;
 use super::{PgEngine, db};
 use crate::audit::{AuditRecord, AuditReport, Head};
 use crate::error::{Error, Result};

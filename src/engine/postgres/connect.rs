@@ -13,7 +13,7 @@
 //! network ends them within the keepalive and `tcp_user_timeout` bounds.
 //!
 //! **A pooled connection can be dead without knowing it.** A connection's
-//! runtime is driven only during a call, so an idle connection whose server
+//! socket is read only during a call, so an idle connection whose server
 //! restarted (or whose session an operator terminated) looks open until its
 //! next statement fails. Work that is safe to run again is then run again on
 //! the next connection, once per dead connection and at most
@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use postgres::{Client, NoTls};
 
-use super::conn::{self, Conn};
+use super::conn::Conn;
 use super::{PgEngine, db, lock};
 use crate::error::{Error, Result};
 
@@ -98,11 +98,10 @@ pub(crate) fn blocking<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     }
 }
 
-/// Runs `future` to completion on `runtime` (a connection's own), waiting:
-/// on a thread inside a current-thread tokio runtime, where a runtime
-/// cannot be started, on a scoped helper thread (see [`blocking`]); the
-/// caller's code (a rule's closure) stays on the caller's thread, only the
-/// connection's input and output move.
+/// Runs `future` to completion on `runtime` (a dedicated connection's own,
+/// see [`session`](super::session)), waiting: on a thread inside a
+/// current-thread tokio runtime, where a runtime cannot be started, on a
+/// scoped helper thread (see [`blocking`]).
 pub(crate) fn drive<F>(runtime: &tokio::runtime::Runtime, future: F) -> F::Output
 where
     F: std::future::Future + Send,
@@ -116,9 +115,10 @@ where
 }
 
 /// As [`blocking`], for an `f` that must stay on the calling thread (a
-/// transaction of the rules, whose closure need not be `Send`): its
-/// connections' input and output move to a helper thread instead (see
-/// [`drive`]), as does the owner session's.
+/// transaction of the rules, whose closure need not be `Send`). Its
+/// reads/commits connections need no runtime (blocking sockets, see
+/// [`conn`](super::conn)): they block the calling thread as any blocking call does; the
+/// owner session's calls move to a helper thread (see [`blocking`]).
 pub(crate) fn blocking_local<T>(f: impl FnOnce() -> T) -> T {
     blocking_here(f)
 }
@@ -258,15 +258,9 @@ impl Connector {
     /// applied: a host that vanished in the middle of a transaction holds
     /// its row and advisory locks until the server ends its session.
     pub(super) fn conn(&self) -> Result<Conn> {
-        let mut conn = blocking(|| Conn::connect(&self.config)).map_err(|e| match e {
-            conn::ConnectError::Postgres(e) => db("connect")(e),
-            conn::ConnectError::Runtime(e) => Error::Database {
-                op: "connect",
-                source: Box::new(e),
-            },
-        })?;
+        let mut conn = blocking(|| Conn::connect(&self.config)).map_err(db("connect"))?;
         if let Some(settings) = self.server_settings() {
-            conn.batch_execute(settings)
+            conn.query(settings, &[])
                 .map_err(db("apply the connection's server settings"))?;
         }
         Ok(conn)
@@ -518,8 +512,7 @@ impl PgEngine {
             return;
         }
         drop(idle);
-        // Its runtime cannot be dropped inside a current-thread runtime.
-        blocking(move || drop(client));
+        drop(client);
     }
 }
 

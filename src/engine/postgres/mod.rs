@@ -29,6 +29,7 @@
 //!
 //! - `connect`: the URL, connections, the pool of reads/commits connections;
 //! - `conn`: one reads/commits connection: prepared statements, pipelines;
+//! - `wire`: the protocol client under `conn` (one `Sync` per pipeline);
 //! - `schema`: schema names, tables and their forward-only migrations;
 //! - `owner`: the handle's owner id, taking its lock again, audit ids;
 //! - `liveness`: the owner's advisory lock, the transaction-pooler check;
@@ -63,6 +64,7 @@ mod session;
 mod settings;
 mod transact;
 mod txn;
+mod wire;
 
 pub(crate) use backend::{ENGINE, PgBackend};
 pub(crate) use chain::AUDIT_PAGE;
@@ -91,12 +93,31 @@ use schema::SCHEMA_VERSION;
 /// The schema used when the caller names none.
 pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
 
-/// Turns a client error into the crate's error, naming the operation.
-fn db(op: &'static str) -> impl Fn(postgres::Error) -> Error {
+/// Turns a client error (the `postgres` client's, or a reads/commits
+/// connection's [`wire::WireError`]) into the crate's error, naming the
+/// operation.
+fn db<E>(op: &'static str) -> impl Fn(E) -> Error
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
     move |source| Error::Database {
         op,
         source: Box::new(source),
     }
+}
+
+/// The SQLSTATE in `source`, the source of an [`Error::Database`]: a
+/// reads/commits connection's error or the `postgres` client's.
+pub(crate) fn sqlstate<'a>(
+    source: &'a (dyn std::error::Error + Send + Sync + 'static),
+) -> Option<&'a str> {
+    match source.downcast_ref::<wire::WireError>() {
+        Some(wire) => wire.code(),
+        None => source
+            .downcast_ref::<postgres::Error>()
+            .and_then(postgres::Error::code),
+    }
+    .map(postgres::error::SqlState::code)
 }
 
 /// The advisory lock key for `name` in `schema`: 64 bits of SHA-256, so

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use chrono::{DateTime, Utc};
-use postgres::Row;
 
 use super::super::Versioned;
+use super::conn::Row;
 use super::{PgEngine, db};
 use crate::error::Result;
 use crate::item::OutboxItem;

@@ -34,12 +34,10 @@ pub(crate) fn is_retryable(error: &Error) -> bool {
     let Error::Database { source, .. } = error else {
         return false;
     };
-    source
-        .downcast_ref::<postgres::Error>()
-        .and_then(postgres::Error::code)
-        .is_some_and(|code| {
-            *code == SqlState::T_R_DEADLOCK_DETECTED || *code == SqlState::T_R_SERIALIZATION_FAILURE
-        })
+    super::sqlstate(source.as_ref()).is_some_and(|code| {
+        code == SqlState::T_R_DEADLOCK_DETECTED.code()
+            || code == SqlState::T_R_SERIALIZATION_FAILURE.code()
+    })
 }
 
 /// Runs `attempt` (given its number, from 1) until it succeeds, fails with an

@@ -42,9 +42,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use postgres::Row;
-
-use super::conn::{Conn, Step, Tx};
+use super::conn::{Conn, Row, Step, Tx};
 use super::{PgEngine, db};
 use crate::audit::{AuditEvent, AuditRecord, Head};
 use crate::error::{Error, Result};

@@ -6,9 +6,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
-use postgres::Row;
 
-use super::conn::{self, Conn, Step, Tx};
+use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};

@@ -248,7 +248,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// The committed row of `key`, locked `FOR UPDATE`.
-    fn select_for_update(&mut self, key: &str) -> Result<Option<postgres::Row>> {
+    fn select_for_update(&mut self, key: &str) -> Result<Option<super::conn::Row>> {
         self.tx
             .query_opt(&select_for_update_sql(&self.engine.s), &[&key])
             .map_err(db("read an item"))
@@ -323,7 +323,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// What is read is read by one statement (after the lock's, so its
     /// snapshot holds every decision committed before the lock was granted):
     /// the head, the times and the cooldown as one row, not three statements.
-    fn read_line(&mut self, destination: &str, head: bool) -> Result<Vec<postgres::Row>> {
+    fn read_line(&mut self, destination: &str, head: bool) -> Result<Vec<super::conn::Row>> {
         let s = self.engine.s.clone();
         let changed = self.changed_keys();
         let head_sql = format!(
@@ -417,7 +417,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// one-item transaction reads its destination's line under the
     /// destination's lock; a decision locks its item through
     /// [`item_mut`](Self::item_mut)).
-    fn remember(&mut self, rows: &[postgres::Row]) -> Result<Vec<String>> {
+    fn remember(&mut self, rows: &[super::conn::Row]) -> Result<Vec<String>> {
         let mut keys = Vec::with_capacity(rows.len());
         for row in rows {
             let v = self.engine.versioned(row)?;

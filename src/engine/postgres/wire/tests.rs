@@ -1,0 +1,518 @@
+//! The wire client's own guarantees: framing, one round trip per pipeline,
+//! statements prepared once, the pipeline's error semantics under one
+//! `Sync` (skipped statements, the failed transaction rolled back, steps
+//! after a `COMMIT`), binary rows, a dead session found closed, and logins
+//! (trust, MD5, SCRAM-SHA-256, a Unix socket) with the same typed errors as
+//! the `postgres` client. Against the real server of `tests/support`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests panic loudly"
+)]
+
+use std::io::Write;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use postgres_protocol::message::backend::Message;
+
+use super::frame::{Framed, Socket};
+use super::{Connection, WireError};
+use crate::engine::postgres::conn::{Conn, Step};
+use crate::engine::postgres::test_server::PgServer;
+use crate::error::Error;
+
+/// A watchdog for waits on the server: far beyond what they need.
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn config(url: &str) -> tokio_postgres::Config {
+    url.parse().unwrap()
+}
+
+fn connect(url: &str) -> Connection {
+    Connection::connect(&config(url)).expect("connect")
+}
+
+fn pipeline(
+    conn: &mut Connection,
+    statements: &[(&str, super::connection::Params<'_>)],
+) -> Vec<Result<super::Outcome, WireError>> {
+    conn.pipeline(statements).expect("the pipeline is sent")
+}
+
+/// A socket pair: a `Framed` reading one end, the other end to write to.
+fn framed_pair() -> (Framed, std::os::unix::net::UnixStream) {
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    ours.set_read_timeout(Some(LIMIT)).unwrap();
+    (Framed::new(Socket::Unix(ours)), theirs)
+}
+
+#[test]
+fn a_message_split_across_reads_is_assembled_and_a_bad_length_or_eof_is_an_error() {
+    let (mut framed, mut peer) = framed_pair();
+    // `ReadyForQuery` (idle), then `ParseComplete`, the first split mid-header.
+    let bytes = [b'Z', 0, 0, 0, 5, b'I', b'1', 0, 0, 0, 4];
+    let writer = std::thread::spawn(move || {
+        peer.write_all(&bytes[..3]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        peer.write_all(&bytes[3..]).unwrap();
+        // A header whose length is below its own size.
+        std::thread::sleep(Duration::from_millis(50));
+        peer.write_all(&[b'C', 0, 0, 0, 2]).unwrap();
+    });
+    match framed.next().unwrap() {
+        Message::ReadyForQuery(body) => assert_eq!(body.status(), b'I'),
+        _ => panic!("expected ReadyForQuery"),
+    }
+    assert!(matches!(framed.next().unwrap(), Message::ParseComplete));
+    let bad = framed.next().err().expect("a malformed length is an error");
+    assert!(
+        bad.is_closed(),
+        "a malformed message ends the session: {bad}"
+    );
+    writer.join().unwrap();
+
+    let (mut framed, peer) = framed_pair();
+    drop(peer);
+    let eof = framed.next().err().expect("end of stream is an error");
+    assert!(eof.is_closed(), "{eof}");
+    assert_eq!(eof.to_string(), "connection closed");
+}
+
+#[test]
+fn a_pipeline_is_one_round_trip_and_each_statement_is_prepared_once_per_session() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY, n bigint)");
+    let mut conn = connect(&db.url());
+    let before = conn.round_trips();
+    let run = |conn: &mut Connection, k: &str| {
+        let n = 7i64;
+        let results = pipeline(
+            conn,
+            &[
+                ("BEGIN", &[]),
+                ("INSERT INTO t (k, n) VALUES ($1, $2)", &[&k, &n]),
+                ("SELECT n FROM t WHERE k = $1", &[&k]),
+                ("COMMIT", &[]),
+            ],
+        );
+        let outcomes: Vec<super::Outcome> = results.into_iter().map(Result::unwrap).collect();
+        assert_eq!(outcomes[1].count, 1, "one row inserted");
+        assert_eq!(outcomes[2].rows.len(), 1);
+        assert_eq!(outcomes[2].rows[0].get::<_, i64>(0), 7);
+    };
+    run(&mut conn, "a");
+    assert_eq!(
+        conn.round_trips() - before,
+        2,
+        "first use: one round trip to prepare every new statement, one to run the pipeline"
+    );
+    run(&mut conn, "b");
+    assert_eq!(
+        conn.round_trips() - before,
+        3,
+        "prepared statements are reused: the whole pipeline is one round trip"
+    );
+    let prepared = pipeline(
+        &mut conn,
+        &[("SELECT count(*) FROM pg_prepared_statements", &[])],
+    );
+    let prepared: i64 = prepared[0].as_ref().unwrap().rows[0].get(0);
+    assert_eq!(
+        prepared, 5,
+        "BEGIN, the insert, the select, COMMIT and this count: each prepared once"
+    );
+    assert_eq!(
+        db.psql("SELECT string_agg(k, ',' ORDER BY k) FROM t"),
+        "a,b"
+    );
+    assert!(!conn.in_transaction());
+}
+
+#[test]
+fn after_an_error_the_rest_is_skipped_nothing_commits_and_dropping_the_tx_rolls_back() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY)");
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    let zero = 0i32;
+    {
+        let mut tx = conn.begin();
+        let results = tx
+            .pipeline_each(&[
+                Step::Execute("INSERT INTO t VALUES ($1)", &[&"a"]),
+                Step::Query("SELECT 1 / $1::int", &[&zero]),
+                Step::Execute("INSERT INTO t VALUES ($1)", &[&"b"]),
+                Step::Simple("COMMIT"),
+            ])
+            .unwrap();
+        assert!(results[0].is_ok());
+        let failed = results[1].as_ref().err().expect("division by zero");
+        assert_eq!(failed.code().map(|c| c.code()), Some("22012"), "{failed}");
+        for (i, skipped) in results[2..].iter().enumerate() {
+            let skipped = skipped.as_ref().err().expect("skipped");
+            assert!(skipped.is_skipped(), "step {}: {skipped}", i + 2);
+            assert!(!skipped.is_closed());
+        }
+        // The caller thought its `COMMIT` ended the transaction.
+        tx.ended();
+    }
+    assert_eq!(db.psql("SELECT count(*) FROM t"), "0", "nothing committed");
+    // The failed transaction was rolled back: the session works as new.
+    let row = conn.query_one("SELECT count(*) FROM t", &[]).unwrap();
+    assert_eq!(row.get::<_, i64>(0), 0);
+    let mut tx = conn.begin();
+    tx.execute("INSERT INTO t VALUES ($1)", &[&"c"]).unwrap();
+    tx.commit().unwrap();
+    assert_eq!(db.psql("SELECT string_agg(k, ',') FROM t"), "c");
+}
+
+#[test]
+fn a_step_after_commit_runs_once_committed_and_its_failure_keeps_the_commit() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY)");
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    let mut tx = conn.begin();
+    let results = tx
+        .pipeline_each(&[
+            Step::Execute("INSERT INTO t VALUES ($1)", &[&"a"]),
+            Step::Simple("COMMIT"),
+            // After the commit: a duplicate key, its own failure.
+            Step::Execute("INSERT INTO t VALUES ($1)", &[&"a"]),
+        ])
+        .unwrap();
+    tx.ended();
+    assert!(results[0].is_ok() && results[1].is_ok());
+    let e = results[2].as_ref().err().expect("the duplicate fails");
+    assert_eq!(e.code().map(|c| c.code()), Some("23505"), "{e}");
+    assert_eq!(
+        db.psql("SELECT string_agg(k, ',') FROM t"),
+        "a",
+        "committed"
+    );
+    // And a successful step after `COMMIT` commits with the `Sync`.
+    let mut tx = conn.begin();
+    tx.pipeline(&[
+        Step::Execute("INSERT INTO t VALUES ($1)", &[&"b"]),
+        Step::Simple("COMMIT"),
+        Step::Execute("INSERT INTO t VALUES ($1)", &[&"c"]),
+    ])
+    .unwrap();
+    tx.ended();
+    assert_eq!(
+        db.psql("SELECT string_agg(k, ',' ORDER BY k) FROM t"),
+        "a,b,c"
+    );
+}
+
+#[test]
+fn standalone_statements_commit_on_their_own() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY)");
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    let rows = conn
+        .query("INSERT INTO t VALUES ($1) RETURNING k", &[&"a"])
+        .unwrap();
+    assert_eq!(rows[0].get::<_, &str>(0), "a");
+    assert_eq!(
+        db.psql("SELECT count(*) FROM t"),
+        "1",
+        "seen by another session"
+    );
+    let e = conn
+        .query("INSERT INTO t VALUES ($1)", &[&"a"])
+        .err()
+        .expect("duplicate");
+    assert_eq!(e.code().map(|c| c.code()), Some("23505"));
+    assert_eq!(conn.query("SELECT k FROM t", &[]).unwrap().len(), 1);
+}
+
+#[test]
+fn rows_decode_in_binary_by_index_and_name_and_row_counts_are_checked() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    let at: DateTime<Utc> = "2026-01-02T03:04:05.123456Z".parse().unwrap();
+    let times = vec![at, at + chrono::Duration::seconds(1)];
+    let row = conn
+        .query_one(
+            "SELECT $1::text AS word, $2::bigint AS n, $3::bool AS yes, $4::timestamptz AS at,
+                    NULL::text AS nothing, $5::timestamptz[] AS times, ARRAY['x', 'y'] AS words",
+            &[&"héllo", &-42i64, &true, &at, &times],
+        )
+        .unwrap();
+    assert_eq!(row.len(), 7);
+    assert_eq!(row.get::<_, &str>("word"), "héllo");
+    assert_eq!(row.get::<_, String>(0), "héllo");
+    assert_eq!(row.get::<_, i64>("n"), -42);
+    assert!(row.get::<_, bool>(2));
+    assert_eq!(row.get::<_, DateTime<Utc>>("at"), at);
+    assert_eq!(row.get::<_, Option<&str>>("nothing"), None);
+    assert_eq!(row.get::<_, Vec<DateTime<Utc>>>("times"), times);
+    assert_eq!(row.get::<_, Vec<String>>(6), ["x", "y"]);
+    let wrong = row.try_get::<_, i64>("word").err().expect("text is no i64");
+    assert!(wrong.to_string().contains("column word"), "{wrong}");
+    assert!(row.try_get::<_, &str>("absent").is_err());
+    assert!(row.try_get::<_, &str>(7).is_err());
+    assert!(
+        row.try_get::<_, &str>("nothing").is_err(),
+        "NULL is no &str"
+    );
+
+    let none = conn
+        .query_one("SELECT 1 WHERE false", &[])
+        .err()
+        .expect("no row");
+    assert!(none.to_string().contains("exactly one row"), "{none}");
+    let mut tx = conn.begin();
+    let two = tx
+        .query_opt("SELECT * FROM (VALUES (1), (2)) v", &[])
+        .err()
+        .expect("two rows");
+    assert!(two.to_string().contains("at most one row"), "{two}");
+}
+
+#[test]
+fn a_bad_parameter_is_refused_before_anything_runs_and_the_session_stays_usable() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY, n bigint)");
+    let mut conn = connect(&db.url());
+    let sql = "INSERT INTO t (k, n) VALUES ($1, $2)";
+    let count = conn.pipeline(&[(sql, &[&"a"])]).err().expect("one missing");
+    assert!(
+        count.to_string().contains("takes 2 parameters, 1 given"),
+        "{count}"
+    );
+    let ty = conn
+        .pipeline(&[(sql, &[&"a", &"not a number"])])
+        .err()
+        .expect("text for bigint");
+    assert!(ty.to_string().contains("$2"), "names the parameter: {ty}");
+    // Nothing half-sent: the next pipeline runs normally.
+    let results = pipeline(&mut conn, &[(sql, &[&"a", &1i64])]);
+    assert_eq!(results[0].as_ref().unwrap().count, 1);
+    assert_eq!(db.psql("SELECT count(*) FROM t"), "1");
+
+    let syntax = conn
+        .pipeline(&[("SELEKT 1", &[])])
+        .err()
+        .expect("a syntax error fails preparing");
+    assert_eq!(syntax.code().map(|c| c.code()), Some("42601"), "{syntax}");
+    assert!(!conn.is_closed());
+    let results = pipeline(&mut conn, &[("SELECT 1", &[])]);
+    assert!(results[0].is_ok());
+}
+
+#[test]
+fn a_terminated_session_is_found_closed_and_fails_at_once_afterwards() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    let pid: i32 = conn
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    assert!(!conn.is_closed());
+    db.psql(&format!("SELECT pg_terminate_backend({pid})"));
+    let deadline = Instant::now() + LIMIT;
+    // The server may take a moment to end the session; until it does, a
+    // statement still runs.
+    let e = loop {
+        match conn.query_one("SELECT 1", &[]) {
+            Err(e) => break e,
+            Ok(_) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "watchdog: the session never ended"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    assert!(conn.is_closed(), "a terminated session is closed: {e}");
+    let again = conn.query_one("SELECT 1", &[]).err().expect("closed");
+    assert!(again.is_closed() && again.to_string() == "connection closed");
+}
+
+/// Logins with passwords need `pg_hba.conf` lines: these two roles log in
+/// over TCP with MD5 and SCRAM-SHA-256 (set once on the shared server).
+fn password_roles(server: &PgServer) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        server.psql(
+            "postgres",
+            "SET password_encryption = 'md5'; CREATE ROLE wire_md5 LOGIN PASSWORD 'md5-pw'",
+        );
+        server.psql(
+            "postgres",
+            "SET password_encryption = 'scram-sha-256'; \
+             CREATE ROLE wire_scram LOGIN PASSWORD 'scram-pw'",
+        );
+        let hba = server.data_dir().join("pg_hba.conf");
+        let old = std::fs::read_to_string(&hba).unwrap();
+        std::fs::write(
+            &hba,
+            format!(
+                "host all wire_md5 127.0.0.1/32 md5\n\
+                 host all wire_scram 127.0.0.1/32 scram-sha-256\n{old}"
+            ),
+        )
+        .unwrap();
+        server.psql("postgres", "SELECT pg_reload_conf()");
+        // The reload is asynchronous: wait until a password is asked for.
+        let deadline = Instant::now() + LIMIT;
+        let url = format!(
+            "postgres://wire_scram:wrong@127.0.0.1:{}/postgres",
+            server.port()
+        );
+        while Connection::connect(&config(&url)).is_ok() {
+            assert!(
+                Instant::now() < deadline,
+                "watchdog: pg_hba.conf was never reloaded"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+}
+
+#[test]
+fn md5_and_scram_logins_work_and_a_wrong_password_is_the_postgres_clients_typed_error() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    password_roles(server);
+    let db = server.database();
+    for (user, password) in [("wire_md5", "md5-pw"), ("wire_scram", "scram-pw")] {
+        let url = format!(
+            "postgres://{user}:{password}@127.0.0.1:{}/{}",
+            server.port(),
+            db.name()
+        );
+        let mut conn = Conn::connect(&config(&url)).unwrap_or_else(|e| panic!("{user}: {e}"));
+        let who: String = conn
+            .query_one("SELECT current_user::text", &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(who, user);
+
+        let wrong = format!(
+            "postgres://{user}:not-{password}@127.0.0.1:{}/{}",
+            server.port(),
+            db.name()
+        );
+        let connector = crate::engine::postgres::Connector::parse(&wrong).unwrap();
+        let ours = connector.conn().err().expect("a wrong password is refused");
+        let theirs = connector.connect().err().expect("refused by postgres too");
+        for e in [&ours, &theirs] {
+            assert!(
+                matches!(e, Error::Database { op: "connect", .. }),
+                "{user}: {e:?}"
+            );
+            assert_eq!(e.sqlstate(), Some("28P01"), "{user}: {e:?}");
+        }
+        assert!(
+            error_chain(&ours).contains("password authentication failed"),
+            "{}",
+            error_chain(&ours)
+        );
+        let none = format!(
+            "postgres://{user}@127.0.0.1:{}/{}",
+            server.port(),
+            db.name()
+        );
+        let missing = crate::engine::postgres::Connector::parse(&none)
+            .unwrap()
+            .conn()
+            .err()
+            .expect("no password");
+        assert!(matches!(missing, Error::Database { op: "connect", .. }));
+        assert!(error_chain(&missing).contains("password"), "{missing:?}");
+    }
+}
+
+fn error_chain(e: &Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[test]
+fn a_unix_socket_url_connects() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let dir = server.data_dir().parent().unwrap();
+    let url = format!(
+        "host={} port={} user=postgres dbname={}",
+        dir.display(),
+        server.port(),
+        db.name()
+    );
+    let mut conn = Conn::connect(&config(&url)).expect("over the Unix socket");
+    let local: Option<String> = conn
+        .query_one("SELECT inet_client_addr()::text", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(local, None, "a Unix-socket session has no client address");
+}
+
+#[test]
+fn an_unreachable_server_and_required_tls_are_connect_errors_as_before() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    for url in [
+        format!("postgres://u@127.0.0.1:{port}/db"),
+        format!("postgres://u@127.0.0.1:{port}/db?sslmode=require"),
+        format!("host=/nonexistent-dir port={port} user=u dbname=db"),
+    ] {
+        let connector = crate::engine::postgres::Connector::parse(&url).unwrap();
+        let ours = connector.conn().err().expect("nothing listens");
+        let theirs = connector.connect().err().expect("nothing listens");
+        for e in [&ours, &theirs] {
+            assert!(
+                matches!(e, Error::Database { op: "connect", .. }),
+                "{url}: {e:?}"
+            );
+            assert_eq!(e.sqlstate(), None);
+        }
+    }
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    // A live server: TLS still cannot be had, and no session is opened.
+    let url = format!("{}?sslmode=require", server.url("postgres"));
+    let connector = crate::engine::postgres::Connector::parse(&url).unwrap();
+    let ours = connector.conn().err().expect("no TLS");
+    assert!(matches!(ours, Error::Database { op: "connect", .. }));
+    assert!(error_chain(&ours).contains("TLS"), "{}", error_chain(&ours));
+    assert!(connector.connect().is_err(), "nor with the postgres client");
+}
