@@ -1,8 +1,11 @@
 //! The PostgreSQL engine: one outbox shared by handles on many hosts.
 //!
-//! Client: the synchronous `postgres` crate. The library's core API is
-//! blocking (async forms wrap it), so a blocking client keeps one code path;
-//! it runs its own small runtime internally and does not need the caller's.
+//! Clients: the library's core API is blocking (async forms wrap it), so a
+//! blocking client keeps one code path. The reads and commits run on the
+//! engine's own protocol client ([`wire`], under [`conn`]): blocking sockets,
+//! a transaction's statements pipelined under one `Sync`. The owner lock,
+//! `LISTEN`, `NOTIFY` and migrations use the synchronous `postgres` crate,
+//! which runs its own small runtime internally.
 //!
 //! Connections per handle: a small pool for reads and commits (one per thread
 //! calling at once, so the threads of one handle commit side by side; up to

@@ -986,8 +986,9 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             let results = self.tx.pipeline_each(&plain).map_err(db("commit"))?;
             self.tx.mark_ended();
             // Every statement, the `COMMIT` included, must have succeeded (a
-            // `COMMIT` after a failed statement rolls back without an error,
-            // so the first error is the one to return).
+            // `COMMIT` after a failed statement is skipped, "not run", and
+            // the failed transaction is rolled back when `tx` drops: the
+            // first error is the one to return).
             let mut done = Vec::with_capacity(steps.len());
             for (result, (_, op)) in results.into_iter().zip(&steps) {
                 done.push(result.map_err(db(op))?);
