@@ -207,8 +207,9 @@ impl Tx<'_> {
         steps: &[Step<'_>],
     ) -> Result<Vec<Result<Done, WireError>>, WireError> {
         let begin = (!self.open).then_some(self.begin);
-        self.open = true;
+        // Open once the pipeline went out (an error here sent nothing).
         let mut results = self.conn.run(begin, steps)?;
+        self.open = true;
         if begin.is_some() {
             results.remove(0)?;
         }

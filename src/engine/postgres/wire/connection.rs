@@ -23,6 +23,15 @@
 //! - an error inside an explicit transaction leaves the session in a failed
 //!   transaction (the `COMMIT` after the error was skipped): the caller must
 //!   roll it back. [`Connection::in_transaction`] says whether one is open.
+//!
+//! **Bounded pipelines.** The client writes the whole pipeline before it
+//! reads an answer (blocking socket). The server answers each statement as it
+//! runs it, so a pipeline whose *early* statements return more rows than the
+//! two sockets' buffers hold (megabytes on loopback) while the client still
+//! writes a large rest would wait on both sides. The engine's pipelines are
+//! a few statements, and a statement that returns many rows (reads of the
+//! chain, of due or claimed items) is a pipeline of its own, as is the one
+//! large write (a sealing's records, then its `COMMIT`): keep them so.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Opening a session: the settings of a parsed `tokio_postgres::Config`
 //! (hosts and Unix-socket directories, ports, user, password, database,
-//! options, application name, connect timeout, keepalives, target session
-//! attributes), the startup message, and authentication (cleartext, MD5,
+//! options, application name, connect timeout, TCP user timeout, keepalives,
+//! target session attributes, random host order), the startup message, and authentication (cleartext, MD5,
 //! SCRAM-SHA-256).
 //!
 //! **No TLS.** The crate connects without TLS, as the `NoTls` connector of
@@ -153,6 +153,12 @@ fn tcp(
         match stream {
             Ok(stream) => {
                 stream.set_nodelay(true).map_err(WireError::io)?;
+                #[cfg(any(target_os = "linux", target_os = "android"))]
+                if let Some(timeout) = config.get_tcp_user_timeout() {
+                    socket2::SockRef::from(&stream)
+                        .set_tcp_user_timeout(Some(*timeout))
+                        .map_err(WireError::io)?;
+                }
                 if config.get_keepalives() {
                     let mut keepalive =
                         socket2::TcpKeepalive::new().with_time(config.get_keepalives_idle());

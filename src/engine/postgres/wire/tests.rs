@@ -516,3 +516,29 @@ fn an_unreachable_server_and_required_tls_are_connect_errors_as_before() {
     assert!(error_chain(&ours).contains("TLS"), "{}", error_chain(&ours));
     assert!(connector.connect().is_err(), "nor with the postgres client");
 }
+
+#[test]
+fn a_transaction_whose_first_pipeline_never_went_out_still_begins_with_its_next() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY)");
+    let mut conn = Conn::connect(&config(&db.url())).unwrap();
+    {
+        let mut tx = conn.begin();
+        // Refused while preparing: nothing of the pipeline, its `BEGIN`
+        // included, reached the server.
+        assert!(
+            tx.execute("INSERT INTO nowhere VALUES ($1)", &[&"a"])
+                .is_err()
+        );
+        tx.execute("INSERT INTO t VALUES ($1)", &[&"a"]).unwrap();
+        // Dropped without a commit: rolled back, so never visible.
+    }
+    assert_eq!(
+        db.psql("SELECT count(*) FROM t"),
+        "0",
+        "the insert ran inside the transaction, not on its own"
+    );
+}
