@@ -41,6 +41,7 @@ use super::wire::{Connection, Outcome, WireError};
 pub(crate) use super::wire::Row;
 
 /// A connection and its prepared statements.
+#[derive(Debug)]
 pub(crate) struct Conn {
     wire: Connection,
 }
@@ -64,7 +65,7 @@ pub(crate) enum Step<'a> {
 }
 
 /// What one step returned.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(crate) struct Done {
     /// The rows of a [`Step::Query`].
     pub(crate) rows: Vec<Row>,

@@ -33,7 +33,7 @@ impl std::fmt::Debug for Row {
 }
 
 /// How a column is named to [`Row::get`]: its position, or its name.
-pub(crate) trait ColumnIndex: std::fmt::Display {
+pub(crate) trait ColumnIndex: std::fmt::Display + Copy {
     /// The column's position among `columns`, if there is one.
     fn position(&self, columns: &[Column]) -> Option<usize>;
 }

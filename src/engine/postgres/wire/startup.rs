@@ -325,9 +325,9 @@ fn check_session_attrs(framed: &mut Framed, attrs: TargetSessionAttrs) -> Result
     loop {
         match framed.next()? {
             Message::DataRow(body) => {
+                use fallible_iterator::FallibleIterator;
                 let buffer = body.buffer();
                 let mut ranges = body.ranges();
-                use fallible_iterator::FallibleIterator;
                 if let Ok(Some(Some(range))) = ranges.next() {
                     read_only = Some(buffer.get(range) == Some(b"on".as_slice()));
                 }

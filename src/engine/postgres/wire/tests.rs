@@ -67,7 +67,9 @@ fn a_message_split_across_reads_is_assembled_and_a_bad_length_or_eof_is_an_error
         _ => panic!("expected ReadyForQuery"),
     }
     assert!(matches!(framed.next().unwrap(), Message::ParseComplete));
-    let bad = framed.next().err().expect("a malformed length is an error");
+    let Err(bad) = framed.next() else {
+        panic!("a malformed length is an error")
+    };
     assert!(
         bad.is_closed(),
         "a malformed message ends the session: {bad}"
@@ -76,7 +78,9 @@ fn a_message_split_across_reads_is_assembled_and_a_bad_length_or_eof_is_an_error
 
     let (mut framed, peer) = framed_pair();
     drop(peer);
-    let eof = framed.next().err().expect("end of stream is an error");
+    let Err(eof) = framed.next() else {
+        panic!("end of stream is an error")
+    };
     assert!(eof.is_closed(), "{eof}");
     assert_eq!(eof.to_string(), "connection closed");
 }
@@ -154,10 +158,14 @@ fn after_an_error_the_rest_is_skipped_nothing_commits_and_dropping_the_tx_rolls_
             ])
             .unwrap();
         assert!(results[0].is_ok());
-        let failed = results[1].as_ref().err().expect("division by zero");
-        assert_eq!(failed.code().map(|c| c.code()), Some("22012"), "{failed}");
+        let failed = results[1].as_ref().expect_err("division by zero");
+        assert_eq!(
+            failed.code().map(tokio_postgres::error::SqlState::code),
+            Some("22012"),
+            "{failed}"
+        );
         for (i, skipped) in results[2..].iter().enumerate() {
-            let skipped = skipped.as_ref().err().expect("skipped");
+            let skipped = skipped.as_ref().expect_err("skipped");
             assert!(skipped.is_skipped(), "step {}: {skipped}", i + 2);
             assert!(!skipped.is_closed());
         }
@@ -193,8 +201,12 @@ fn a_step_after_commit_runs_once_committed_and_its_failure_keeps_the_commit() {
         .unwrap();
     tx.ended();
     assert!(results[0].is_ok() && results[1].is_ok());
-    let e = results[2].as_ref().err().expect("the duplicate fails");
-    assert_eq!(e.code().map(|c| c.code()), Some("23505"), "{e}");
+    let e = results[2].as_ref().expect_err("the duplicate fails");
+    assert_eq!(
+        e.code().map(tokio_postgres::error::SqlState::code),
+        Some("23505"),
+        "{e}"
+    );
     assert_eq!(
         db.psql("SELECT string_agg(k, ',') FROM t"),
         "a",
@@ -234,9 +246,11 @@ fn standalone_statements_commit_on_their_own() {
     );
     let e = conn
         .query("INSERT INTO t VALUES ($1)", &[&"a"])
-        .err()
-        .expect("duplicate");
-    assert_eq!(e.code().map(|c| c.code()), Some("23505"));
+        .expect_err("duplicate");
+    assert_eq!(
+        e.code().map(tokio_postgres::error::SqlState::code),
+        Some("23505")
+    );
     assert_eq!(conn.query("SELECT k FROM t", &[]).unwrap().len(), 1);
 }
 
@@ -265,7 +279,7 @@ fn rows_decode_in_binary_by_index_and_name_and_row_counts_are_checked() {
     assert_eq!(row.get::<_, Option<&str>>("nothing"), None);
     assert_eq!(row.get::<_, Vec<DateTime<Utc>>>("times"), times);
     assert_eq!(row.get::<_, Vec<String>>(6), ["x", "y"]);
-    let wrong = row.try_get::<_, i64>("word").err().expect("text is no i64");
+    let wrong = row.try_get::<_, i64>("word").expect_err("text is no i64");
     assert!(wrong.to_string().contains("column word"), "{wrong}");
     assert!(row.try_get::<_, &str>("absent").is_err());
     assert!(row.try_get::<_, &str>(7).is_err());
@@ -276,14 +290,12 @@ fn rows_decode_in_binary_by_index_and_name_and_row_counts_are_checked() {
 
     let none = conn
         .query_one("SELECT 1 WHERE false", &[])
-        .err()
-        .expect("no row");
+        .expect_err("no row");
     assert!(none.to_string().contains("exactly one row"), "{none}");
     let mut tx = conn.begin();
     let two = tx
         .query_opt("SELECT * FROM (VALUES (1), (2)) v", &[])
-        .err()
-        .expect("two rows");
+        .expect_err("two rows");
     assert!(two.to_string().contains("at most one row"), "{two}");
 }
 
@@ -296,15 +308,14 @@ fn a_bad_parameter_is_refused_before_anything_runs_and_the_session_stays_usable(
     db.psql("CREATE TABLE t (k text PRIMARY KEY, n bigint)");
     let mut conn = connect(&db.url());
     let sql = "INSERT INTO t (k, n) VALUES ($1, $2)";
-    let count = conn.pipeline(&[(sql, &[&"a"])]).err().expect("one missing");
+    let count = conn.pipeline(&[(sql, &[&"a"])]).expect_err("one missing");
     assert!(
         count.to_string().contains("takes 2 parameters, 1 given"),
         "{count}"
     );
     let ty = conn
         .pipeline(&[(sql, &[&"a", &"not a number"])])
-        .err()
-        .expect("text for bigint");
+        .expect_err("text for bigint");
     assert!(ty.to_string().contains("$2"), "names the parameter: {ty}");
     // Nothing half-sent: the next pipeline runs normally.
     let results = pipeline(&mut conn, &[(sql, &[&"a", &1i64])]);
@@ -313,9 +324,12 @@ fn a_bad_parameter_is_refused_before_anything_runs_and_the_session_stays_usable(
 
     let syntax = conn
         .pipeline(&[("SELEKT 1", &[])])
-        .err()
-        .expect("a syntax error fails preparing");
-    assert_eq!(syntax.code().map(|c| c.code()), Some("42601"), "{syntax}");
+        .expect_err("a syntax error fails preparing");
+    assert_eq!(
+        syntax.code().map(tokio_postgres::error::SqlState::code),
+        Some("42601"),
+        "{syntax}"
+    );
     assert!(!conn.is_closed());
     let results = pipeline(&mut conn, &[("SELECT 1", &[])]);
     assert!(results[0].is_ok());
@@ -338,19 +352,17 @@ fn a_terminated_session_is_found_closed_and_fails_at_once_afterwards() {
     // The server may take a moment to end the session; until it does, a
     // statement still runs.
     let e = loop {
-        match conn.query_one("SELECT 1", &[]) {
-            Err(e) => break e,
-            Ok(_) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "watchdog: the session never ended"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        if let Err(e) = conn.query_one("SELECT 1", &[]) {
+            break e;
         }
+        assert!(
+            Instant::now() < deadline,
+            "watchdog: the session never ended"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     };
     assert!(conn.is_closed(), "a terminated session is closed: {e}");
-    let again = conn.query_one("SELECT 1", &[]).err().expect("closed");
+    let again = conn.query_one("SELECT 1", &[]).expect_err("closed");
     assert!(again.is_closed() && again.to_string() == "connection closed");
 }
 
@@ -421,8 +433,10 @@ fn md5_and_scram_logins_work_and_a_wrong_password_is_the_postgres_clients_typed_
             db.name()
         );
         let connector = crate::engine::postgres::Connector::parse(&wrong).unwrap();
-        let ours = connector.conn().err().expect("a wrong password is refused");
-        let theirs = connector.connect().err().expect("refused by postgres too");
+        let ours = connector.conn().expect_err("a wrong password is refused");
+        let Err(theirs) = connector.connect() else {
+            panic!("refused by postgres too")
+        };
         for e in [&ours, &theirs] {
             assert!(
                 matches!(e, Error::Database { op: "connect", .. }),
@@ -443,8 +457,7 @@ fn md5_and_scram_logins_work_and_a_wrong_password_is_the_postgres_clients_typed_
         let missing = crate::engine::postgres::Connector::parse(&none)
             .unwrap()
             .conn()
-            .err()
-            .expect("no password");
+            .expect_err("no password");
         assert!(matches!(missing, Error::Database { op: "connect", .. }));
         assert!(error_chain(&missing).contains("password"), "{missing:?}");
     }
@@ -495,8 +508,10 @@ fn an_unreachable_server_and_required_tls_are_connect_errors_as_before() {
         format!("host=/nonexistent-dir port={port} user=u dbname=db"),
     ] {
         let connector = crate::engine::postgres::Connector::parse(&url).unwrap();
-        let ours = connector.conn().err().expect("nothing listens");
-        let theirs = connector.connect().err().expect("nothing listens");
+        let ours = connector.conn().expect_err("nothing listens");
+        let Err(theirs) = connector.connect() else {
+            panic!("nothing listens")
+        };
         for e in [&ours, &theirs] {
             assert!(
                 matches!(e, Error::Database { op: "connect", .. }),
@@ -511,7 +526,7 @@ fn an_unreachable_server_and_required_tls_are_connect_errors_as_before() {
     // A live server: TLS still cannot be had, and no session is opened.
     let url = format!("{}?sslmode=require", server.url("postgres"));
     let connector = crate::engine::postgres::Connector::parse(&url).unwrap();
-    let ours = connector.conn().err().expect("no TLS");
+    let ours = connector.conn().expect_err("no TLS");
     assert!(matches!(ours, Error::Database { op: "connect", .. }));
     assert!(error_chain(&ours).contains("TLS"), "{}", error_chain(&ours));
     assert!(connector.connect().is_err(), "nor with the postgres client");
