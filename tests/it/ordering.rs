@@ -7,9 +7,13 @@
 //! (`name::file`, `name::postgres`). File-only here: the `#[test]` loads a
 //! seed-format state file.
 
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
 
-use durable_outbox::{ItemState, Ordering, Outcome, SendError};
+#[cfg(feature = "test-failpoints")]
+use durable_outbox::FailAction;
+use durable_outbox::{ItemState, Ordering, Outbox, OutboxBuilder, Outcome, SendError};
 
 use crate::engines::on_both_engines;
 use crate::harness::{Harness, builder, msg, secs, uncapped};
@@ -319,4 +323,123 @@ on_both_engines! {
             .unwrap();
         assert_eq!(*sent.lock().unwrap(), ["m2", "u2"], "u2 passes the deferred u1");
     }
+}
+
+on_both_engines! {
+    /// Enqueues racing on one destination against two claiming handles:
+    /// every claim sends the oldest queued item of the chat, so the sends
+    /// start in enqueue-sequence order, each item once. In each of 24 rounds
+    /// four handles enqueue one message each at once (two of them slow
+    /// between taking their place in line and committing), and the round
+    /// ends once the claims sent all four, so the line is empty while a slow
+    /// enqueue is still under way. On PostgreSQL enqueues of a destination
+    /// run side by side (its lock taken shared) and a claim takes it
+    /// exclusive: a claim that read the line while a smaller sequence was
+    /// still uncommitted would send a later item first, and the earlier one
+    /// after it.
+    fn racing_enqueues_never_let_a_claim_send_a_later_item_first(engine) {
+        const ENQUEUERS: usize = 4;
+        const ROUNDS: usize = 24;
+        const TOTAL: usize = ENQUEUERS * ROUNDS;
+        let enqueuers: Vec<Outbox> = (0..ENQUEUERS)
+            .map(|i| engine.open_with(|b| slow_enqueues(uncapped(b), i % 2 == 0)))
+            .collect();
+        let claimers = [engine.open_with(uncapped), engine.open_with(uncapped)];
+        // Enqueued keys by their place in line, once their enqueue returned.
+        let announced: Mutex<BTreeMap<u64, String>> = Mutex::default();
+        // Each send's place in line, in the order the sends started.
+        let sent: Mutex<Vec<(u64, String)>> = Mutex::default();
+        let round = Barrier::new(ENQUEUERS);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let watchdog = || {
+            assert!(
+                Instant::now() < deadline,
+                "watchdog: per-destination order under racing enqueues: the claims did not \
+                 send every item in time"
+            );
+        };
+        std::thread::scope(|scope| {
+            for (i, outbox) in enqueuers.iter().enumerate() {
+                let (announced, sent, round) = (&announced, &sent, &round);
+                scope.spawn(move || {
+                    for r in 0..ROUNDS {
+                        round.wait();
+                        let key = format!("e{i}-{r:03}");
+                        let item = outbox.enqueue(msg(&key, "chat-1")).unwrap();
+                        let seq = item.enqueue_seq().expect("an enqueue takes a place in line");
+                        announced.lock().unwrap().insert(seq, key);
+                        while sent.lock().unwrap().len() < (r + 1) * ENQUEUERS {
+                            watchdog();
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                });
+            }
+            for outbox in &claimers {
+                let (announced, sent) = (&announced, &sent);
+                scope.spawn(move || {
+                    while sent.lock().unwrap().len() < TOTAL {
+                        watchdog();
+                        let queued: Vec<String> = {
+                            let done: HashSet<String> =
+                                sent.lock().unwrap().iter().map(|(_, k)| k.clone()).collect();
+                            announced
+                                .lock()
+                                .unwrap()
+                                .values()
+                                .filter(|key| !done.contains(*key))
+                                .cloned()
+                                .collect()
+                        };
+                        // Oldest announced first; the first one that is not
+                        // the chat's head (or is another handle's send in
+                        // flight) ends this pass.
+                        for key in queued {
+                            let receipt = outbox
+                                .process(&key, |item| {
+                                    let seq = item.enqueue_seq().expect("a place in line");
+                                    sent.lock()
+                                        .unwrap()
+                                        .push((seq, item.idempotency_key().to_owned()));
+                                    Ok(None)
+                                })
+                                .unwrap();
+                            match receipt.outcome {
+                                Outcome::Sent => {}
+                                Outcome::Waiting | Outcome::InFlight => break,
+                                other => panic!("{key}: {other:?}"),
+                            }
+                        }
+                        std::thread::yield_now();
+                    }
+                });
+            }
+        });
+        let sent = sent.into_inner().unwrap();
+        let keys: HashSet<&String> = sent.iter().map(|(_, key)| key).collect();
+        assert_eq!(keys.len(), TOTAL, "every item sent, each once: {sent:?}");
+        for pair in sent.windows(2) {
+            assert!(
+                pair[0].0 < pair[1].0,
+                "a claim sent {} (place {}) before {} (place {}): it passed an enqueue that took \
+                 its place in line first and committed later",
+                pair[0].1,
+                pair[0].0,
+                pair[1].1,
+                pair[1].0
+            );
+        }
+    }
+}
+
+/// `b`, with each enqueue held 15 ms between taking its place
+/// in line and committing when `slow` (PostgreSQL, feature
+/// `test-failpoints`; without it enqueues race at their own pace).
+fn slow_enqueues(b: OutboxBuilder, slow: bool) -> OutboxBuilder {
+    #[cfg(feature = "test-failpoints")]
+    if slow {
+        return b.failpoint("postgres.enqueue_seq_taken", FailAction::DelayMs(15));
+    }
+    let _ = slow;
+    b
 }

@@ -549,10 +549,12 @@ fn a_destination_s_send_times_stay_paired_with_their_items_in_one_transaction() 
     );
 }
 
-/// An enqueue's place in line is taken under its destination's lock, held
-/// until the transaction ends (`txn::next_seq`: the lock and `nextval` are
-/// one statement): a decision that reads the line never passes over a
-/// sequence taken but not yet committed.
+/// An enqueue's place in line is taken under its destination's lock held
+/// *shared* until the transaction ends (`txn::next_seq`: the lock and
+/// `nextval` are one statement): other enqueues of the destination take
+/// theirs meanwhile, and a decision that reads the line (which takes the lock
+/// exclusive, as a claim's `head_of` does here) waits, so it never passes
+/// over a sequence taken but not yet committed.
 #[test]
 fn an_enqueue_sequence_is_taken_under_its_destination_s_lock() {
     let Some(server) = PgServer::shared() else {
@@ -565,25 +567,48 @@ fn an_enqueue_sequence_is_taken_under_its_destination_s_lock() {
         .connect()
         .unwrap();
     let destination_lock = super::lock_key(DEFAULT_SCHEMA, "dest:chat-1");
-    let free = |client: &mut postgres::Client| -> bool {
-        client
-            .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&destination_lock])
-            .unwrap()
-            .get(0)
+    // Whether another session could take the lock in each mode (taken in a
+    // transaction rolled back at once).
+    let mut free = |shared: bool| -> bool {
+        let sql = if shared {
+            "SELECT pg_try_advisory_xact_lock_shared($1)"
+        } else {
+            "SELECT pg_try_advisory_xact_lock($1)"
+        };
+        let mut tx = other.transaction().unwrap();
+        let free = tx.query_one(sql, &[&destination_lock]).unwrap().get(0);
+        tx.rollback().unwrap();
+        free
     };
     let seqs = engine
         .transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
             let first = txn.next_seq("chat-1")?;
             assert!(
-                !free(&mut other),
-                "the destination's lock is held once a sequence is taken"
+                !free(false),
+                "a decision about the destination waits once a sequence is taken"
+            );
+            assert!(
+                free(true),
+                "another enqueue of the destination takes its sequence meanwhile"
             );
             let second = txn.next_seq("chat-1")?;
             Ok((first, second))
         })
         .unwrap();
     assert!(seqs.1 > seqs.0, "each call takes a new sequence: {seqs:?}");
-    assert!(free(&mut other), "the lock ends with the transaction");
+    assert!(free(false), "the lock ends with the transaction");
+    engine
+        .transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
+            txn.head_of("chat-1")?;
+            assert!(
+                !free(true),
+                "no enqueue takes a sequence while a decision reads the line"
+            );
+            // Held exclusive already: a sequence taken now needs no more.
+            txn.next_seq("chat-1")
+        })
+        .unwrap();
+    assert!(free(false), "the lock ends with the transaction");
 }
 
 /// Two hosts enqueue one message: the second's opening statement waits for

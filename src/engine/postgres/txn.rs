@@ -14,12 +14,19 @@
 //! 2. **The item**: its row `FOR UPDATE` on first touch; for a key with no row
 //!    yet (an enqueue), first a transaction advisory lock on the key, so two
 //!    enqueues of one key run one after the other and the second sees the first.
-//! 3. **The destination** (`pg_advisory_xact_lock` on `dest:<destination>`,
-//!    one-item transactions only) before its line is read ([`PgTxn::head_of`]),
-//!    an enqueue sequence is taken for it ([`PgTxn::next_seq`]) or its send
-//!    times and cooldown are read: a sequence taken but not yet committed is
-//!    never passed over by a decision that reads the line, and the
-//!    destination's cap holds across hosts.
+//! 3. **The destination** (an advisory lock on `dest:<destination>`,
+//!    one-item transactions only), in one of two modes ([`DestLock`]):
+//!    *shared* to take an enqueue sequence for it ([`PgTxn::next_seq`]: an
+//!    enqueue, a requeue), *exclusive* before its line is read
+//!    ([`PgTxn::head_of`]) or its send times and cooldown are read (a
+//!    claim's decision, a pace learned at a finish). Enqueues of one
+//!    destination run side by side; a decision that reads the line waits
+//!    until every sequence taken for it has committed or rolled back, and
+//!    a sequence taken after it is larger than every one it read, so it never
+//!    passes over a sequence taken but not yet committed; decisions run one
+//!    at a time per destination, so its cap holds across hosts. (Why the
+//!    shared mode is enough for what an enqueue writes: ARCHITECTURE.md,
+//!    "the destination's lock".)
 //! 4. **The caps lock** (`caps`, exclusive), before the send times of every
 //!    destination are read (a global cap).
 //! 5. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
@@ -94,8 +101,8 @@ pub(crate) struct PgTxn<'e, 'c> {
     now: DateTime<Utc>,
     settings: Settings,
     caps_locked: bool,
-    /// Destinations this transaction holds the lock of.
-    destinations: HashSet<String>,
+    /// Destinations this transaction holds the lock of, and in which mode.
+    destinations: HashMap<String, DestLock>,
     /// Keys this transaction holds the enqueue lock of.
     key_locked: HashSet<String>,
     /// Keys whose row this transaction locked (`FOR UPDATE`), or whose absent
@@ -115,6 +122,28 @@ pub(crate) struct PgTxn<'e, 'c> {
 /// item of a one-item transaction changes. A larger cap's answer is read
 /// whole on the server (`Line::nth`).
 const LINE_NEWEST: i64 = 3;
+
+/// How a one-item transaction holds its destination's lock (see the module
+/// docs, lock 3). Ordered: an exclusive hold covers what a shared one does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum DestLock {
+    /// Taken to hand out an enqueue sequence: other enqueues of the
+    /// destination go on, decisions about it wait.
+    Shared,
+    /// Taken to read the line, send times or cooldown and decide by them:
+    /// alone on the destination.
+    Exclusive,
+}
+
+impl DestLock {
+    /// The statement taking the lock in this mode (parameter: its key).
+    fn sql(self) -> &'static str {
+        match self {
+            Self::Shared => "SELECT pg_advisory_xact_lock_shared($1)",
+            Self::Exclusive => "SELECT pg_advisory_xact_lock($1)",
+        }
+    }
+}
 
 /// What a one-item transaction read about a destination under its lock.
 struct Line {
@@ -196,7 +225,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             now,
             settings: defaults.with_stored(&opened.stored),
             caps_locked: false,
-            destinations: HashSet::new(),
+            destinations: HashMap::new(),
             key_locked: HashSet::new(),
             locked: HashSet::new(),
             lines: HashMap::new(),
@@ -254,46 +283,67 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             .map_err(db("read an item"))
     }
 
-    /// Takes `destination`'s lock once (one-item transactions; a transaction
-    /// of [`Scope::Any`] runs alone among writers and needs none).
+    /// Whether this transaction must still take `destination`'s lock in
+    /// `mode`: a one-item transaction that holds it in no mode, or only in a
+    /// weaker one (a transaction of [`Scope::Any`] runs alone among writers
+    /// and needs none).
+    ///
+    /// A shared hold made exclusive waits for the other shared holders, and
+    /// two transactions doing that at once deadlock (the server aborts one,
+    /// and `transact` runs it again). No rule does it: an enqueue and a
+    /// requeue take a sequence and read no line; a decision reads the line
+    /// and takes no sequence.
+    fn needs_destination_lock(&self, destination: &str, mode: DestLock) -> bool {
+        self.one_item
+            && self
+                .destinations
+                .get(destination)
+                .is_none_or(|held| *held < mode)
+    }
+
+    /// Takes `destination`'s lock exclusive once (one-item transactions; see
+    /// [`needs_destination_lock`](Self::needs_destination_lock)).
     fn lock_destination(&mut self, destination: &str) -> Result<()> {
-        if self.one_item && !self.destinations.contains(destination) {
+        if self.needs_destination_lock(destination, DestLock::Exclusive) {
             self.tx
                 .execute(
-                    "SELECT pg_advisory_xact_lock($1)",
+                    DestLock::Exclusive.sql(),
                     &[&lock_key(
                         &self.engine.schema,
                         &format!("dest:{destination}"),
                     )],
                 )
                 .map_err(db("lock a destination"))?;
-            self.destinations.insert(destination.to_owned());
+            self.destinations
+                .insert(destination.to_owned(), DestLock::Exclusive);
         }
         Ok(())
     }
 
     /// Runs `steps` in one round trip, after taking `destination`'s lock
-    /// if this one-item transaction does not hold it yet (a statement of its
-    /// own, in front: the steps' snapshots are taken once it is granted).
+    /// exclusive if this one-item transaction does not hold it so yet (a
+    /// statement of its own, in front: the steps' snapshots are taken once
+    /// it is granted).
     fn after_destination_lock(
         &mut self,
         destination: &str,
         steps: &[(Step<'_>, &'static str)],
     ) -> Result<Vec<Done>> {
-        let lock = self.one_item && !self.destinations.contains(destination);
+        let lock = self.needs_destination_lock(destination, DestLock::Exclusive);
         let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
         let params: [&(dyn postgres::types::ToSql + Sync); 1] = [&key];
         let mut all: Vec<(Step<'_>, &'static str)> = Vec::with_capacity(steps.len() + 1);
         if lock {
             all.push((
-                Step::Execute("SELECT pg_advisory_xact_lock($1)", &params),
+                Step::Execute(DestLock::Exclusive.sql(), &params),
                 "lock a destination",
             ));
         }
         all.extend_from_slice(steps);
         let mut done = run_named(&mut self.tx, &all)?;
         if lock {
-            self.destinations.insert(destination.to_owned());
+            self.destinations
+                .insert(destination.to_owned(), DestLock::Exclusive);
             done.remove(0);
         }
         Ok(done)
@@ -478,15 +528,17 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// The next enqueue sequence, from the schema's sequence: one order for
-    /// every host. Taken under `destination`'s lock, held until this
-    /// transaction ends: no decision reads the line while a smaller sequence
-    /// may still appear in it.
+    /// every host. Taken under `destination`'s lock held *shared* (or
+    /// exclusive, if this transaction holds it so already) until this
+    /// transaction ends: enqueues of the destination take sequences side by
+    /// side, and no decision reads the line (it needs the lock exclusive)
+    /// while a smaller sequence may still appear in it.
     ///
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn next_seq(&mut self, destination: &str) -> Result<u64> {
         let s = &self.engine.s;
-        let lock = self.one_item && !self.destinations.contains(destination);
+        let lock = self.needs_destination_lock(destination, DestLock::Shared);
         let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
         // With the lock, one statement: the sequence is taken in its
         // projection, so after the lock in its `FROM` was granted (the
@@ -494,7 +546,8 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         let row = if lock {
             self.tx.query_one(
                 &format!(
-                    "SELECT nextval('{s}.enqueue_seq') FROM (SELECT pg_advisory_xact_lock($1)) l"
+                    "SELECT nextval('{s}.enqueue_seq') \
+                     FROM (SELECT pg_advisory_xact_lock_shared($1)) l"
                 ),
                 &[&key],
             )
@@ -504,8 +557,15 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         }
         .map_err(db("take an enqueue sequence"))?;
         if lock {
-            self.destinations.insert(destination.to_owned());
+            self.destinations
+                .insert(destination.to_owned(), DestLock::Shared);
         }
+        // A test's stand-in for a slow enqueue: the sequence is taken and
+        // its commit still to come.
+        self.engine
+            .faults
+            .check("postgres.enqueue_seq_taken")
+            .map_err(|e| Error::io(self.engine.place(), "take an enqueue sequence", e))?;
         let seq: i64 = row.get(0);
         Ok(u64::try_from(seq).unwrap_or(0))
     }
