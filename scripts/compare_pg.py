@@ -82,14 +82,14 @@ END;
 # - each transaction opens with the writers' gate, the item key's lock, the
 #   stored settings and the owner probe in one statement, then the item's row
 #   `FOR UPDATE` (`transact.rs`, `open_txn`);
-# - enqueue: the destination's lock with `nextval` (`txn.rs`, `next_seq`),
+# - enqueue: the destination's lock, shared, with `nextval` (`txn.rs`, `next_seq`),
 #   the row's insert carrying its pending audit event (`rows.rs`), `COMMIT`;
 # - the wake-up, once every `notify_one_in` items (ours' coalesced `NOTIFY`s
 #   in the same round, from `pg_stat_statements`, as for sealing): ours sends
 #   it from a connection of its own with asynchronous commits (`notify.rs`),
 #   here one statement after the enqueue on the same connection, committed
 #   asynchronously as ours' session does;
-# - claim: the destination's lock, its line (head, the three newest send
+# - claim: the destination's lock, exclusive, its line (head, the three newest send
 #   times, the cap's count-th newest found on the server (W2's cap is
 #   u32::MAX per minute), cooldown: `txn.rs`, `read_line`), the row's update
 #   with its send times, `COMMIT`;
@@ -112,7 +112,7 @@ OUR_SQL = r"""\set k random(1, 9000000000000000000)
 BEGIN;
 SELECT (SELECT doc FROM {s}.settings WHERE id = 1), pg_try_advisory_xact_lock_shared(:owner) FROM (SELECT pg_advisory_xact_lock_shared(:gate), pg_advisory_xact_lock(:k)) gate;
 SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key = 'key-' || :k FOR UPDATE;
-SELECT nextval('{s}.enqueue_seq') AS seq FROM (SELECT pg_advisory_xact_lock(-1 - :d)) l \gset
+SELECT nextval('{s}.enqueue_seq') AS seq FROM (SELECT pg_advisory_xact_lock_shared(-1 - :d)) l \gset
 WITH pended AS (INSERT INTO {s}.audit_pending (event) SELECT doc FROM unnest(ARRAY['{{"key":"key-' || :k || '","outcome":"queued","pad":"' || repeat('x', {event_pad}) || '"}}']::text[]) WITH ORDINALITY AS t(doc, n) ORDER BY n) INSERT INTO {s}.items (idempotency_key, revision, destination, state, claimed, claim_owner, next_attempt_at, transport_ref, doc, seq, created_at, updated_at) VALUES ('key-' || :k, 1, 'chat-' || :d, 'queued', false, NULL, NULL, NULL, '{{"key":"key-' || :k || '","state":"queued","pad":"' || repeat('x', {doc_pad}) || '"}}', COALESCE(:seq, nextval('{s}.enqueue_seq')), now(), now());
 COMMIT;
 \if :wake = 1

@@ -28,6 +28,17 @@ server's and pgbench's CPU per item (medians):
   primary key, `enqueue_order`'s and the queued line's; removed with `DROP`
   on the schema the bench created).
 
+- `all on, shared enqueue lock`: `all on` with the enqueue's destination
+  lock taken shared (`pg_advisory_xact_lock_shared`), as the engine takes
+  it since the eighth pass (the claim's stays exclusive); and `only
+  +destlock, shared enqueue lock` likewise beside `only +destlock`.
+
+`--destinations D` (default 50, W2's) spreads the items over D
+destinations: with few of them the enqueues and claims of 8 clients meet on
+the destinations' locks, which is what the shared mode changes. `--only
+NAME,...` runs only the named lines (the floor and the skeleton included
+only when named).
+
 The schema each script runs on is created by the bench (`BENCH`, default
 `target/release/examples/bench`, built with `--features postgres`) with one
 item, so the tables are the engine's. The SQL is frozen here: a later
@@ -92,7 +103,7 @@ COMMIT;
 """
 
 SKELETON = r"""\set k random(1, 9000000000000000000)
-\set d random(0, 49)
+\set d random(0, :destinations - 1)
 \startpipeline
 BEGIN;
 INSERT INTO sk VALUES ('key-' || :k, 'chat-' || :d, 'queued', :k, repeat('x', 800));
@@ -154,11 +165,18 @@ def without(feature, sql):
 FEATURES = ["gate", "audit", "rate", "head", "destlock", "indexes"]
 
 
-def variant(on):
+def variant(on, shared_enqueue_lock=False):
     sql = BASE_SQL
     for feature in FEATURES:
         if feature not in on:
             sql = without(feature, sql)
+    if shared_enqueue_lock:
+        # The enqueue's lock is the first; the claim's, the second, stays.
+        lock = "SELECT pg_advisory_xact_lock(-1 - :d);"
+        if sql.count(lock) != 2:
+            sys.exit("the enqueue's and the claim's destination locks were not found: "
+                     "the script is out of date")
+        sql = sql.replace(lock, "SELECT pg_advisory_xact_lock_shared(-1 - :d);", 1)
     return sql, "indexes" not in on
 
 
@@ -166,11 +184,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--destinations", type=int, default=50)
+    ap.add_argument("--only", default="", help="comma-separated line names to run")
     args = ap.parse_args()
     bench = os.environ.get("BENCH", cp.BENCH)
     variants = {"floor": None, "skeleton": None, "all off": variant(set())}
     variants.update({f"only +{f}": variant({f}) for f in FEATURES})
+    variants["only +destlock, shared enqueue lock"] = variant({"destlock"}, True)
     variants["all on"] = variant(set(FEATURES))
+    variants["all on, shared enqueue lock"] = variant(set(FEATURES), True)
+    if args.only:
+        names = [name.strip() for name in args.only.split(",")]
+        unknown = [name for name in names if name not in variants]
+        if unknown:
+            sys.exit(f"unknown lines {unknown}; known: {list(variants)}")
+        variants = {name: variants[name] for name in names}
     server = cp.Server("/tmp")
     results = {}
     try:
@@ -191,7 +219,8 @@ def main():
                     sql, drop_indexes = spec
                     schema = f"b{count}"
                     subprocess.run([bench, "--workload", "w2", "--threads", "1", "--n", "1",
-                                    "--destinations", "50", "--postgres", server.url(),
+                                    "--destinations", str(args.destinations),
+                                    "--postgres", server.url(),
                                     "--schema", schema], check=True, capture_output=True)
                     if drop_indexes:
                         server.psql("bench", f"""DO $$ DECLARE i text; BEGIN
@@ -208,14 +237,16 @@ def main():
                 server.psql("bench", "CHECKPOINT")
                 _, tps, server_s, client_s = server.pgbench(
                     "-M", mode, "-c", "8", "-j", "2", "-t", str(args.n // 8),
-                    "-D", "destinations=50", "-D", "seal_one_in=10", "-f", path)
+                    "-D", f"destinations={args.destinations}", "-D", "seal_one_in=10",
+                    "-f", path)
                 row = (tps, 1000 * server_s / args.n, 1000 * client_s / args.n)
                 results.setdefault(name, []).append(row)
                 print(name, ["%.2f" % x for x in row], file=sys.stderr, flush=True)
     finally:
         server.stop()
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
-          f"N = {args.n}, 8 clients, medians of {args.repeats}\n")
+          f"N = {args.n}, 8 clients, {args.destinations} destinations, "
+          f"medians of {args.repeats}\n")
     print("| script | items/s | server CPU ms/item | pgbench CPU ms/item |")
     print("|---|---:|---:|---:|")
     for name, rows in results.items():
