@@ -28,15 +28,27 @@ server's and pgbench's CPU per item (medians):
   primary key, `enqueue_order`'s and the queued line's; removed with `DROP`
   on the schema the bench created).
 
-- `all on, shared enqueue lock`: `all on` with the enqueue's destination
+- `all on (enqueue lock shared)`: `all on` with the enqueue's destination
   lock taken shared (`pg_advisory_xact_lock_shared`), as the engine takes
   it since the eighth pass (the claim's stays exclusive); and `only
-  +destlock, shared enqueue lock` likewise beside `only +destlock`.
+  +destlock (enqueue lock shared)` likewise beside `only +destlock`.
+
+- `all on (enqueue lock shared, three round trips)`: the same with the
+  enqueue and the claim in three round trips each, as the engine sends them
+  (the destination's lock, with the sequence or the line read, a round trip
+  after the item's row; BASE_SQL sends each in two): against the line
+  above, what taking the destination's lock in the opening round trip would
+  save a client that sends one `Sync` per round trip.
+- `all on (enqueue lock shared, finish's time in place)`: the same with the
+  finish's send-time write (`DELETE` the claim's row, `INSERT` the send's
+  `ON CONFLICT DO NOTHING`) replaced by one `UPDATE` of the row in place:
+  what that would save at most (see README, "The finish's send-time
+  write").
 
 `--destinations D` (default 50, W2's) spreads the items over D
 destinations: with few of them the enqueues and claims of 8 clients meet on
 the destinations' locks, which is what the shared mode changes. `--only
-NAME,...` runs only the named lines (the floor and the skeleton included
+NAME;...` runs only the named lines (the floor and the skeleton included
 only when named).
 
 The schema each script runs on is created by the bench (`BENCH`, default
@@ -140,6 +152,9 @@ RATE = ("WITH gone AS (DELETE FROM {s}.rate_times WHERE idempotency_key = 'key-'
         "{s}.rate_times (idempotency_key, destination, at) SELECT 'key-' || :k, 'chat-' || :d, t "
         "FROM unnest(ARRAY[now()]) AS t ON CONFLICT DO NOTHING)")
 
+MOVED = ("WITH moved AS (UPDATE {s}.rate_times SET at = now() WHERE idempotency_key = 'key-' || :k "
+         "AND destination = 'chat-' || :d)")
+
 
 def without(feature, sql):
     """BASE_SQL (or what is left of it) without `feature`."""
@@ -165,11 +180,23 @@ def without(feature, sql):
 FEATURES = ["gate", "audit", "rate", "head", "destlock", "indexes"]
 
 
-def variant(on, shared_enqueue_lock=False):
+def variant(on, shared_enqueue_lock=False, three_round_trips=False, times_in_place=False):
     sql = BASE_SQL
     for feature in FEATURES:
         if feature not in on:
             sql = without(feature, sql)
+    if three_round_trips:
+        # The engine's shape: the destination's lock (with the enqueue's
+        # sequence, or the claim's line read) a round trip after the row's.
+        lock = "SELECT pg_advisory_xact_lock(-1 - :d);\n"
+        if sql.count(lock) != 2:
+            sys.exit("the destination locks were not found: the script is out of date")
+        sql = sql.replace(lock, "\\endpipeline\n\\startpipeline\n" + lock)
+    if times_in_place:
+        # The finish's send time written over the claim's, in place.
+        if sql.count(RATE + ", pended") != 1:
+            sys.exit("the finish's send-time write was not found: the script is out of date")
+        sql = sql.replace(RATE + ", pended", MOVED + ", pended")
     if shared_enqueue_lock:
         # The enqueue's lock is the first; the claim's, the second, stays.
         lock = "SELECT pg_advisory_xact_lock(-1 - :d);"
@@ -185,16 +212,20 @@ def main():
     ap.add_argument("--n", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--destinations", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated line names to run")
+    ap.add_argument("--only", default="", help="line names to run, separated by ;")
     args = ap.parse_args()
     bench = os.environ.get("BENCH", cp.BENCH)
     variants = {"floor": None, "skeleton": None, "all off": variant(set())}
     variants.update({f"only +{f}": variant({f}) for f in FEATURES})
-    variants["only +destlock, shared enqueue lock"] = variant({"destlock"}, True)
+    variants["only +destlock (enqueue lock shared)"] = variant({"destlock"}, True)
     variants["all on"] = variant(set(FEATURES))
-    variants["all on, shared enqueue lock"] = variant(set(FEATURES), True)
+    variants["all on (enqueue lock shared)"] = variant(set(FEATURES), True)
+    variants["all on (enqueue lock shared, three round trips)"] = variant(
+        set(FEATURES), True, True)
+    variants["all on (enqueue lock shared, finish's time in place)"] = variant(
+        set(FEATURES), True, False, True)
     if args.only:
-        names = [name.strip() for name in args.only.split(",")]
+        names = [name.strip() for name in args.only.split(";")]
         unknown = [name for name in names if name not in variants]
         if unknown:
             sys.exit(f"unknown lines {unknown}; known: {list(variants)}")

@@ -308,8 +308,9 @@ impl Outbox {
         message.validate()?;
         let hash = content_hash(&message.content);
         let key = message.idempotency_key.clone();
-        let item =
-            self.transact_one(&key, |_, txn| enqueue::insert_message(txn, &message, &hash))?;
+        let item = self.transact_in(Scope::Enqueue(&key, &message.destination), |_, txn| {
+            enqueue::insert_message(txn, &message, &hash)
+        })?;
         span.record("outcome", item.state.as_str());
         self.inner.wakers.wake();
         Ok(item)

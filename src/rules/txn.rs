@@ -55,8 +55,23 @@ pub(crate) enum Scope<'k> {
     /// for change; it may read that item's destination line, times and
     /// cooldown.
     OneItem(&'k str),
+    /// A [`Scope::OneItem`] transaction about the key (the first) that will
+    /// take a place in the line of the destination (the second): an enqueue.
+    /// An engine may take that place in the transaction's opening, before
+    /// the rule asks for it ([`Txn::next_seq`]).
+    Enqueue(&'k str, &'k str),
     /// Anything: a drain step, `enqueue_many`, a bulk action.
     Any,
+}
+
+impl<'k> Scope<'k> {
+    /// The one item's key of a one-item transaction (`None`: [`Scope::Any`]).
+    pub(crate) fn item_key(self) -> Option<&'k str> {
+        match self {
+            Self::OneItem(key) | Self::Enqueue(key, _) => Some(key),
+            Self::Any => None,
+        }
+    }
 }
 
 /// One read-modify-write of the outbox, as the delivery rules see it.

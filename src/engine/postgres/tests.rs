@@ -597,6 +597,29 @@ fn an_enqueue_sequence_is_taken_under_its_destination_s_lock() {
         .unwrap();
     assert!(seqs.1 > seqs.0, "each call takes a new sequence: {seqs:?}");
     assert!(free(false), "the lock ends with the transaction");
+    // An enqueue takes its place when the transaction opens, under the same
+    // lock, and hands it out to the rule's first `next_seq`.
+    let opened = engine
+        .transact(
+            Utc::now(),
+            &defaults(),
+            Scope::Enqueue("k", "chat-1"),
+            |txn| {
+                assert!(
+                    !free(false) && free(true),
+                    "an enqueue holds its destination's lock shared from its opening on"
+                );
+                let first = txn.next_seq("chat-1")?;
+                let second = txn.next_seq("chat-1")?;
+                Ok((first, second))
+            },
+        )
+        .unwrap();
+    assert!(
+        opened.0 > seqs.1 && opened.1 > opened.0,
+        "places taken at the opening and after it are new and in order: {seqs:?} {opened:?}"
+    );
+    assert!(free(false), "the lock ends with the transaction");
     engine
         .transact(Utc::now(), &defaults(), Scope::OneItem("k"), |txn| {
             txn.head_of("chat-1")?;

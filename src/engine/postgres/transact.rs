@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use chrono::{DateTime, Utc};
+use postgres::types::ToSql;
 
 use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
@@ -21,6 +22,9 @@ pub(crate) struct Opened {
     pub(crate) row: Option<Row>,
     /// Whether this handle's owner lock is held.
     pub(crate) owner_held: bool,
+    /// For an enqueue ([`txn::Scope::Enqueue`]): its destination, and the
+    /// place in its line taken under the destination's lock (shared).
+    pub(crate) seq: Option<(String, i64)>,
 }
 
 /// Runs `steps` as one pipeline in `tx`; the first error is named by its
@@ -43,7 +47,9 @@ impl PgEngine {
     /// transaction, exclusive for every other writer.
     pub(super) fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<()> {
         let sql = match scope {
-            txn::Scope::OneItem(_) => "SELECT pg_advisory_xact_lock_shared($1)",
+            txn::Scope::OneItem(_) | txn::Scope::Enqueue(..) => {
+                "SELECT pg_advisory_xact_lock_shared($1)"
+            }
             txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
         };
         tx.execute(sql, &[&lock_key(&self.schema, "writers")])
@@ -66,16 +72,24 @@ impl PgEngine {
     /// 2. for a one-item transaction, read the item's row `FOR UPDATE`: a
     ///    statement of its own, so its snapshot is taken once the gate and
     ///    the key's lock were granted (a row an enqueue of the key committed
-    ///    meanwhile is seen).
+    ///    meanwhile is seen);
+    /// 3. for an enqueue, take the destination's lock shared and a place in
+    ///    its line, as `PgTxn::next_seq` would, one round trip earlier (in
+    ///    the lock order: after the item's row). An enqueue that finds its
+    ///    key taken leaves the place unused, a gap the line skips.
     ///
     /// Returns the stored settings, the item's row (one-item transactions),
-    /// and whether the owner lock is held.
+    /// whether the owner lock is held and the enqueue's place in line.
     pub(crate) fn open_txn(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<Opened> {
         let s = &self.s;
         let gate = lock_key(&self.schema, "writers");
         let owner = lock_key(&self.schema, &self.owner);
-        let results = match scope {
-            txn::Scope::OneItem(key) => {
+        let enqueue_to = match scope {
+            txn::Scope::Enqueue(_, destination) => Some(destination),
+            txn::Scope::OneItem(_) | txn::Scope::Any => None,
+        };
+        let results = match scope.item_key() {
+            Some(key) => {
                 let key_lock = lock_key(&self.schema, &format!("key:{key}"));
                 let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
@@ -83,12 +97,23 @@ impl PgEngine {
                      FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate"
                 );
                 let row_sql = txn::select_for_update_sql(s);
-                tx.pipeline(&[
-                    Step::QueryOne(&gate_sql, &[&gate, &key_lock, &owner]),
-                    Step::QueryOpt(&row_sql, &[&key]),
-                ])
+                let dest_lock = enqueue_to
+                    .map(|destination| lock_key(&self.schema, &format!("dest:{destination}")));
+                let seq_sql = txn::next_seq_sql(s, true);
+                let gate_params: [&(dyn ToSql + Sync); 3] = [&gate, &key_lock, &owner];
+                let row_params: [&(dyn ToSql + Sync); 1] = [&key];
+                let mut steps = vec![
+                    Step::QueryOne(&gate_sql, &gate_params),
+                    Step::QueryOpt(&row_sql, &row_params),
+                ];
+                let seq_params: Vec<&(dyn ToSql + Sync)> =
+                    dest_lock.iter().map(|l| l as &(dyn ToSql + Sync)).collect();
+                if dest_lock.is_some() {
+                    steps.push(Step::QueryOne(&seq_sql, &seq_params));
+                }
+                tx.pipeline(&steps)
             }
-            txn::Scope::Any => {
+            None => {
                 let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
                        pg_try_advisory_xact_lock_shared($2)
@@ -109,10 +134,23 @@ impl PgEngine {
         let stored = self.stored_of(gate_row.get(0))?;
         let owner_free: bool = gate_row.get(1);
         let row = results.next().and_then(|mut done| done.rows.pop());
+        let seq = match enqueue_to {
+            Some(destination) => {
+                let Some(seq_row) = results.next().and_then(|mut done| done.rows.pop()) else {
+                    return Err(Error::Database {
+                        op: "take an enqueue sequence",
+                        source: "the sequence's statement returned no row".into(),
+                    });
+                };
+                Some((destination.to_owned(), seq_row.get(0)))
+            }
+            None => None,
+        };
         Ok(Opened {
             stored,
             row,
             owner_held: !owner_free,
+            seq,
         })
     }
 

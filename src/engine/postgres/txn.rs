@@ -83,6 +83,20 @@ pub(crate) fn select_for_update_sql(s: &str) -> String {
     )
 }
 
+/// Takes the next enqueue sequence (`nextval` in the projection), with
+/// `locked` after the destination's lock, shared, in its `FROM` (parameter:
+/// the lock's key), so the sequence is taken once the lock is granted (a
+/// sequence does not depend on the statement's snapshot).
+pub(crate) fn next_seq_sql(s: &str, locked: bool) -> String {
+    if locked {
+        format!(
+            "SELECT nextval('{s}.enqueue_seq') FROM (SELECT pg_advisory_xact_lock_shared($1)) l"
+        )
+    } else {
+        format!("SELECT nextval('{s}.enqueue_seq')")
+    }
+}
+
 /// A row read by this transaction: the item and its revision (`None`: absent).
 type Base = Option<(OutboxItem, u64)>;
 
@@ -109,6 +123,10 @@ pub(crate) struct PgTxn<'e, 'c> {
     /// row it holds the key's lock for: no one else can change them before
     /// it ends, so their writes cannot miss (see [`commit`](Self::commit)).
     locked: HashSet<String>,
+    /// An enqueue's place in line taken when the transaction opened (see
+    /// [`PgEngine::open_txn`]): its destination and sequence, handed out by
+    /// the first [`next_seq`](Self::next_seq) for that destination.
+    seq_taken: Option<(String, i64)>,
     /// Destinations whose newest committed send times (with their items'
     /// keys) in the cap's window, and cooldown, this transaction read under
     /// the destination's lock (one-item transactions): no other one-item
@@ -221,7 +239,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             base: HashMap::new(),
             overlay: BTreeMap::new(),
             events: Vec::new(),
-            one_item: matches!(scope, Scope::OneItem(_)),
+            one_item: scope.item_key().is_some(),
             now,
             settings: defaults.with_stored(&opened.stored),
             caps_locked: false,
@@ -229,8 +247,15 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             key_locked: HashSet::new(),
             locked: HashSet::new(),
             lines: HashMap::new(),
+            seq_taken: None,
         };
-        if let Scope::OneItem(key) = scope {
+        if let Some((destination, seq)) = opened.seq {
+            // Taken under the destination's lock, shared, held to the end.
+            txn.destinations
+                .insert(destination.clone(), DestLock::Shared);
+            txn.seq_taken = Some((destination, seq));
+        }
+        if let Some(key) = scope.item_key() {
             // The gate's statement locked the item's key, and the next one
             // read its row `FOR UPDATE`.
             txn.key_locked.insert(key.to_owned());
@@ -537,36 +562,35 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// # Errors
     /// [`Error::Database`].
     pub(crate) fn next_seq(&mut self, destination: &str) -> Result<u64> {
-        let s = &self.engine.s;
-        let lock = self.needs_destination_lock(destination, DestLock::Shared);
-        let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
-        // With the lock, one statement: the sequence is taken in its
-        // projection, so after the lock in its `FROM` was granted (the
-        // sequence does not depend on the statement's snapshot).
-        let row = if lock {
-            self.tx.query_one(
-                &format!(
-                    "SELECT nextval('{s}.enqueue_seq') \
-                     FROM (SELECT pg_advisory_xact_lock_shared($1)) l"
-                ),
-                &[&key],
-            )
-        } else {
-            self.tx
-                .query_one(&format!("SELECT nextval('{s}.enqueue_seq')"), &[])
-        }
-        .map_err(db("take an enqueue sequence"))?;
-        if lock {
-            self.destinations
-                .insert(destination.to_owned(), DestLock::Shared);
-        }
+        let seq = match self.seq_taken.take() {
+            // Taken when the transaction opened, under the same lock.
+            Some((taken_for, seq)) if taken_for == destination => seq,
+            other => {
+                self.seq_taken = other;
+                let lock = self.needs_destination_lock(destination, DestLock::Shared);
+                let key = lock_key(&self.engine.schema, &format!("dest:{destination}"));
+                // With the lock, one statement (see `next_seq_sql`).
+                let sql = next_seq_sql(&self.engine.s, lock);
+                let row = if lock {
+                    self.tx.query_one(&sql, &[&key])
+                } else {
+                    self.tx.query_one(&sql, &[])
+                }
+                .map_err(db("take an enqueue sequence"))?;
+                if lock {
+                    self.destinations
+                        .insert(destination.to_owned(), DestLock::Shared);
+                }
+                let seq: i64 = row.get(0);
+                seq
+            }
+        };
         // A test's stand-in for a slow enqueue: the sequence is taken and
         // its commit still to come.
         self.engine
             .faults
             .check("postgres.enqueue_seq_taken")
             .map_err(|e| Error::io(self.engine.place(), "take an enqueue sequence", e))?;
-        let seq: i64 = row.get(0);
         Ok(u64::try_from(seq).unwrap_or(0))
     }
 
