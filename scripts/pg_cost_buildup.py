@@ -45,6 +45,11 @@ server's and pgbench's CPU per item (medians):
   what that would save at most (see README, "The finish's send-time
   write").
 
+- `enqueues alone` and `enqueues alone (enqueue lock shared)`: the W2
+  item's enqueue transaction only (items/s are enqueues/s), with the
+  destination's lock exclusive as before the eighth pass and shared as
+  since; with `--destinations 1` every client enqueues to one destination.
+
 `--destinations D` (default 50, W2's) spreads the items over D
 destinations: with few of them the enqueues and claims of 8 clients meet on
 the destinations' locks, which is what the shared mode changes. `--only
@@ -224,6 +229,16 @@ def main():
         set(FEATURES), True, True)
     variants["all on (enqueue lock shared, finish's time in place)"] = variant(
         set(FEATURES), True, False, True)
+    # Enqueues alone (the first two pipelines of the W2 item): what the
+    # destination lock's mode changes where it binds, many clients
+    # enqueueing to few destinations (`--destinations 1`).
+    whole = variant(set(FEATURES))[0]
+    enqueue_only = whole[:whole.index("\\endpipeline\n", whole.index("\\endpipeline\n") + 1)]
+    enqueue_only += "\\endpipeline\n"
+    variants["enqueues alone"] = (enqueue_only, False)
+    variants["enqueues alone (enqueue lock shared)"] = (
+        enqueue_only.replace("SELECT pg_advisory_xact_lock(-1 - :d);",
+                             "SELECT pg_advisory_xact_lock_shared(-1 - :d);"), False)
     if args.only:
         names = [name.strip() for name in args.only.split(";")]
         unknown = [name for name in names if name not in variants]

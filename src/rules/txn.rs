@@ -66,6 +66,7 @@ pub(crate) enum Scope<'k> {
 
 impl<'k> Scope<'k> {
     /// The one item's key of a one-item transaction (`None`: [`Scope::Any`]).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn item_key(self) -> Option<&'k str> {
         match self {
             Self::OneItem(key) | Self::Enqueue(key, _) => Some(key),

@@ -88,8 +88,8 @@ impl PgEngine {
             txn::Scope::Enqueue(_, destination) => Some(destination),
             txn::Scope::OneItem(_) | txn::Scope::Any => None,
         };
-        let results = match scope.item_key() {
-            Some(key) => {
+        let results = match scope {
+            txn::Scope::OneItem(key) | txn::Scope::Enqueue(key, _) => {
                 let key_lock = lock_key(&self.schema, &format!("key:{key}"));
                 let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
@@ -113,7 +113,7 @@ impl PgEngine {
                 }
                 tx.pipeline(&steps)
             }
-            None => {
+            txn::Scope::Any => {
                 let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
                        pg_try_advisory_xact_lock_shared($2)

@@ -5,12 +5,12 @@
 //! in a cycle:
 //!
 //! 1. **The writers' gate** (`pg_advisory_xact_lock` on the schema's `writers`
-//!    key), first. A transaction about one item ([`Scope::OneItem`]: enqueue,
-//!    decide, finish, release, abandon, requeue or cancel of one key) takes it
-//!    *shared*, so any number of them run at once; every other writer (a drain
-//!    step, `enqueue_many`, a bulk action, retention and stored settings)
-//!    takes it
-//!    *exclusive* and runs alone, so it may lock many rows in any order.
+//!    key), first. A transaction about one item ([`Scope::OneItem`],
+//!    [`Scope::Enqueue`]: enqueue, decide, finish, release, abandon, requeue
+//!    or cancel of one key) takes it *shared*, so any number of them run at
+//!    once; every other writer (a drain step, `enqueue_many`, a bulk action,
+//!    retention and stored settings) takes it *exclusive* and runs alone, so
+//!    it may lock many rows in any order.
 //! 2. **The item**: its row `FOR UPDATE` on first touch; for a key with no row
 //!    yet (an enqueue), first a transaction advisory lock on the key, so two
 //!    enqueues of one key run one after the other and the second sees the first.
@@ -217,7 +217,7 @@ impl Line {
 
 impl<'e, 'c> PgTxn<'e, 'c> {
     /// Begins, in one round trip ([`PgEngine::open_txn`]): passes the
-    /// writers' gate (shared for [`Scope::OneItem`], exclusive otherwise),
+    /// writers' gate (shared for one item, exclusive for [`Scope::Any`]),
     /// reads the stored settings (laid over `defaults`, this handle's own
     /// values) and, for one item, reads and locks its row. `None` (rolled
     /// back) when this handle's owner lock was found free: take it again
