@@ -701,6 +701,23 @@ impl Store {
         len: usize,
         terminated: bool,
     ) -> Result<BadJournal> {
+        // No header is longer than one for the largest generation: a bad
+        // first line longer than that runs on past where the header ended
+        // (its newline damaged) into what may be acknowledged entries.
+        let longest = journal::encode_line(&HeaderV1 {
+            journal: JOURNAL_VERSION,
+            generation: u64::MAX,
+        })
+        .len();
+        if len > longest {
+            return Err(invalid(
+                &self.journal_path,
+                "line 1".into(),
+                format!(
+                    "the header is damaged and runs on for {len} bytes, past where any header ends: it may hold entries"
+                ),
+            ));
+        }
         let mut rest = Vec::new();
         file.read_to_end(&mut rest)
             .map_err(|e| Error::io(&self.journal_path, "read", e))?;

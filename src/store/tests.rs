@@ -179,3 +179,42 @@ fn a_refresh_forgets_entries_that_were_never_written() {
         "the journal holds the entry that was never written (or lost a committed one)"
     );
 }
+
+/// A header whose newline was damaged runs on into the entry after it: the
+/// first "line" is the header and an acknowledged entry, and no whole line
+/// follows. The journal alone must call that damage (an error naming it),
+/// not a lone bad header to be set aside: setting it aside would drop the
+/// acknowledged entry from the state, and nothing else may catch it (an
+/// entry whose audit records a power cut lost, or one that carries none).
+#[test]
+fn a_damaged_header_running_into_an_entry_is_an_error_not_a_lone_bad_header() {
+    use super::Store;
+    use crate::failpoint::Failpoints;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(dir.path());
+    let faults = Failpoints::none();
+    let mut ours = None;
+    let loaded = store.refresh(&mut ours).unwrap();
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    drop(ours);
+    let journal = dir.path().join("outbox.journal");
+    let mut bytes = std::fs::read(&journal).unwrap();
+    let header_end = bytes.iter().position(|b| *b == b'\n').unwrap();
+    assert_ne!(bytes[header_end + 1], 0, "no entry after the header");
+    bytes[header_end] = b'x';
+    std::fs::write(&journal, &bytes).unwrap();
+    let mut theirs = None;
+    let err = store
+        .refresh(&mut theirs)
+        .map(|loaded| store.settle_torn(loaded))
+        .expect_err("a header running into an acknowledged entry was judged a lone bad header");
+    assert!(
+        err.to_string().contains("outbox.journal"),
+        "the error does not name the journal: {err}"
+    );
+    assert_eq!(
+        std::fs::read(&journal).unwrap(),
+        bytes,
+        "the damaged journal was changed"
+    );
+}

@@ -183,3 +183,44 @@ fn a_compaction_of_an_open_handle_sets_a_journal_with_a_damaged_header_aside() {
         assert_set_aside_and_outbox_whole(dir.path(), &was, what, &[]);
     }
 }
+
+/// A header whose newline is damaged runs on into the entry after it, so the
+/// first "line" is the header and an acknowledged entry together, and no
+/// whole line follows it. That is damage hiding an acknowledged change, not
+/// a lone bad header: the open must refuse with an error naming the journal,
+/// and leave every byte where it was (setting the journal aside would open
+/// the outbox without the change, and a message marked sent would be sent
+/// again).
+#[test]
+fn a_damaged_header_that_runs_into_an_entry_is_refused_not_set_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    compacted(dir.path());
+    // One acknowledged entry after the header, left in the journal.
+    open(dir.path()).enqueue(msg("b", "chat-1")).unwrap();
+    let mut journal = fs::read(dir.path().join(JOURNAL)).unwrap();
+    let header_end = journal.iter().position(|b| *b == b'\n').unwrap();
+    assert!(
+        journal[header_end + 1] != 0,
+        "the entry is not in the journal"
+    );
+    journal[header_end] = b'x';
+    fs::write(dir.path().join(JOURNAL), &journal).unwrap();
+    let clock = ManualClock::at(START).unwrap();
+    let err = builder(dir.path(), &clock)
+        .open()
+        .expect_err("an outbox whose acknowledged entry hides behind a damaged header opened");
+    let text = err.to_string();
+    assert!(
+        text.contains(JOURNAL),
+        "the error does not name the journal: {text}"
+    );
+    assert!(
+        set_aside(dir.path()).is_empty(),
+        "the journal holding an acknowledged entry was set aside"
+    );
+    assert_eq!(
+        fs::read(dir.path().join(JOURNAL)).unwrap(),
+        journal,
+        "the damaged journal was changed"
+    );
+}
