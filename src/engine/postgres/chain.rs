@@ -100,14 +100,21 @@ impl PgEngine {
             seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
             hash: row.get(1),
         };
-        let sql = format!(
+        // The first page from the lowest key, whatever it is: rows keyed 0
+        // or below are not the chain's, and the verifier must see them to
+        // call the chain broken, as a scan of the whole table does.
+        let first = format!(
+            "SELECT seq, line FROM {}.audit ORDER BY seq LIMIT $1",
+            self.s
+        );
+        let next = format!(
             "SELECT seq, line FROM {}.audit WHERE seq > $1 ORDER BY seq LIMIT $2",
             self.s
         );
         let mut failed = None;
         let mut largest = 0;
         let mut ready = std::collections::VecDeque::new();
-        let mut after = 0i64;
+        let mut after: Option<i64> = None;
         let mut done = false;
         let lines = std::iter::from_fn(|| {
             loop {
@@ -117,12 +124,16 @@ impl PgEngine {
                 if done {
                     return None;
                 }
-                match tx.query(&sql, &[&after, &page]) {
+                let rows = match after {
+                    None => tx.query(&first, &[&page]),
+                    Some(after) => tx.query(&next, &[&after, &page]),
+                };
+                match rows {
                     Ok(rows) => {
                         largest = largest.max(rows.len());
                         done = i64::try_from(rows.len()).map_or(true, |n| n < page);
                         for row in rows {
-                            after = row.get(0);
+                            after = Some(row.get(0));
                             ready.push_back(row.get::<_, String>(1));
                         }
                     }

@@ -109,3 +109,35 @@ fn verify_reads_in_pages_with_the_same_answers_wherever_a_page_ends() {
         assert_eq!(broken(page), expected, "page size {page}");
     }
 }
+
+/// A row keyed below every real seq (0 or negative: the table does not
+/// forbid them; an operator's or an intruder's insert) is read by a scan
+/// of the whole table, so verifying must find it too, whatever the page
+/// size: a paged read that starts above 0 would pass it over and call a
+/// tampered chain intact.
+#[test]
+fn verify_finds_a_row_keyed_below_the_first_seq_whatever_the_page_size() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    for below in [0, -5, i64::MIN] {
+        let db = server.database();
+        let engine = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
+        for n in 0..3 {
+            enqueue(&engine, &format!("k-{n}"));
+        }
+        engine.verify_audit().unwrap();
+        db.psql(&format!(
+            "INSERT INTO {DEFAULT_SCHEMA}.audit (seq, hash, line) \
+             SELECT {below}, hash, line FROM {DEFAULT_SCHEMA}.audit ORDER BY seq LIMIT 1"
+        ));
+        for page in [1, 2, 1_000, i64::MAX] {
+            match engine.verify_audit_in_pages(page) {
+                Err(Error::AuditBroken { .. }) => {}
+                other => panic!(
+                    "seq {below}, page size {page}: a row keyed below the chain passed: {other:?}"
+                ),
+            }
+        }
+    }
+}
