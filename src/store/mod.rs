@@ -1094,6 +1094,18 @@ impl Store {
                 Ok(grown) => cursor.allocated = grown,
                 Err(e) => {
                     cursor.unwritten.truncate(start);
+                    // What was grown (part of it, on a full disk; all of it,
+                    // when its sync failed) is not known durable: cut it off,
+                    // or a later reader would take the length as allocated
+                    // and write entries into it without syncing a growth.
+                    // Only zeros this call wrote lie past `allocated`.
+                    if let Err(cut) = cursor.file.set_len(cursor.allocated) {
+                        tracing::warn!(
+                            journal = %self.journal_path.display(),
+                            error = %cut,
+                            "could not cut off a journal growth that failed: a handle that reads the file later may write into zeros never synced"
+                        );
+                    }
                     return Err((
                         CommitFailure::Clean,
                         Error::io(&self.journal_path, "extend", e),

@@ -218,3 +218,53 @@ fn a_damaged_header_running_into_an_entry_is_an_error_not_a_lone_bad_header() {
         "the damaged journal was changed"
     );
 }
+
+/// A growth whose sync failed is not left on the file: the file's length is
+/// what the last synced growth made it. Otherwise another handle (another
+/// process, or this one after a reload) takes the length as allocated,
+/// writes entries into zeros that were never made durable, and never syncs
+/// them as a growth: after a power cut the blocks past its entries may read
+/// as old disk contents, which a load takes for damage.
+#[test]
+fn a_growth_whose_sync_failed_is_grown_and_synced_again_by_the_next_writer() {
+    use super::Store;
+    use crate::failpoint::{FailAction, Failpoints};
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("outbox.journal");
+    let store = Store::new(dir.path());
+    let faults = Failpoints::none();
+    faults.arm("journal.extend_sync", FailAction::ErrorOnHit(1));
+    let mut ours = None;
+    let loaded = store.refresh(&mut ours).unwrap();
+    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let durable_len = std::fs::metadata(&journal).unwrap().len();
+    let mut appended = 0u64;
+    while store
+        .append_unsynced(loaded, None, Vec::new(), &[], &faults)
+        .is_ok()
+    {
+        appended += 1;
+        assert!(appended < 1_000_000, "the journal never had to grow");
+    }
+    assert_eq!(
+        std::fs::metadata(&journal).unwrap().len(),
+        durable_len,
+        "a growth whose sync failed was left on the file"
+    );
+    loaded.take_unsynced().unwrap().write(&faults).unwrap();
+    drop(ours);
+    // Another handle: the entry that needs the growth grows the file and
+    // syncs the growth itself.
+    let theirs_faults = Failpoints::none();
+    theirs_faults.arm("journal.extend_sync", FailAction::ErrorOnHit(u32::MAX));
+    let mut theirs = None;
+    let loaded = store.refresh(&mut theirs).unwrap();
+    store
+        .commit(loaded, Vec::new(), &[], &theirs_faults)
+        .unwrap();
+    assert_eq!(
+        theirs_faults.hits("journal.extend_sync"),
+        1,
+        "the next writer wrote into a growth that was never synced"
+    );
+}
