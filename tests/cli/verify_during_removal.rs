@@ -130,6 +130,36 @@ fn a_segment_deleted_by_hand_while_verify_reads_is_still_reported() {
     run.exits(1).says("sequence gap").says("NOT VERIFIED");
 }
 
+/// A front cut made by hand (the oldest segments deleted, no removal record
+/// naming the new start) while the tool reads looks, to the cross-check,
+/// like a removal that committed meanwhile: the chain now starts past the
+/// hole. Reading again must not launder it: the chain read again has no
+/// record of its removal, and the tool says NOT VERIFIED.
+#[test]
+fn a_front_cut_by_hand_while_verify_reads_is_still_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = three_segments(dir.path());
+    drop(outbox);
+    let mut segments: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("audit-")
+        })
+        .collect();
+    segments.sort();
+    assert!(segments.len() >= 3, "{segments:?}");
+    let run = verify_while(dir.path().to_str().unwrap(), "audit.next_file", 1, || {
+        std::fs::remove_file(&segments[0]).unwrap();
+        std::fs::remove_file(&segments[1]).unwrap();
+    });
+    run.exits(1).says("NOT VERIFIED");
+}
+
 #[cfg(feature = "postgres")]
 #[test]
 fn a_removal_that_commits_while_verify_reads_the_chain_is_read_again_not_reported() {
