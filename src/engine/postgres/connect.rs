@@ -171,7 +171,7 @@ impl Connector {
             )
         })?;
         let given = named_parameters(url);
-        let names = |key: &str| given.iter().any(|n| n == key);
+        let names = |key: &str| given.iter().any(|(name, _)| name == key);
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
@@ -190,8 +190,15 @@ impl Connector {
         if config.get_keepalives_retries().is_none() {
             config.keepalives_retries(KEEPALIVES_RETRIES);
         }
-        if config.get_tcp_user_timeout().is_none() && !names("tcp_user_timeout") {
-            config.tcp_user_timeout(TCP_USER_TIMEOUT);
+        match tcp_user_timeout_of(&given)? {
+            // Not given: ours. Given as 0 or less: off, as the client parsed it.
+            None => {
+                config.tcp_user_timeout(TCP_USER_TIMEOUT);
+            }
+            Some(None) => {}
+            Some(Some(timeout)) => {
+                config.tcp_user_timeout(timeout);
+            }
         }
         let server_settings = ServerSettings::of(&config).statement();
         Ok(Self {
@@ -346,11 +353,12 @@ fn options_set(options: &str, name: &str) -> bool {
     false
 }
 
-/// The parameter names a connection string gives, in either of its forms:
-/// the query of a `postgres://` URL (`?keepalives_idle=5&…`), or the keys of
-/// a `key=value` string (values may be quoted). Run on a string the client
-/// parsed already, so it only needs to find the keys, not to validate.
-fn named_parameters(url: &str) -> Vec<String> {
+/// The parameters a connection string gives, name and value, in either of
+/// its forms: the query of a `postgres://` URL (`?keepalives_idle=5&…`, the
+/// value as written, not percent-decoded), or a `key=value` string (a quoted
+/// value unquoted, its escapes undone). Run on a string the client parsed
+/// already, so it only needs to find them, not to validate.
+fn named_parameters(url: &str) -> Vec<(String, String)> {
     if let Some(rest) = url
         .strip_prefix("postgresql://")
         .or_else(|| url.strip_prefix("postgres://"))
@@ -363,12 +371,13 @@ fn named_parameters(url: &str) -> Vec<String> {
             .map(|(_, query)| {
                 query
                     .split('&')
-                    .filter_map(|pair| pair.split_once('=').map(|(key, _)| key.to_owned()))
+                    .filter_map(|pair| pair.split_once('='))
+                    .map(|(key, value)| (key.to_owned(), value.to_owned()))
                     .collect()
             })
             .unwrap_or_default();
     }
-    let mut keys = Vec::new();
+    let mut pairs = Vec::new();
     let mut chars = url.chars().peekable();
     loop {
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
@@ -377,22 +386,50 @@ fn named_parameters(url: &str) -> Vec<String> {
             key.push(c);
         }
         if key.is_empty() {
-            return keys;
+            return pairs;
         }
-        keys.push(key);
         while chars.next_if(|c| c.is_whitespace() || *c == '=').is_some() {}
         let quoted = chars.next_if_eq(&'\'').is_some();
+        let mut value = String::new();
         while let Some(c) = chars.next() {
             match c {
-                '\\' => {
-                    chars.next();
-                }
+                '\\' => value.extend(chars.next()),
                 '\'' if quoted => break,
                 c if c.is_whitespace() && !quoted => break,
-                _ => {}
+                c => value.push(c),
             }
         }
+        pairs.push((key, value));
     }
+}
+
+/// The URL's `tcp_user_timeout`, read as libpq reads it: in milliseconds
+/// (the client library we parse URLs with reads whole seconds, so the same
+/// URL would mean a thousand times longer here than in `psql`). `None`:
+/// not given; `Some(None)`: given as 0 or less (off).
+///
+/// # Errors
+/// [`Error::InvalidConfig`] (field `url`) when the value is not a whole number.
+fn tcp_user_timeout_of(given: &[(String, String)]) -> Result<Option<Option<Duration>>> {
+    let Some((_, value)) = given
+        .iter()
+        .rev()
+        .find(|(name, _)| name == "tcp_user_timeout")
+    else {
+        return Ok(None);
+    };
+    let millis: i64 = value.trim().parse().map_err(|_| {
+        Error::invalid_config(
+            "url",
+            "tcp_user_timeout must be a whole number of milliseconds (as libpq reads it)",
+        )
+    })?;
+    Ok(Some(
+        u64::try_from(millis)
+            .ok()
+            .filter(|m| *m > 0)
+            .map(Duration::from_millis),
+    ))
 }
 
 /// A reads/commits connection lent by [`PgEngine::client`].
@@ -518,20 +555,63 @@ impl PgEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::{named_parameters, options_set};
+    use std::time::Duration;
+
+    use super::{Connector, TCP_USER_TIMEOUT, named_parameters, options_set};
+    use crate::error::Error;
+
+    /// libpq reads `tcp_user_timeout` in milliseconds; a URL copied from a
+    /// `psql` setup must mean the same here, not a thousand times longer.
+    #[test]
+    fn a_urls_tcp_user_timeout_is_read_in_milliseconds_as_libpq_reads_it() {
+        let timeout = |url: &str| {
+            Connector::parse(url)
+                .unwrap()
+                .config()
+                .get_tcp_user_timeout()
+                .copied()
+        };
+        assert_eq!(
+            timeout("postgres://u@h/db?tcp_user_timeout=30000"),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            timeout("host=h user=u tcp_user_timeout=2500"),
+            Some(Duration::from_millis(2500))
+        );
+        assert_eq!(timeout("postgres://u@h/db"), Some(TCP_USER_TIMEOUT));
+        assert_eq!(
+            timeout("postgres://u@h/db?tcp_user_timeout=0"),
+            None,
+            "0 turns it off"
+        );
+        assert!(matches!(
+            Connector::parse("postgres://u@h/db?tcp_user_timeout=soon"),
+            Err(Error::InvalidConfig { .. })
+        ));
+    }
 
     #[test]
     fn the_parameters_a_connection_string_names_are_found_in_either_form() {
+        let pairs = |url: &str| -> Vec<(String, String)> { named_parameters(url) };
+        let owned = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
         assert_eq!(
-            named_parameters("postgres://u:p%3Fw@h:5432/db?keepalives_idle=5&sslmode=disable"),
-            ["keepalives_idle", "sslmode"]
+            pairs("postgres://u:p%3Fw@h:5432/db?keepalives_idle=5&sslmode=disable"),
+            owned(&[("keepalives_idle", "5"), ("sslmode", "disable")])
         );
-        assert!(named_parameters("postgresql://u@h/db").is_empty());
+        assert!(pairs("postgresql://u@h/db").is_empty());
         assert_eq!(
-            named_parameters(
-                "host=h password='a b\\' keepalives_idle=9' dbname = d  tcp_user_timeout=4"
-            ),
-            ["host", "password", "dbname", "tcp_user_timeout"],
+            pairs("host=h password='a b\\' keepalives_idle=9' dbname = d  tcp_user_timeout=4"),
+            owned(&[
+                ("host", "h"),
+                ("password", "a b' keepalives_idle=9"),
+                ("dbname", "d"),
+                ("tcp_user_timeout", "4"),
+            ]),
             "a quoted value with spaces and an escaped quote is one value"
         );
     }

@@ -103,7 +103,7 @@ fn a_urls_own_dead_peer_settings_win_over_the_defaults() {
     };
     let db = server.database();
     let url = format!(
-        "{}?keepalives_idle=7&keepalives_interval=2&keepalives_retries=4&tcp_user_timeout=9",
+        "{}?keepalives_idle=7&keepalives_interval=2&keepalives_retries=4&tcp_user_timeout=9000",
         db.url()
     );
     let connector = Connector::parse(&url).unwrap();
@@ -158,7 +158,7 @@ fn a_check_of_the_owner_lock_whose_server_stopped_answering_fails_instead_of_han
     let db = server.database();
     let proxy = StallProxy::to(server.port());
     let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2&connect_timeout=2",
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2000&connect_timeout=2",
         proxy.port(),
         db.name()
     );
@@ -205,7 +205,7 @@ fn dropping_the_wake_up_sender_returns_while_its_server_does_not_answer() {
     let db = server.database();
     let proxy = StallProxy::to(server.port());
     let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600",
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600000",
         proxy.port(),
         db.name()
     );
@@ -237,7 +237,7 @@ fn dropping_a_handle_whose_server_stopped_answering_returns() {
     let db = server.database();
     let proxy = StallProxy::to(server.port());
     let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600",
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600000",
         proxy.port(),
         db.name()
     );
@@ -273,7 +273,7 @@ fn a_claim_on_a_handle_whose_server_stopped_answering_gets_an_error_in_bounded_t
     let db = server.database();
     let proxy = StallProxy::to(server.port());
     let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2&connect_timeout=2",
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2000&connect_timeout=2",
         proxy.port(),
         db.name()
     );
