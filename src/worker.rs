@@ -620,7 +620,11 @@ impl Steps {
             // alone after an error, to raise the panic after a panic).
             members = std::mem::take(&mut self.queue().waiting);
         }
-        if !handed.get() {
+        // Marked handed before handing over: if starting the next leader
+        // unwinds, its own guard (`Steps::starting`) frees the queue, and
+        // this leader's guard must not free it again under a leader that a
+        // step pushed in between started.
+        if !handed.replace(true) {
             owed.set(self.hand_over(next));
         }
         let result = match result {
