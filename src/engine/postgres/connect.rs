@@ -191,12 +191,12 @@ impl Connector {
             config.keepalives_retries(KEEPALIVES_RETRIES);
         }
         match tcp_user_timeout_of(&given)? {
-            // Not given: ours. Given as 0 or less: off, as the client parsed it.
-            None => {
+            UserTimeout::Unset => {
                 config.tcp_user_timeout(TCP_USER_TIMEOUT);
             }
-            Some(None) => {}
-            Some(Some(timeout)) => {
+            // As the client parsed it: none.
+            UserTimeout::Off => {}
+            UserTimeout::Set(timeout) => {
                 config.tcp_user_timeout(timeout);
             }
         }
@@ -403,20 +403,30 @@ fn named_parameters(url: &str) -> Vec<(String, String)> {
     }
 }
 
+/// A URL's `tcp_user_timeout`, as [`tcp_user_timeout_of`] reads it.
+#[derive(Debug, PartialEq, Eq)]
+enum UserTimeout {
+    /// Not given: ours ([`TCP_USER_TIMEOUT`]).
+    Unset,
+    /// Given as 0 or less: the socket option off.
+    Off,
+    /// Given.
+    Set(Duration),
+}
+
 /// The URL's `tcp_user_timeout`, read as libpq reads it: in milliseconds
 /// (the client library we parse URLs with reads whole seconds, so the same
-/// URL would mean a thousand times longer here than in `psql`). `None`:
-/// not given; `Some(None)`: given as 0 or less (off).
+/// URL would mean a thousand times longer here than in `psql`).
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] (field `url`) when the value is not a whole number.
-fn tcp_user_timeout_of(given: &[(String, String)]) -> Result<Option<Option<Duration>>> {
+fn tcp_user_timeout_of(given: &[(String, String)]) -> Result<UserTimeout> {
     let Some((_, value)) = given
         .iter()
         .rev()
         .find(|(name, _)| name == "tcp_user_timeout")
     else {
-        return Ok(None);
+        return Ok(UserTimeout::Unset);
     };
     let millis: i64 = value.trim().parse().map_err(|_| {
         Error::invalid_config(
@@ -424,12 +434,10 @@ fn tcp_user_timeout_of(given: &[(String, String)]) -> Result<Option<Option<Durat
             "tcp_user_timeout must be a whole number of milliseconds (as libpq reads it)",
         )
     })?;
-    Ok(Some(
-        u64::try_from(millis)
-            .ok()
-            .filter(|m| *m > 0)
-            .map(Duration::from_millis),
-    ))
+    Ok(match u64::try_from(millis) {
+        Ok(millis) if millis > 0 => UserTimeout::Set(Duration::from_millis(millis)),
+        _ => UserTimeout::Off,
+    })
 }
 
 /// A reads/commits connection lent by [`PgEngine::client`].
