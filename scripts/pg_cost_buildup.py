@@ -39,6 +39,11 @@ server's and pgbench's CPU per item (medians):
   after the item's row; BASE_SQL sends each in two): against the line
   above, what taking the destination's lock in the opening round trip would
   save a client that sends one `Sync` per round trip.
+- `all on (enqueue lock shared, claim in three round trips)`: the engine's
+  shape since the eighth pass took the enqueue's lock in its opening round
+  trip: only the claim's destination lock and line read a round trip after
+  its row. Against `all on (enqueue lock shared)`, what a claim in two
+  round trips (its destination guessed) would save.
 - `all on (enqueue lock shared, finish's time in place)`: the same with the
   finish's send-time write (`DELETE` the claim's row, `INSERT` the send's
   `ON CONFLICT DO NOTHING`) replaced by one `UPDATE` of the row in place:
@@ -185,11 +190,20 @@ def without(feature, sql):
 FEATURES = ["gate", "audit", "rate", "head", "destlock", "indexes"]
 
 
-def variant(on, shared_enqueue_lock=False, three_round_trips=False, times_in_place=False):
+def variant(on, shared_enqueue_lock=False, three_round_trips=False, times_in_place=False,
+            claim_three_round_trips=False):
     sql = BASE_SQL
     for feature in FEATURES:
         if feature not in on:
             sql = without(feature, sql)
+    if claim_three_round_trips:
+        # Only the claim's destination lock (the second) a round trip after
+        # its row's: the engine since the eighth pass's enqueue change.
+        lock = "SELECT pg_advisory_xact_lock(-1 - :d);\n"
+        if sql.count(lock) != 2:
+            sys.exit("the destination locks were not found: the script is out of date")
+        first = sql.index(lock) + len(lock)
+        sql = sql[:first] + sql[first:].replace(lock, "\\endpipeline\n\\startpipeline\n" + lock, 1)
     if three_round_trips:
         # The engine's shape: the destination's lock (with the enqueue's
         # sequence, or the claim's line read) a round trip after the row's.
@@ -227,6 +241,8 @@ def main():
     variants["all on (enqueue lock shared)"] = variant(set(FEATURES), True)
     variants["all on (enqueue lock shared, three round trips)"] = variant(
         set(FEATURES), True, True)
+    variants["all on (enqueue lock shared, claim in three round trips)"] = variant(
+        set(FEATURES), True, False, False, True)
     variants["all on (enqueue lock shared, finish's time in place)"] = variant(
         set(FEATURES), True, False, True)
     # Enqueues alone (the first two pipelines of the W2 item): what the
