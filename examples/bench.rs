@@ -537,12 +537,11 @@ fn w2_run(
     warm: Option<&Outbox>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let opened;
-    let outbox = match warm {
-        Some(outbox) => outbox,
-        None => {
-            opened = open(args)?;
-            &opened
-        }
+    let outbox = if let Some(outbox) = warm {
+        outbox
+    } else {
+        opened = open(args)?;
+        &opened
     };
     let send_us = args.send_us;
     std::thread::scope(|scope| {
