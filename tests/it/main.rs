@@ -31,6 +31,8 @@ mod failure_class;
 mod hostile_input;
 mod idempotent_transport;
 #[cfg(feature = "postgres")]
+mod large_pipelines;
+#[cfg(feature = "postgres")]
 mod late_deliveries;
 #[cfg(feature = "postgres")]
 mod migration;

@@ -24,14 +24,23 @@
 //!   transaction (the `COMMIT` after the error was skipped): the caller must
 //!   roll it back. [`Connection::in_transaction`] says whether one is open.
 //!
-//! **Bounded pipelines.** The client writes the whole pipeline before it
-//! reads an answer (blocking socket). The server answers each statement as it
-//! runs it, so a pipeline whose *early* statements return more rows than the
-//! two sockets' buffers hold (megabytes on loopback) while the client still
-//! writes a large rest would wait on both sides. The engine's pipelines are
-//! a few statements, and a statement that returns many rows (reads of the
-//! chain, of due or claimed items) is a pipeline of its own, as is the one
-//! large write (a sealing's records, then its `COMMIT`): keep them so.
+//! **Bounded writes.** The server answers each statement as it runs it, and
+//! stops reading while its answers wait to be read; a blocking client that
+//! wrote a whole large pipeline before reading would then wait on the
+//! server and the server on it, for ever (a Unix socket holds about 200 KiB
+//! in flight: the answers to 10,000 item writes of an `enqueue_many`). So a
+//! pipeline goes out in parts of at most [`PART`] bytes (a larger statement
+//! is a part of its own): each part but the last ends with a `Flush`, and
+//! its answers are read before the next part is written; the last ends with
+//! the `Sync`. What the client writes while the server answers is thus at
+//! most one part, which the sockets' buffers hold. After an error in a part,
+//! the parts after it are not sent (the server would skip them): the
+//! `Sync` follows at once. The one-`Sync` semantics above are unchanged; a
+//! pipeline of `k` parts costs `k` round trips (one for the pipelines the
+//! engine sends per item). A statement whose *rows* outgrow the buffers
+//! while the rest of its part is written is still a risk: the engine runs
+//! such reads (of the chain, of due or claimed items) as pipelines of their
+//! own.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +52,11 @@ use postgres_types::{Format, ToSql, Type};
 use super::error::WireError;
 use super::frame::Framed;
 use super::row::{Column, Row};
+
+/// The most bytes of a pipeline written before its answers so far are read
+/// (see the module docs): far below what a connection buffers in flight
+/// (a Unix socket about 200 KiB, TCP on loopback more).
+pub(super) const PART: usize = 32 * 1024;
 
 /// A statement's parameters.
 pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
@@ -62,6 +76,16 @@ struct Prepared {
     name: String,
     params: Vec<Type>,
     columns: Arc<[Column]>,
+}
+
+/// A pipeline's answers read so far.
+struct Answers<'p> {
+    prepared: &'p [Arc<Prepared>],
+    results: Vec<Result<Outcome, WireError>>,
+    /// The rows of the statement being answered.
+    rows: Vec<Row>,
+    /// Whether a statement failed (the server skips the rest).
+    failed: bool,
 }
 
 /// One session with the server.
@@ -157,22 +181,57 @@ impl Connection {
             return Err(WireError::closed());
         }
         let prepared = self.prepare(statements.iter().map(|(sql, _)| *sql))?;
-        if let Err(e) = self.encode(statements, &prepared) {
-            self.framed.out.clear();
-            return Err(e);
-        }
-        frontend::sync(&mut self.framed.out);
-        if let Err(e) = self.send() {
-            // Nothing (or part of the pipeline, without its `Sync`) reached
-            // the server: each statement fails with the loss.
-            let e = self.note(e);
-            let mut all: Vec<Result<Outcome, WireError>> = Vec::with_capacity(statements.len());
-            all.push(Err(e));
-            all.resize_with(statements.len().max(1), || Err(WireError::closed()));
-            all.truncate(statements.len());
-            return Ok(all);
-        }
-        Ok(self.read_results(&prepared))
+        let ends = match self.encode(statements, &prepared) {
+            Ok(ends) => ends,
+            Err(e) => {
+                self.framed.out.clear();
+                return Err(e);
+            }
+        };
+        let encoded = self.framed.out.split();
+        let mut answers = Answers {
+            prepared: &prepared,
+            results: Vec::with_capacity(prepared.len()),
+            rows: Vec::new(),
+            failed: false,
+        };
+        let n = prepared.len();
+        // Statements `next..` and their bytes from `start` are still to go.
+        let (mut next, mut start) = (0, 0);
+        let lost = loop {
+            let mut end = next;
+            while end < n && (end == next || ends[end] - start <= PART) {
+                end += 1;
+            }
+            let stop = if end > next { ends[end - 1] } else { start };
+            self.framed.out.extend_from_slice(&encoded[start..stop]);
+            let last = end == n;
+            if last {
+                frontend::sync(&mut self.framed.out);
+            } else {
+                frontend::flush(&mut self.framed.out);
+            }
+            if let Err(e) = self.send() {
+                break Some(e);
+            }
+            if last {
+                break self.read_answers(&mut answers, None).err();
+            }
+            if let Err(e) = self.read_answers(&mut answers, Some(end)) {
+                break Some(e);
+            }
+            (next, start) = (end, stop);
+            if answers.failed {
+                // The server skips everything up to the `Sync`: the rest is
+                // not sent at all.
+                frontend::sync(&mut self.framed.out);
+                if let Err(e) = self.send() {
+                    break Some(e);
+                }
+                break self.read_answers(&mut answers, None).err();
+            }
+        };
+        Ok(self.finish(answers, lost))
     }
 
     /// `Bind`/`Execute` of each statement into the outgoing buffer.
@@ -180,7 +239,8 @@ impl Connection {
         &mut self,
         statements: &[(&str, Params<'_>)],
         prepared: &[Arc<Prepared>],
-    ) -> Result<(), WireError> {
+    ) -> Result<Vec<usize>, WireError> {
+        let mut ends = Vec::with_capacity(statements.len());
         for ((_, params), statement) in statements.iter().zip(prepared) {
             if params.len() != statement.params.len() {
                 return Err(WireError::parameter(format!(
@@ -225,34 +285,38 @@ impl Connection {
             }
             frontend::execute("", 0, &mut self.framed.out)
                 .map_err(|e| WireError::parameter(e.to_string()))?;
+            ends.push(self.framed.out.len());
         }
-        Ok(())
+        Ok(ends)
     }
 
-    /// Reads the answers of a pipeline of `prepared` up to `ReadyForQuery`.
-    fn read_results(&mut self, prepared: &[Arc<Prepared>]) -> Vec<Result<Outcome, WireError>> {
-        let n = prepared.len();
-        let mut results: Vec<Result<Outcome, WireError>> = Vec::with_capacity(n);
-        let mut rows: Vec<Row> = Vec::new();
-        let mut failed = false;
-        let lost = loop {
-            let message = match self.framed.next() {
-                Ok(message) => message,
-                Err(e) => break Some(e),
-            };
-            match message {
+    /// Reads answers of a pipeline into `answers`: up to `ReadyForQuery`
+    /// (`until`: `None`, the `Sync` was sent), or until statements `..n` are
+    /// answered or one failed (`Some(n)`, a `Flush` was sent). `Err`: the
+    /// session was lost, or the server broke the protocol.
+    fn read_answers(
+        &mut self,
+        answers: &mut Answers<'_>,
+        until: Option<usize>,
+    ) -> Result<(), WireError> {
+        loop {
+            if let Some(n) = until {
+                if answers.failed || answers.results.len() >= n {
+                    return Ok(());
+                }
+            }
+            match self.framed.next()? {
                 Message::BindComplete
                 | Message::NoticeResponse(_)
                 | Message::ParameterStatus(_)
                 | Message::NotificationResponse(_) => {}
                 Message::DataRow(body) => {
-                    let Some(statement) = prepared.get(results.len()) else {
-                        break Some(WireError::protocol("a row after the last statement"));
+                    let Some(statement) = answers.prepared.get(answers.results.len()) else {
+                        return Err(WireError::protocol("a row after the last statement"));
                     };
-                    match Row::new(statement.columns.clone(), body) {
-                        Ok(row) => rows.push(row),
-                        Err(e) => break Some(e),
-                    }
+                    answers
+                        .rows
+                        .push(Row::new(statement.columns.clone(), body)?);
                 }
                 Message::CommandComplete(body) => {
                     let count = body
@@ -261,29 +325,39 @@ impl Connection {
                         .and_then(|tag| tag.rsplit(' ').next())
                         .and_then(|n| n.parse().ok())
                         .unwrap_or(0);
-                    results.push(Ok(Outcome {
-                        rows: std::mem::take(&mut rows),
-                        count,
-                    }));
+                    let rows = std::mem::take(&mut answers.rows);
+                    answers.results.push(Ok(Outcome { rows, count }));
                 }
-                Message::EmptyQueryResponse => results.push(Ok(Outcome::default())),
+                Message::EmptyQueryResponse => answers.results.push(Ok(Outcome::default())),
                 Message::ErrorResponse(body) => {
                     let e = WireError::from_response(&body);
-                    rows.clear();
-                    failed = true;
-                    if e.is_closed() {
-                        results.push(Err(e));
-                        break Some(WireError::closed());
+                    answers.rows.clear();
+                    answers.failed = true;
+                    let ends_session = e.is_closed();
+                    answers.results.push(Err(e));
+                    if ends_session {
+                        return Err(WireError::closed());
                     }
-                    results.push(Err(e));
                 }
-                Message::ReadyForQuery(body) => {
+                Message::ReadyForQuery(body) if until.is_none() => {
                     self.status = body.status();
-                    break None;
+                    return Ok(());
                 }
-                _ => break Some(WireError::protocol("an unexpected message in a pipeline")),
+                _ => return Err(WireError::protocol("an unexpected message in a pipeline")),
             }
-        };
+        }
+    }
+
+    /// Each statement's result: its answer, "not run" for a statement the
+    /// server skipped after an error, and, once the session was `lost`, the
+    /// loss for every statement not answered (it may or may not have run).
+    fn finish(
+        &mut self,
+        answers: Answers<'_>,
+        lost: Option<WireError>,
+    ) -> Vec<Result<Outcome, WireError>> {
+        let n = answers.prepared.len();
+        let mut results = answers.results;
         match lost {
             Some(e) => {
                 let e = self.note(e);
@@ -297,7 +371,7 @@ impl Connection {
             }
             None => {
                 while results.len() < n {
-                    results.push(Err(if failed {
+                    results.push(Err(if answers.failed {
                         WireError::skipped()
                     } else {
                         WireError::protocol("the server answered fewer statements than sent")

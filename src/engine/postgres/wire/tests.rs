@@ -557,3 +557,70 @@ fn a_transaction_whose_first_pipeline_never_went_out_still_begins_with_its_next(
         "the insert ran inside the transaction, not on its own"
     );
 }
+
+#[test]
+fn a_pipeline_larger_than_a_part_goes_out_in_parts_and_an_error_stops_the_rest() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY, body text)");
+    let mut conn = connect(&db.url());
+    let sql = "INSERT INTO t (k, body) VALUES ($1, $2)";
+    let body = "x".repeat(1000);
+    let keys: Vec<String> = (0..200).map(|i| format!("k{i:03}")).collect();
+    // Prepared first, so that the round trips below are the pipeline's own.
+    pipeline(
+        &mut conn,
+        &[("BEGIN", &[]), (sql, &[&"warm", &body]), ("ROLLBACK", &[])],
+    );
+    let run = |conn: &mut Connection, keys: &[String]| {
+        let params: Vec<[&(dyn postgres_types::ToSql + Sync); 2]> =
+            keys.iter().map(|k| [k as _, &body as _]).collect();
+        let mut statements: Vec<(&str, super::connection::Params<'_>)> = vec![("BEGIN", &[])];
+        statements.extend(params.iter().map(|p| (sql, &p[..])));
+        statements.push(("COMMIT", &[]));
+        let before = conn.round_trips();
+        let results = pipeline(conn, &statements);
+        (results, conn.round_trips() - before)
+    };
+    // 200 statements of over 1 KiB each: several parts, every one answered.
+    let (results, trips) = run(&mut conn, &keys);
+    assert!(results.iter().all(Result::is_ok));
+    let parts = 200 * 1000 / super::connection::PART;
+    assert!(
+        trips > parts as u64,
+        "{trips} round trips: the pipeline went out in parts"
+    );
+    assert_eq!(db.psql("SELECT count(*) FROM t"), "200");
+    assert!(!conn.in_transaction());
+
+    // A duplicate key in the first part: the server skips the rest, so the
+    // later parts are never sent; nothing commits; the session goes on.
+    let mut again: Vec<String> = (200..400).map(|i| format!("k{i:03}")).collect();
+    again[3] = "k000".into();
+    let (results, trips) = run(&mut conn, &again);
+    let e = results[4].as_ref().expect_err("the duplicate");
+    assert_eq!(
+        e.code().map(tokio_postgres::error::SqlState::code),
+        Some("23505"),
+        "{e}"
+    );
+    assert!(results[..4].iter().all(Result::is_ok));
+    for skipped in &results[5..] {
+        assert!(skipped.as_ref().expect_err("skipped").is_skipped());
+    }
+    assert_eq!(trips, 2, "the first part, then the `Sync` alone");
+    assert_eq!(
+        db.psql("SELECT count(*) FROM t"),
+        "200",
+        "nothing committed"
+    );
+    assert!(
+        conn.in_transaction(),
+        "the failed transaction is still open"
+    );
+    conn.simple("ROLLBACK").unwrap();
+    let results = pipeline(&mut conn, &[("SELECT count(*) FROM t", &[])]);
+    assert_eq!(results[0].as_ref().unwrap().rows[0].get::<_, i64>(0), 200);
+}
