@@ -131,6 +131,19 @@ impl Connection {
         })
     }
 
+    /// A session over `framed`, already started (a test's stand-in server).
+    #[cfg(test)]
+    pub(super) fn over(framed: Framed) -> Self {
+        Self {
+            framed,
+            statements: HashMap::new(),
+            named: 0,
+            status: b'I',
+            closed: false,
+            round_trips: 0,
+        }
+    }
+
     /// Whether the session is gone (found so by the last exchange: a socket
     /// error, the server closing it, or a session-ending error).
     pub(crate) fn is_closed(&self) -> bool {

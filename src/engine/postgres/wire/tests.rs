@@ -624,3 +624,116 @@ fn a_pipeline_larger_than_a_part_goes_out_in_parts_and_an_error_stops_the_rest()
     let results = pipeline(&mut conn, &[("SELECT count(*) FROM t", &[])]);
     assert_eq!(results[0].as_ref().unwrap().rows[0].get::<_, i64>(0), 200);
 }
+
+/// The bytes of a backend message of kind `tag` with `body`.
+fn message(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = vec![tag];
+    out.extend_from_slice(&u32::try_from(body.len() + 4).unwrap().to_be_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+#[test]
+fn a_claimed_length_is_never_reserved_ahead_and_one_beyond_its_kind_is_refused_at_once() {
+    // A row claiming 512 MiB, of which 100 bytes come before the end of the
+    // stream: buffered as it arrives, never reserved from its header.
+    let (mut framed, mut peer) = framed_pair();
+    let mut bytes = vec![b'D'];
+    bytes.extend_from_slice(&(512u32 << 20).to_be_bytes());
+    bytes.extend_from_slice(&[7; 100]);
+    peer.write_all(&bytes).unwrap();
+    drop(peer);
+    let Err(e) = framed.next() else {
+        panic!("the stream ends mid-message")
+    };
+    assert!(e.is_closed(), "{e}");
+    assert!(
+        framed.buffered_capacity() < 1 << 20,
+        "{} bytes reserved for 105 received",
+        framed.buffered_capacity()
+    );
+
+    // Kinds that are always short, and any kind beyond the longest allowed:
+    // refused at the header, without waiting for a body that may never come
+    // (the peer stays open and silent).
+    for (tag, len) in [
+        (b'C', 1u32 << 20),
+        (b'Z', 30_005),
+        (b'D', u32::try_from(super::frame::LONG_MESSAGE).unwrap() + 5),
+    ] {
+        let (mut framed, mut peer) = framed_pair();
+        let mut header = vec![tag];
+        header.extend_from_slice(&len.to_be_bytes());
+        peer.write_all(&header).unwrap();
+        let started = Instant::now();
+        let Err(e) = framed.next() else {
+            panic!("a corrupt length")
+        };
+        assert!(e.is_closed(), "a corrupt stream ends the session: {e}");
+        assert!(e.to_string().contains("claims"), "{e}");
+        assert!(started.elapsed() < LIMIT, "refused without waiting");
+        drop(peer);
+    }
+}
+
+mod hostile_server {
+    use std::io::Write;
+
+    use proptest::prelude::*;
+
+    use super::super::Connection;
+    use super::{framed_pair, message};
+
+    /// Kinds a server sends, and a few it never does.
+    const TAGS: &[u8] = b"123nstTDCIEZNASKRvX!";
+
+    fn stream() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..512),
+            proptest::collection::vec(
+                (
+                    proptest::sample::select(TAGS),
+                    proptest::collection::vec(any::<u8>(), 0..48)
+                ),
+                0..12
+            )
+            .prop_map(|messages| {
+                messages
+                    .iter()
+                    .flat_map(|(tag, body)| message(*tag, body))
+                    .collect()
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Whatever a server answers, a pipeline returns (typed results or a
+        /// typed error): no panic, no wait beyond the stream's end.
+        #[test]
+        fn any_answer_from_the_server_gives_typed_results_never_a_panic(bytes in stream()) {
+            let (framed, mut peer) = framed_pair();
+            peer.write_all(&bytes).unwrap();
+            peer.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut conn = Connection::over(framed);
+            let n = 7i64;
+            for _ in 0..3 {
+                match conn.pipeline(&[("SELECT $1::bigint", &[&n]), ("COMMIT", &[])]) {
+                    Ok(results) => {
+                        prop_assert_eq!(results.len(), 2);
+                        for outcome in results.iter().flatten() {
+                            for row in &outcome.rows {
+                                let _ = row.try_get::<_, Option<i64>>(0);
+                                let _ = row.try_get::<_, Option<String>>(0);
+                            }
+                        }
+                    }
+                    Err(e) => { let _ = e.to_string(); }
+                }
+            }
+            prop_assert!(conn.is_closed(), "the stream ended: the session is closed");
+            drop(peer);
+        }
+    }
+}
