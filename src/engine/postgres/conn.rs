@@ -98,6 +98,21 @@ impl Conn {
         })
     }
 
+    /// Bounds each wait for an answer: a server silent for `patience` is
+    /// asked (over a new connection opened with `config`) whether the
+    /// session still runs a statement, and the session is given up when it
+    /// does not (see [`wire`](super::wire)'s connection docs).
+    ///
+    /// # Errors
+    /// Reading the session's backend process id failed.
+    pub(crate) fn watch(
+        &mut self,
+        patience: std::time::Duration,
+        config: &tokio_postgres::Config,
+    ) -> Result<(), WireError> {
+        self.wire.watch(patience, config)
+    }
+
     /// Whether the session is gone (every statement would fail). An idle
     /// connection whose server went away looks open until its next use.
     pub(crate) fn is_closed(&self) -> bool {

@@ -7,10 +7,14 @@
 //! ([`session`](super::session)); and the handle's pool of reads/commits
 //! connections ([`conn`](super::conn)), each lent to one caller at a time.
 //!
+//! **A pooled connection's waits** are bounded by the answer timeout: a
+//! peer silent that long is asked, over a new connection, whether the
+//! session still runs a statement, and given up when it does not or cannot
+//! be asked (a slow statement is never cut: see `wire`'s connection).
 //! **Not bounded yet:** a synchronous client's startup and statements (used
-//! while opening: migrations, the pooler check) and a pooled connection's
-//! statements wait for a peer that acknowledges but never answers; a dead
-//! network ends them within the keepalive and `tcp_user_timeout` bounds.
+//! while opening: migrations, the pooler check) wait for a peer that
+//! acknowledges but never answers; a dead network ends them within the
+//! keepalive and `tcp_user_timeout` bounds.
 //!
 //! **A pooled connection can be dead without knowing it.** A connection's
 //! socket is read only during a call, so an idle connection whose server
@@ -266,6 +270,9 @@ impl Connector {
     /// its row and advisory locks until the server ends its session.
     pub(super) fn conn(&self) -> Result<Conn> {
         let mut conn = blocking(|| Conn::connect(&self.config)).map_err(db("connect"))?;
+        // A server that stops answering is found out; a slow statement is not cut.
+        conn.watch(self.answer_timeout(), &self.config)
+            .map_err(db("connect"))?;
         if let Some(settings) = self.server_settings() {
             conn.query(settings, &[])
                 .map_err(db("apply the connection's server settings"))?;

@@ -24,6 +24,22 @@
 //!   transaction (the `COMMIT` after the error was skipped): the caller must
 //!   roll it back. [`Connection::in_transaction`] says whether one is open.
 //!
+//! **A silent server is found out, a slow statement is not cut.** A
+//! [watched](Connection::watch) session bounds each wait for an answer by
+//! its patience (the pool: the URL's `tcp_user_timeout`, 30 s by default).
+//! When it passes without a byte, the client does not give up yet: a slow
+//! statement (a lock wait behind another host's `compact`, a big
+//! `compact` itself, a slow disk under `COMMIT`) sends nothing for as long
+//! as it runs, and cutting it would fail work that was going to succeed. It
+//! asks the server instead, over a new connection bounded the same way,
+//! whether the session's backend is running a statement
+//! (`pg_stat_activity`): if so it waits again; if the backend is gone, or
+//! twice in a row not running one (its answer is lost on the way), or the
+//! server cannot be reached to ask, the session is given up (closed; a
+//! `COMMIT` among the statements not answered may or may not have
+//! committed). A server that refuses the question (too many connections)
+//! is alive, and the wait goes on.
+//!
 //! **Bounded writes.** The server answers each statement as it runs it, and
 //! stops reading while its answers wait to be read; a blocking client that
 //! wrote a whole large pipeline before reading would then wait on the
@@ -44,6 +60,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use postgres_protocol::message::backend::Message;
 use postgres_protocol::message::frontend;
@@ -88,6 +105,57 @@ struct Answers<'p> {
     failed: bool,
 }
 
+/// What a [watched](Connection::watch) session needs to ask the server about
+/// itself when it goes silent.
+struct Watch {
+    /// The settings to open the asking connection with.
+    config: tokio_postgres::Config,
+    /// The session's backend process (`pg_backend_pid()`).
+    pid: i32,
+    patience: Duration,
+}
+
+/// What the server said about a silent session's backend.
+#[derive(Debug, PartialEq, Eq)]
+enum Probe {
+    /// Running a statement (or the server alive but refusing to tell).
+    Working,
+    /// Alive, not running a statement: its answer was sent.
+    Idle,
+    /// No such backend, or no answer from the server.
+    Gone,
+}
+
+impl Watch {
+    fn probe(&self) -> Probe {
+        let mut asking = match Connection::connect(&self.config) {
+            Ok(asking) => asking,
+            // The server answered with a refusal: it is alive.
+            Err(e) if e.code().is_some() => return Probe::Working,
+            Err(_) => return Probe::Gone,
+        };
+        if asking
+            .framed
+            .socket()
+            .set_timeout(Some(self.patience))
+            .is_err()
+        {
+            return Probe::Gone;
+        }
+        let sql = format!(
+            "SELECT state FROM pg_catalog.pg_stat_activity WHERE pid = {}",
+            self.pid
+        );
+        match asking.simple_value(&sql) {
+            Ok(Some(Some(state))) if state == "active" => Probe::Working,
+            Ok(Some(_)) => Probe::Idle,
+            Ok(None) => Probe::Gone,
+            Err(e) if e.code().is_some() => Probe::Working,
+            Err(_) => Probe::Gone,
+        }
+    }
+}
+
 /// One session with the server.
 pub(crate) struct Connection {
     framed: Framed,
@@ -102,6 +170,8 @@ pub(crate) struct Connection {
     closed: bool,
     /// Round trips so far: writes the client then waited on.
     round_trips: u64,
+    /// How a silent server is found out (`None`: waits are unbounded).
+    watch: Option<Watch>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -128,7 +198,67 @@ impl Connection {
             status: b'I',
             closed: false,
             round_trips: 0,
+            watch: None,
         })
+    }
+
+    /// Bounds each wait for an answer by `patience`, after which the server
+    /// is asked whether the session is still running a statement (see the
+    /// module docs); `config` opens the asking connection.
+    ///
+    /// # Errors
+    /// Reading the session's backend process id failed (its own error).
+    pub(crate) fn watch(
+        &mut self,
+        patience: Duration,
+        config: &tokio_postgres::Config,
+    ) -> Result<(), WireError> {
+        let pid = self
+            .simple_value("SELECT pg_backend_pid()")?
+            .flatten()
+            .and_then(|pid| pid.parse().ok())
+            .ok_or_else(|| WireError::protocol("pg_backend_pid() returned no number"))?;
+        self.framed
+            .socket()
+            .set_timeout(Some(patience))
+            .map_err(|e| self.note(WireError::io(e)))?;
+        self.watch = Some(Watch {
+            config: config.clone(),
+            pid,
+            patience,
+        });
+        Ok(())
+    }
+
+    /// The next message, waiting as long as the server works on the
+    /// session's statement (see the module docs).
+    fn next(&mut self) -> Result<Message, WireError> {
+        let mut idle = false;
+        loop {
+            match self.framed.next() {
+                Err(e) if e.is_quiet() => {
+                    let Some(watch) = &self.watch else {
+                        return Err(e);
+                    };
+                    match watch.probe() {
+                        Probe::Working => idle = false,
+                        Probe::Idle if !idle => idle = true,
+                        verdict => {
+                            return Err(WireError::silent(format!(
+                                "no answer for {:?}, then {}",
+                                watch.patience,
+                                if verdict == Probe::Idle {
+                                    "its backend twice found not running a statement"
+                                } else {
+                                    "its backend gone or the server unreachable"
+                                }
+                            )));
+                        }
+                    }
+                }
+                other => return other,
+            }
+        }
     }
 
     /// A session over `framed`, already started (a test's stand-in server).
@@ -141,6 +271,7 @@ impl Connection {
             status: b'I',
             closed: false,
             round_trips: 0,
+            watch: None,
         }
     }
 
@@ -318,7 +449,7 @@ impl Connection {
                     return Ok(());
                 }
             }
-            match self.framed.next()? {
+            match self.next()? {
                 Message::BindComplete
                 | Message::NoticeResponse(_)
                 | Message::ParameterStatus(_)
@@ -444,7 +575,7 @@ impl Connection {
         let mut at = 0;
         let mut params: Vec<Type> = Vec::new();
         loop {
-            let message = match self.framed.next() {
+            let message = match self.next() {
                 Ok(message) => message,
                 Err(e) => return Err(self.note(e)),
             };
@@ -554,6 +685,12 @@ impl Connection {
     /// # Errors
     /// The server's first error, or the session's loss.
     pub(crate) fn simple(&mut self, sql: &str) -> Result<(), WireError> {
+        self.simple_value(sql).map(drop)
+    }
+
+    /// As [`simple`](Self::simple): the first column of the first row, if a
+    /// row came (`Some(None)`: SQL `NULL`), as text.
+    fn simple_value(&mut self, sql: &str) -> Result<Option<Option<String>>, WireError> {
         if self.closed {
             return Err(WireError::closed());
         }
@@ -565,14 +702,25 @@ impl Connection {
             return Err(self.note(e));
         }
         let mut error = None;
+        let mut value = None;
         loop {
-            match self.framed.next() {
+            match self.next() {
                 Ok(Message::ErrorResponse(body)) => {
                     let e = WireError::from_response(&body);
                     if e.is_closed() {
                         return Err(self.note(e));
                     }
                     error.get_or_insert(e);
+                }
+                Ok(Message::DataRow(body)) if value.is_none() => {
+                    use fallible_iterator::FallibleIterator;
+                    let buffer = body.buffer();
+                    let first = body.ranges().next().ok().flatten();
+                    value = Some(first.and_then(|range| {
+                        range
+                            .and_then(|r| buffer.get(r))
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                    }));
                 }
                 Ok(Message::ReadyForQuery(body)) => {
                     self.status = body.status();
@@ -584,7 +732,7 @@ impl Connection {
         }
         match error {
             Some(e) => Err(e),
-            None => Ok(()),
+            None => Ok(value),
         }
     }
 }

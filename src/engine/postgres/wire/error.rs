@@ -21,6 +21,11 @@ enum Kind {
     Io(std::io::Error),
     /// The server closed the connection.
     Closed,
+    /// No answer came within the socket's bound (the session may be alive).
+    Quiet,
+    /// The server went silent and was found not working on the session's
+    /// statement: the client gave the session up.
+    Silent(String),
     /// The server sent something the protocol does not allow here.
     Protocol(String),
     /// An earlier statement of the same pipeline failed, so the server
@@ -123,6 +128,21 @@ impl WireError {
         Self { kind: Kind::Closed }
     }
 
+    pub(super) fn quiet() -> Self {
+        Self { kind: Kind::Quiet }
+    }
+
+    pub(super) fn silent(what: impl Into<String>) -> Self {
+        Self {
+            kind: Kind::Silent(what.into()),
+        }
+    }
+
+    /// Whether a read found no answer within the socket's bound.
+    pub(super) fn is_quiet(&self) -> bool {
+        matches!(self.kind, Kind::Quiet)
+    }
+
     pub(super) fn protocol(what: impl Into<String>) -> Self {
         Self {
             kind: Kind::Protocol(what.into()),
@@ -176,7 +196,7 @@ impl WireError {
     /// the server closed it, broke the protocol, or ended the session.
     pub(crate) fn is_closed(&self) -> bool {
         match &self.kind {
-            Kind::Io(_) | Kind::Closed | Kind::Protocol(_) => true,
+            Kind::Io(_) | Kind::Closed | Kind::Quiet | Kind::Silent(_) | Kind::Protocol(_) => true,
             Kind::Db(db) => db.ends_session(),
             _ => false,
         }
@@ -196,6 +216,12 @@ impl fmt::Display for WireError {
             Kind::Db(db) => write!(f, "db error: {db}"),
             Kind::Io(e) => write!(f, "error communicating with the server: {e}"),
             Kind::Closed => f.write_str("connection closed"),
+            Kind::Quiet => f.write_str("the server did not answer in time"),
+            Kind::Silent(what) => write!(
+                f,
+                "connection given up: the server stopped answering ({what}); a statement \
+                 sent may or may not have run"
+            ),
             Kind::Protocol(what) => write!(f, "protocol error: {what}"),
             Kind::Skipped => f.write_str(
                 "not run: an earlier statement of the same pipeline failed and the server \

@@ -114,7 +114,9 @@ impl Framed {
     /// and a length beyond what its kind may have is refused at its header.
     ///
     /// # Errors
-    /// The socket failed, the server closed it, or sent a malformed message.
+    /// The socket failed, the server closed it, or sent a malformed message;
+    /// or no byte came within the socket's read bound ([`WireError::is_quiet`]:
+    /// what was read so far is kept, and the next call goes on).
     pub(super) fn next(&mut self) -> Result<Message, WireError> {
         loop {
             if let Some(message) = self.parse()? {
@@ -123,6 +125,15 @@ impl Framed {
             let n = loop {
                 match self.socket.read(&mut self.chunk) {
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    // The socket's read bound passed (see `Socket::set_timeout`).
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        return Err(WireError::quiet());
+                    }
                     other => break other.map_err(WireError::io)?,
                 }
             };

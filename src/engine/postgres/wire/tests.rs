@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use postgres_protocol::message::backend::Message;
 
+#[path = "../../../../tests/support/stall_proxy.rs"]
+mod stall_proxy;
+use stall_proxy::StallProxy;
+
 use super::frame::{Framed, Socket};
 use super::{Connection, WireError};
 use crate::engine::postgres::conn::{Conn, Step};
@@ -736,4 +740,164 @@ mod hostile_server {
             drop(peer);
         }
     }
+}
+
+/// Runs `f` on a thread of its own; fails the test naming `guarantee` when
+/// it has not returned within [`LIMIT`].
+fn within<T: Send + 'static>(guarantee: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done, result) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
+    });
+    result
+        .recv_timeout(LIMIT)
+        .unwrap_or_else(|_| panic!("watchdog: {guarantee}"))
+}
+
+#[test]
+fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    db.psql("CREATE TABLE t (k text PRIMARY KEY)");
+    let direct = config(&format!("{}?connect_timeout=2", db.url()));
+    let patience = Duration::from_millis(500);
+
+    // A lock wait far longer than the patience: the server is asked, finds
+    // the statement running, and the wait goes on to its answer.
+    let mut holder = connect(&db.url());
+    holder.simple("SELECT pg_advisory_lock(42)").unwrap();
+    let mut waiter = connect(&db.url());
+    waiter.watch(patience, &direct).unwrap();
+    let waiting = std::thread::spawn(move || {
+        let results = pipeline(&mut waiter, &[("SELECT pg_advisory_lock(42)", &[])]);
+        (results.into_iter().all(|r| r.is_ok()), waiter.is_closed())
+    });
+    std::thread::sleep(patience * 6);
+    holder.simple("SELECT pg_advisory_unlock(42)").unwrap();
+    assert_eq!(
+        waiting.join().unwrap(),
+        (true, false),
+        "a slow statement is waited for, however long"
+    );
+
+    // The path to the server stalls: the server cannot be asked either (the
+    // asking connection takes the same path): given up, in bounded time.
+    let proxy = StallProxy::to(server.port());
+    let through = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    let mut conn = connect(&through);
+    conn.watch(patience, &config(&through)).unwrap();
+    let insert = "INSERT INTO t VALUES ($1)";
+    let run = |conn: &mut Connection, k: &'static str| {
+        pipeline(conn, &[("BEGIN", &[]), (insert, &[&k]), ("COMMIT", &[])])
+    };
+    // Prepared while the path answers: the stalled round trip is the pipeline.
+    assert!(run(&mut conn, "warm").iter().all(Result::is_ok));
+    proxy.stall();
+    let (results, closed) = within(
+        "a watched session whose server stopped answering gives up",
+        move || {
+            let results: Vec<String> = run(&mut conn, "a")
+                .into_iter()
+                .map(|r| r.expect_err("no answer").to_string())
+                .collect();
+            (results, conn.is_closed())
+        },
+    );
+    assert!(closed);
+    assert!(
+        results[0].contains("stopped answering") && results[0].contains("unreachable"),
+        "{results:?}"
+    );
+
+    // The answer is lost on the way while the server, asked directly, finds
+    // the backend done and idle: given up after the second look.
+    let proxy = StallProxy::to(server.port());
+    let through = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    let mut conn = connect(&through);
+    conn.watch(patience, &direct).unwrap();
+    let staller = std::thread::spawn({
+        let db_url = db.url();
+        move || {
+            // Once the statement runs on the server, cut the path.
+            let mut look = connect(&db_url);
+            let deadline = Instant::now() + LIMIT;
+            loop {
+                let rows = pipeline(
+                    &mut look,
+                    &[(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(1.5)%'",
+                        &[],
+                    )],
+                );
+                if rows[0].as_ref().unwrap().rows[0].get::<_, i64>(0) > 0 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "watchdog: the statement never ran"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            proxy.stall();
+            proxy
+        }
+    });
+    let (result, closed) = within("a lost answer is found out", move || {
+        let results = pipeline(&mut conn, &[("SELECT pg_sleep(1.5)", &[])]);
+        (results.into_iter().next().unwrap(), conn.is_closed())
+    });
+    let _proxy = staller.join().unwrap();
+    let e = result.expect_err("the answer never came");
+    assert!(closed, "{e}");
+    assert!(e.to_string().contains("twice found not running"), "{e}");
+}
+
+#[test]
+fn an_enqueue_whose_server_went_silent_fails_in_bounded_time() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let proxy = StallProxy::to(server.port());
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=1&connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    let message = |key: &str| crate::NewMessage {
+        idempotency_key: key.into(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: "chat".into(),
+        content: "body".into(),
+        ..Default::default()
+    };
+    let outbox = crate::Outbox::postgres(&url).open().unwrap();
+    outbox.enqueue(message("before")).unwrap();
+    proxy.stall();
+    let failed = within(
+        "an enqueue on a pooled connection whose server stopped answering returns",
+        move || outbox.enqueue(message("after")),
+    );
+    let e = failed.expect_err("the server never answers");
+    assert!(
+        matches!(e, Error::Database { .. }),
+        "a database error: {e:?}"
+    );
+    drop(proxy);
+    assert_eq!(
+        db.psql("SELECT string_agg(idempotency_key, ',') FROM durable_outbox.items"),
+        "before",
+        "the stalled enqueue never reached the server"
+    );
 }
