@@ -33,7 +33,8 @@
 //! as it runs, and cutting it would fail work that was going to succeed. It
 //! asks the server instead, over a new connection bounded the same way,
 //! whether the session's backend is running a statement
-//! (`pg_stat_activity`): if so it waits again; if the backend is gone, or
+//! (`pg_stat_activity`: `active`, and not waiting to read from or write
+//! to its client): if so it waits again; if the backend is gone, or
 //! twice in a row not running one (its answer is lost on the way), or the
 //! server cannot be reached to ask, the session is given up (closed; a
 //! `COMMIT` among the statements not answered may or may not have
@@ -142,12 +143,16 @@ impl Watch {
         {
             return Probe::Gone;
         }
+        // Running a statement, and not waiting on the client: a backend that
+        // waits to read (a pipeline's part answered, awaiting the next) or to
+        // write (its answer stuck on the way) has nothing more to say.
         let sql = format!(
-            "SELECT state FROM pg_catalog.pg_stat_activity WHERE pid = {}",
+            "SELECT state = 'active' AND wait_event_type IS DISTINCT FROM 'Client' \
+             FROM pg_catalog.pg_stat_activity WHERE pid = {}",
             self.pid
         );
         match asking.simple_value(&sql) {
-            Ok(Some(Some(state))) if state == "active" => Probe::Working,
+            Ok(Some(Some(working))) if working == "t" => Probe::Working,
             Ok(Some(_)) => Probe::Idle,
             Ok(None) => Probe::Gone,
             Err(e) if e.code().is_some() => Probe::Working,
