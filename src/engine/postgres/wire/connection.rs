@@ -147,16 +147,16 @@ impl Watch {
         // waits to read (a pipeline's part answered, awaiting the next) or to
         // write (its answer stuck on the way) has nothing more to say.
         let sql = format!(
-            "SELECT state = 'active' AND wait_event_type IS DISTINCT FROM 'Client' \
+            "SELECT coalesce(state = 'active' \
+                 AND wait_event_type IS DISTINCT FROM 'Client', false) \
              FROM pg_catalog.pg_stat_activity WHERE pid = {}",
             self.pid
         );
         match asking.simple_value(&sql) {
-            Ok(Some(Some(working))) if working == "t" => Probe::Working,
+            Ok(Some(working)) if working == "t" => Probe::Working,
             Ok(Some(_)) => Probe::Idle,
-            Ok(None) => Probe::Gone,
             Err(e) if e.code().is_some() => Probe::Working,
-            Err(_) => Probe::Gone,
+            Ok(None) | Err(_) => Probe::Gone,
         }
     }
 }
@@ -220,7 +220,6 @@ impl Connection {
     ) -> Result<(), WireError> {
         let pid = self
             .simple_value("SELECT pg_backend_pid()")?
-            .flatten()
             .and_then(|pid| pid.parse().ok())
             .ok_or_else(|| WireError::protocol("pg_backend_pid() returned no number"))?;
         self.framed
@@ -449,10 +448,8 @@ impl Connection {
         until: Option<usize>,
     ) -> Result<(), WireError> {
         loop {
-            if let Some(n) = until {
-                if answers.failed || answers.results.len() >= n {
-                    return Ok(());
-                }
+            if until.is_some_and(|n| answers.failed || answers.results.len() >= n) {
+                return Ok(());
             }
             match self.next()? {
                 Message::BindComplete
@@ -693,9 +690,9 @@ impl Connection {
         self.simple_value(sql).map(drop)
     }
 
-    /// As [`simple`](Self::simple): the first column of the first row, if a
-    /// row came (`Some(None)`: SQL `NULL`), as text.
-    fn simple_value(&mut self, sql: &str) -> Result<Option<Option<String>>, WireError> {
+    /// As [`simple`](Self::simple): the first column of the first row, as
+    /// text (`None`: no row, or SQL `NULL`).
+    fn simple_value(&mut self, sql: &str) -> Result<Option<String>, WireError> {
         if self.closed {
             return Err(WireError::closed());
         }
@@ -708,6 +705,7 @@ impl Connection {
         }
         let mut error = None;
         let mut value = None;
+        let mut row = false;
         loop {
             match self.next() {
                 Ok(Message::ErrorResponse(body)) => {
@@ -717,15 +715,18 @@ impl Connection {
                     }
                     error.get_or_insert(e);
                 }
-                Ok(Message::DataRow(body)) if value.is_none() => {
+                Ok(Message::DataRow(body)) if !row => {
                     use fallible_iterator::FallibleIterator;
+                    row = true;
                     let buffer = body.buffer();
-                    let first = body.ranges().next().ok().flatten();
-                    value = Some(first.and_then(|range| {
-                        range
-                            .and_then(|r| buffer.get(r))
-                            .map(|v| String::from_utf8_lossy(v).into_owned())
-                    }));
+                    value = body
+                        .ranges()
+                        .next()
+                        .ok()
+                        .flatten()
+                        .flatten()
+                        .and_then(|r| buffer.get(r))
+                        .map(|v| String::from_utf8_lossy(v).into_owned());
                 }
                 Ok(Message::ReadyForQuery(body)) => {
                     self.status = body.status();

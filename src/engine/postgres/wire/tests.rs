@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use postgres_protocol::message::backend::Message;
 
+#[allow(
+    clippy::duplicate_mod,
+    reason = "the session tests load it too; neither module can reach the other's"
+)]
 #[path = "../../../../tests/support/stall_proxy.rs"]
 mod stall_proxy;
 use stall_proxy::StallProxy;
@@ -870,7 +874,7 @@ fn an_enqueue_whose_server_went_silent_fails_in_bounded_time() {
     let db = server.database();
     let proxy = StallProxy::to(server.port());
     let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=1&connect_timeout=2",
+        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=1000&connect_timeout=2",
         proxy.port(),
         db.name()
     );
