@@ -46,11 +46,12 @@
 //! wrote a whole large pipeline before reading would then wait on the
 //! server and the server on it, for ever (a Unix socket holds about 200 KiB
 //! in flight: the answers to 10,000 item writes of an `enqueue_many`). So a
-//! pipeline goes out in parts of at most [`PART`] bytes (a larger statement
-//! is a part of its own): each part but the last ends with a `Flush`, and
+//! pipeline goes out in parts: a statement, then those after it up to
+//! [`PART`] bytes; each part but the last ends with a `Flush`, and
 //! its answers are read before the next part is written; the last ends with
-//! the `Sync`. What the client writes while the server answers is thus at
-//! most one part, which the sockets' buffers hold. After an error in a part,
+//! the `Sync`. What the client writes while the server may be answering
+//! is thus at most `PART` bytes (nothing of a part is answered before its
+//! first statement was read whole), which the sockets' buffers hold. After an error in a part,
 //! the parts after it are not sent (the server would skip them): the
 //! `Sync` follows at once. The one-`Sync` semantics above are unchanged; a
 //! pipeline of `k` parts costs `k` round trips (one for the pipelines the
@@ -347,10 +348,14 @@ impl Connection {
         // Statements `next..` and their bytes from `start` are still to go.
         let (mut next, mut start) = (0, 0);
         let lost = loop {
-            let mut end = next;
-            while end < n && (end == next || ends[end] - start <= PART) {
+            // A part: its first statement, whatever its size (the server
+            // answers nothing of the part before it has read it whole), then
+            // statements while they add up to at most `PART` bytes.
+            let mut end = next + 1;
+            while end < n && ends[end] - ends[next] <= PART {
                 end += 1;
             }
+            let end = end.min(n);
             let stop = if end > next { ends[end - 1] } else { start };
             self.framed.out.extend_from_slice(&encoded[start..stop]);
             let last = end == n;

@@ -602,6 +602,20 @@ fn a_pipeline_larger_than_a_part_goes_out_in_parts_and_an_error_stops_the_rest()
     );
     assert_eq!(db.psql("SELECT count(*) FROM t"), "200");
     assert!(!conn.in_transaction());
+    // A large first statement and a small rest (a large item's write and
+    // its `COMMIT`, the transaction begun before): one part, one round trip
+    // (the server answers nothing before it has read the large one whole).
+    let large = "y".repeat(4 * super::connection::PART);
+    assert!(pipeline(&mut conn, &[("BEGIN", &[])])[0].is_ok());
+    let before = conn.round_trips();
+    let results = pipeline(&mut conn, &[(sql, &[&"large", &large]), ("COMMIT", &[])]);
+    assert!(results.iter().all(Result::is_ok));
+    assert_eq!(
+        conn.round_trips() - before,
+        1,
+        "a large item and its COMMIT"
+    );
+    db.psql("DELETE FROM t WHERE k = 'large'");
 
     // A duplicate key in the first part: the server skips the rest, so the
     // later parts are never sent; nothing commits; the session goes on.
