@@ -16,7 +16,7 @@ use std::time::Duration;
 use super::super::Connector;
 use super::super::liveness::Liveness;
 use super::super::notify::{Listener, Sender};
-use super::super::test_server::PgServer;
+use super::super::test_server::{PgDatabase, PgServer};
 use super::Session;
 
 #[path = "../../../../tests/support/stall_proxy.rs"]
@@ -54,6 +54,43 @@ fn within<T: Send + 'static>(
     result
         .recv_timeout(limit)
         .unwrap_or_else(|_| panic!("{guarantee}: still waiting after {limit:?}"))
+}
+
+/// A fresh database reached through a [`StallProxy`]: `url` goes through
+/// the proxy. Fields drop in order: the proxy closes before the database
+/// goes.
+struct Stallable {
+    url: String,
+    proxy: StallProxy,
+    _db: PgDatabase<'static>,
+}
+
+/// A fresh database behind a proxy, with `query` (the dead-peer bounds
+/// under test) on its URL; `None` where no test server runs.
+fn behind_a_proxy(query: &str) -> Option<Stallable> {
+    let server = PgServer::shared()?;
+    let db = server.database();
+    let proxy = StallProxy::to(server.port());
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?{query}",
+        proxy.port(),
+        db.name()
+    );
+    Some(Stallable {
+        url,
+        proxy,
+        _db: db,
+    })
+}
+
+/// A whole handle (owner lock, pool, `LISTEN`, wake-up sender) on `url`.
+fn open_engine(url: &str) -> super::super::PgEngine {
+    super::super::PgEngine::open(
+        url,
+        super::super::DEFAULT_SCHEMA,
+        crate::audit::Hasher::Plain,
+    )
+    .unwrap()
 }
 
 /// A handle on a host that vanished keeps its owner lock, and its claims
@@ -152,23 +189,16 @@ fn a_urls_own_dead_peer_settings_win_over_the_defaults() {
 /// timeout (the URL's `tcp_user_timeout`, here 2 s).
 #[test]
 fn a_check_of_the_owner_lock_whose_server_stopped_answering_fails_instead_of_hanging() {
-    let Some(server) = PgServer::shared() else {
+    let Some(path) = behind_a_proxy("tcp_user_timeout=2000&connect_timeout=2") else {
         return;
     };
-    let db = server.database();
-    let proxy = StallProxy::to(server.port());
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2000&connect_timeout=2",
-        proxy.port(),
-        db.name()
-    );
-    let connector = Connector::parse(&url).unwrap();
+    let connector = Connector::parse(&path.url).unwrap();
     let mut owner = Liveness::take(&connector, "outbox", "owner-stalled")
         .unwrap()
         .expect("a fresh owner id is free");
     assert!(owner.is_held(), "held while the path answers");
 
-    proxy.stall();
+    path.proxy.stall();
     let held = within(
         Duration::from_secs(60),
         "a check of the owner lock on a connection whose peer stopped answering ends \
@@ -199,23 +229,16 @@ fn a_check_of_the_owner_lock_whose_server_stopped_answering_fails_instead_of_han
 /// end on its own.
 #[test]
 fn dropping_the_wake_up_sender_returns_while_its_server_does_not_answer() {
-    let Some(server) = PgServer::shared() else {
+    let Some(path) = behind_a_proxy("tcp_user_timeout=600000") else {
         return;
     };
-    let db = server.database();
-    let proxy = StallProxy::to(server.port());
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600000",
-        proxy.port(),
-        db.name()
-    );
-    let connector = Connector::parse(&url).unwrap();
+    let connector = Connector::parse(&path.url).unwrap();
     let sender = Sender::start(&connector, "outbox", Duration::ZERO).unwrap();
     sender.request();
     let stats = sender.settled(Duration::from_secs(60));
     assert_eq!(stats.sent, 1, "the first NOTIFY reached the server");
 
-    proxy.stall();
+    path.proxy.stall();
     // This one's NOTIFY never gets an answer.
     sender.request();
     within(
@@ -231,28 +254,16 @@ fn dropping_the_wake_up_sender_returns_while_its_server_does_not_answer() {
 /// sockets takes) instead of waiting for any of them.
 #[test]
 fn dropping_a_handle_whose_server_stopped_answering_returns() {
-    let Some(server) = PgServer::shared() else {
+    let Some(path) = behind_a_proxy("tcp_user_timeout=600000") else {
         return;
     };
-    let db = server.database();
-    let proxy = StallProxy::to(server.port());
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=600000",
-        proxy.port(),
-        db.name()
-    );
-    let engine = super::super::PgEngine::open(
-        &url,
-        super::super::DEFAULT_SCHEMA,
-        crate::audit::Hasher::Plain,
-    )
-    .unwrap();
+    let engine = open_engine(&path.url);
     // Every connection kind is open: the LISTEN one once a worker waited.
     assert!(!engine.wait_for_work(Duration::from_millis(10)).unwrap());
     engine.wake.request();
     assert_eq!(engine.wake.settled(Duration::from_secs(60)).sent, 1);
 
-    proxy.stall();
+    path.proxy.stall();
     engine.wake.request();
     within(
         Duration::from_secs(30),
@@ -267,25 +278,13 @@ fn dropping_a_handle_whose_server_stopped_answering_returns() {
 /// error (and claims nothing) instead of waiting for ever.
 #[test]
 fn a_claim_on_a_handle_whose_server_stopped_answering_gets_an_error_in_bounded_time() {
-    let Some(server) = PgServer::shared() else {
+    let Some(path) = behind_a_proxy("tcp_user_timeout=2000&connect_timeout=2") else {
         return;
     };
-    let db = server.database();
-    let proxy = StallProxy::to(server.port());
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?tcp_user_timeout=2000&connect_timeout=2",
-        proxy.port(),
-        db.name()
-    );
-    let engine = super::super::PgEngine::open(
-        &url,
-        super::super::DEFAULT_SCHEMA,
-        crate::audit::Hasher::Plain,
-    )
-    .unwrap();
+    let engine = open_engine(&path.url);
     engine.ensure_owner().expect("held while the path answers");
 
-    proxy.stall();
+    path.proxy.stall();
     let (engine, owned) = within(
         Duration::from_secs(60),
         "a claim's owner check on a handle whose server stopped answering ends in bounded time",
