@@ -1729,6 +1729,36 @@ mod tests {
             })
     }
 
+    /// `a`'s step (its send recorded as delivered), spawned on `runtime`:
+    /// it leads a batch unless one is gathering.
+    fn spawn_step_of(
+        runtime: &tokio::runtime::Runtime,
+        shared: &Arc<Shared<()>>,
+        a: &ClaimId,
+    ) -> tokio::task::JoinHandle<Result<usize>> {
+        runtime.spawn({
+            let (shared, a) = (Arc::clone(shared), a.clone());
+            async move {
+                claim_next(&shared, Some(delivered(&a)), 0)
+                    .await
+                    .map(|t| t.len())
+            }
+        })
+    }
+
+    /// Awaits `a`'s step `first` under the watchdog: its leader's start
+    /// panicked, and the step raises that panic.
+    fn a_step_raises_its_leaders_panic(
+        runtime: &tokio::runtime::Runtime,
+        first: tokio::task::JoinHandle<Result<usize>>,
+    ) {
+        let first = step_within(runtime, "a's step", first);
+        assert!(
+            first.as_ref().is_err_and(tokio::task::JoinError::is_panic),
+            "a's step did not raise its leader's panic: {first:?}"
+        );
+    }
+
     fn multi_thread_runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -1760,14 +1790,7 @@ mod tests {
         // Holding the picker stops a's leader between collecting its batch
         // and running it, so the next step queues behind the batch.
         let picker = shared.picker.lock().expect("picker");
-        let first = runtime.spawn({
-            let (shared, a) = (Arc::clone(&shared), a.clone());
-            async move {
-                claim_next(&shared, Some(delivered(&a)), 0)
-                    .await
-                    .map(|t| t.len())
-            }
-        });
+        let first = spawn_step_of(&runtime, &shared, a);
         wait_until("a's leader collected its batch", || {
             let queue = shared.steps.queue();
             queue.gathering && queue.waiting.is_empty()
@@ -1780,11 +1803,7 @@ mod tests {
             shared.steps.queue().waiting.len() == 1
         });
         drop(picker);
-        let first = step_within(&runtime, "a's step", first);
-        assert!(
-            first.as_ref().is_err_and(tokio::task::JoinError::is_panic),
-            "a's step did not raise its leader's panic: {first:?}"
-        );
+        a_step_raises_its_leaders_panic(&runtime, first);
         match step_within(&runtime, "the step queued behind a's batch", behind) {
             Ok(Err(Error::Io {
                 op: "batched step", ..
@@ -1820,19 +1839,8 @@ mod tests {
         } = &fixture;
         let runtime = multi_thread_runtime();
         let shared = shared_on(outbox, &runtime);
-        let first = runtime.spawn({
-            let (shared, a) = (Arc::clone(&shared), a.clone());
-            async move {
-                claim_next(&shared, Some(delivered(&a)), 0)
-                    .await
-                    .map(|t| t.len())
-            }
-        });
-        let first = step_within(&runtime, "a's step", first);
-        assert!(
-            first.as_ref().is_err_and(tokio::task::JoinError::is_panic),
-            "a's step did not raise its leader's panic: {first:?}"
-        );
+        let first = spawn_step_of(&runtime, &shared, a);
+        a_step_raises_its_leaders_panic(&runtime, first);
         let next = step_within(
             &runtime,
             "b's step, after a's leader failed to start",
