@@ -2,7 +2,8 @@
 
 use std::path::Path;
 
-use super::{State, decode, encode};
+use super::{Loaded, State, Store, decode, encode};
+use crate::failpoint::Failpoints;
 
 const SEED: &str = include_str!("../../fixtures/seed-v1/outbox.json");
 
@@ -65,6 +66,26 @@ fn version_zero_and_future_versions_are_refused() {
     }
 }
 
+/// A journal store in a fresh directory (kept while the returned guard
+/// lives), and failpoints for its writes, none armed.
+fn fresh_store() -> (tempfile::TempDir, Store, Failpoints) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(dir.path());
+    (dir, store, Failpoints::none())
+}
+
+/// Loads the writer's state `ours` of `store` and commits one entry (synced)
+/// with it; returns the loaded state.
+fn with_one_entry<'a>(
+    store: &Store,
+    ours: &'a mut Option<Loaded>,
+    faults: &Failpoints,
+) -> &'a mut Loaded {
+    let loaded = store.refresh(ours).unwrap();
+    store.commit(loaded, Vec::new(), &[], faults).unwrap();
+    loaded
+}
+
 /// A transaction whose journal cannot grow (a full disk), or whose growth
 /// cannot be synced, fails alone and cleanly: nothing of its entry may stay
 /// behind for the group's write, or the next entry would follow it with the
@@ -77,11 +98,9 @@ fn a_failed_journal_extension_leaves_nothing_of_its_entry_for_the_next_write() {
 }
 
 fn a_failed_growth_leaves_nothing_of_its_entry(point: &str) {
-    use super::{CommitFailure, Store};
-    use crate::failpoint::{FailAction, Failpoints};
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::new(dir.path());
-    let faults = Failpoints::none();
+    use super::CommitFailure;
+    use crate::failpoint::FailAction;
+    let (_dir, store, faults) = fresh_store();
     faults.arm(point, FailAction::ErrorOnHit(1));
     let mut ours = None;
     let loaded = store.refresh(&mut ours).unwrap();
@@ -120,15 +139,10 @@ fn a_failed_growth_leaves_nothing_of_its_entry(point: &str) {
 /// each where it belongs: a reload finds all of them, in order.
 #[test]
 fn a_synchronous_commit_writes_the_unwritten_entries_ahead_of_its_own() {
-    use super::Store;
-    use crate::failpoint::Failpoints;
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::new(dir.path());
-    let faults = Failpoints::none();
+    let (_dir, store, faults) = fresh_store();
     let mut ours = None;
-    let loaded = store.refresh(&mut ours).unwrap();
     // One entry already written and synced, two left unwritten by a group.
-    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let loaded = with_one_entry(&store, &mut ours, &faults);
     for _ in 0..2 {
         store
             .append_unsynced(loaded, None, Vec::new(), &[], &faults)
@@ -152,14 +166,9 @@ fn a_synchronous_commit_writes_the_unwritten_entries_ahead_of_its_own() {
 /// whose caller was told it failed would become durable after all.
 #[test]
 fn a_refresh_forgets_entries_that_were_never_written() {
-    use super::Store;
-    use crate::failpoint::Failpoints;
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::new(dir.path());
-    let faults = Failpoints::none();
+    let (_dir, store, faults) = fresh_store();
     let mut ours = None;
-    let loaded = store.refresh(&mut ours).unwrap();
-    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let loaded = with_one_entry(&store, &mut ours, &faults);
     // A group's entry, appended, never written.
     store
         .append_unsynced(loaded, None, Vec::new(), &[], &faults)
@@ -188,14 +197,9 @@ fn a_refresh_forgets_entries_that_were_never_written() {
 /// entry whose audit records a power cut lost, or one that carries none).
 #[test]
 fn a_damaged_header_running_into_an_entry_is_an_error_not_a_lone_bad_header() {
-    use super::Store;
-    use crate::failpoint::Failpoints;
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::new(dir.path());
-    let faults = Failpoints::none();
+    let (dir, store, faults) = fresh_store();
     let mut ours = None;
-    let loaded = store.refresh(&mut ours).unwrap();
-    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    with_one_entry(&store, &mut ours, &faults);
     drop(ours);
     let journal = dir.path().join("outbox.journal");
     let mut bytes = std::fs::read(&journal).unwrap();
@@ -227,16 +231,12 @@ fn a_damaged_header_running_into_an_entry_is_an_error_not_a_lone_bad_header() {
 /// as old disk contents, which a load takes for damage.
 #[test]
 fn a_growth_whose_sync_failed_is_grown_and_synced_again_by_the_next_writer() {
-    use super::Store;
-    use crate::failpoint::{FailAction, Failpoints};
-    let dir = tempfile::tempdir().unwrap();
+    use crate::failpoint::FailAction;
+    let (dir, store, faults) = fresh_store();
     let journal = dir.path().join("outbox.journal");
-    let store = Store::new(dir.path());
-    let faults = Failpoints::none();
     faults.arm("journal.extend_sync", FailAction::ErrorOnHit(1));
     let mut ours = None;
-    let loaded = store.refresh(&mut ours).unwrap();
-    store.commit(loaded, Vec::new(), &[], &faults).unwrap();
+    let loaded = with_one_entry(&store, &mut ours, &faults);
     let durable_len = std::fs::metadata(&journal).unwrap().len();
     let mut appended = 0u64;
     while store
