@@ -3,32 +3,14 @@
 //! whose records went are expected, not problems) and its export verifies
 //! offline, in a directory and through a `postgres://` URL alike.
 
-use std::time::Duration;
-
 use durable_outbox::{AuditLog, OutboxBuilder};
 
-use crate::harness::{cli, message};
+use crate::harness::{cli, in_three_sealed_segments};
 
 /// Three segments of records (four items, each queued and sent), the oldest
 /// two removed; then `verify` and `export --audit` on `location`.
 fn a_pruned_outbox_verifies_with_the_tool(location: &str, builder: OutboxBuilder) {
-    let outbox = builder
-        .rate_limit(u32::MAX, Duration::from_secs(60))
-        .audit_rotate_bytes(4096)
-        .open()
-        .unwrap();
-    for round in 0..3 {
-        for i in 0..4 {
-            let key = format!("r{round}-{i}");
-            outbox.enqueue(message(&key, "chat-1")).unwrap();
-            outbox
-                .process(&key, |item| {
-                    Ok(Some(format!("tg-{}", item.idempotency_key())))
-                })
-                .unwrap();
-        }
-        outbox.compact().unwrap();
-    }
+    let outbox = in_three_sealed_segments(builder);
     assert!(
         outbox
             .remove_old_audit_segments(1, "ops", "older than a year")

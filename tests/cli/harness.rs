@@ -4,7 +4,7 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use durable_outbox::{ManualClock, NewMessage, Outbox, SendError};
+use durable_outbox::{ManualClock, NewMessage, Outbox, OutboxBuilder, SendError};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -93,6 +93,30 @@ pub fn message(key: &str, destination: &str) -> NewMessage {
         content: format!("body of {key}"),
         ..Default::default()
     }
+}
+
+/// The outbox `builder` opens, its audit history grown to three sealed
+/// segments (each of four items, queued and sent, then a compaction) and
+/// the active file: old history for a removal to take.
+pub fn in_three_sealed_segments(builder: OutboxBuilder) -> Outbox {
+    let outbox = builder
+        .rate_limit(u32::MAX, std::time::Duration::from_secs(60))
+        .audit_rotate_bytes(4096)
+        .open()
+        .unwrap();
+    for round in 0..3 {
+        for i in 0..4 {
+            let key = format!("r{round}-{i}");
+            outbox.enqueue(message(&key, "chat-1")).unwrap();
+            outbox
+                .process(&key, |item| {
+                    Ok(Some(format!("tg-{}", item.idempotency_key())))
+                })
+                .unwrap();
+        }
+        outbox.compact().unwrap();
+    }
+    outbox
 }
 
 /// An outbox directory plus an open handle on it (an idle "bot").

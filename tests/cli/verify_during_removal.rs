@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use durable_outbox::Outbox;
 
-use crate::harness::{Run, command, finished, message};
+use crate::harness::{Run, command, finished, in_three_sealed_segments};
 
 /// Far beyond what each wait needs.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -61,27 +61,9 @@ fn verified_after_removal(run: &Run) {
         .says("have no record in the chain: their records were in the old audit history");
 }
 
-/// A file outbox with three sealed segments (four items each, queued and
-/// sent) and the active file.
+/// A file outbox with three sealed segments and the active file.
 fn three_segments(dir: &Path) -> Outbox {
-    let outbox = Outbox::builder(dir)
-        .rate_limit(u32::MAX, Duration::from_secs(60))
-        .audit_rotate_bytes(4096)
-        .open()
-        .unwrap();
-    for round in 0..3 {
-        for i in 0..4 {
-            let key = format!("r{round}-{i}");
-            outbox.enqueue(message(&key, "chat-1")).unwrap();
-            outbox
-                .process(&key, |item| {
-                    Ok(Some(format!("tg-{}", item.idempotency_key())))
-                })
-                .unwrap();
-        }
-        outbox.compact().unwrap();
-    }
-    outbox
+    in_three_sealed_segments(Outbox::builder(dir))
 }
 
 /// Removes all but the newest segment; returns the chain's first seq after.
