@@ -7,7 +7,7 @@
 //! pages or files with a pause failpoint (`DURABLE_OUTBOX_FAILPOINTS`), and
 //! removes while it waits.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -66,6 +66,26 @@ fn three_segments(dir: &Path) -> Outbox {
     in_three_sealed_segments(Outbox::builder(dir))
 }
 
+/// The sealed segments of a file outbox made by [`three_segments`] and
+/// closed, oldest first.
+fn sealed_segments(dir: &Path) -> Vec<PathBuf> {
+    drop(three_segments(dir));
+    let mut segments: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("audit-")
+        })
+        .collect();
+    segments.sort();
+    assert!(segments.len() >= 3, "{segments:?}");
+    segments
+}
+
 /// Removes all but the newest segment; returns the chain's first seq after.
 fn remove_old(outbox: &Outbox) -> u64 {
     let removed = outbox
@@ -90,21 +110,7 @@ fn a_removal_that_deletes_segments_while_verify_reads_them_is_read_again_not_rep
 #[test]
 fn a_segment_deleted_by_hand_while_verify_reads_is_still_reported() {
     let dir = tempfile::tempdir().unwrap();
-    let outbox = three_segments(dir.path());
-    drop(outbox);
-    let mut segments: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("audit-")
-        })
-        .collect();
-    segments.sort();
-    assert!(segments.len() >= 3, "{segments:?}");
+    let segments = sealed_segments(dir.path());
     // The chain's start stays: the hole is damage, whenever it was made.
     let run = verify_while(dir.path().to_str().unwrap(), "audit.next_file", 1, || {
         std::fs::remove_file(&segments[1]).unwrap();
@@ -120,21 +126,7 @@ fn a_segment_deleted_by_hand_while_verify_reads_is_still_reported() {
 #[test]
 fn a_front_cut_by_hand_while_verify_reads_is_still_reported() {
     let dir = tempfile::tempdir().unwrap();
-    let outbox = three_segments(dir.path());
-    drop(outbox);
-    let mut segments: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("audit-")
-        })
-        .collect();
-    segments.sort();
-    assert!(segments.len() >= 3, "{segments:?}");
+    let segments = sealed_segments(dir.path());
     let run = verify_while(dir.path().to_str().unwrap(), "audit.next_file", 1, || {
         std::fs::remove_file(&segments[0]).unwrap();
         std::fs::remove_file(&segments[1]).unwrap();
