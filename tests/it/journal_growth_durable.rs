@@ -23,12 +23,11 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
-use std::path::Path;
 use std::time::Duration;
 
 use durable_outbox::{NewMessage, Outbox};
 
-use crate::power_loss::recorder::{Op, ROOT, RecordingFs};
+use crate::power_loss::recorder::{self, Op, ROOT};
 
 const JOURNAL: &str = "outbox.journal";
 
@@ -38,41 +37,6 @@ const CONTENT: usize = 200 * 1024;
 
 /// Enqueues: enough to grow the journal once (8 x 200 KiB > 1 MiB).
 const ENQUEUES: usize = 8;
-
-/// Runs `workload` on a fresh recording mount; `None` (after reporting) if
-/// this machine cannot mount one.
-fn recorded(workload: impl FnOnce(&Path)) -> Option<Vec<Op>> {
-    use std::os::unix::fs::MetadataExt;
-    let unavailable = |why: String| {
-        crate::harness::missing_tool(
-            "FUSE (/dev/fuse, and the right to mount: root, or fusermount3 from Debian's fuse3)",
-            &why,
-        );
-    };
-    if !Path::new("/dev/fuse").exists() {
-        unavailable("/dev/fuse does not exist".into());
-        return None;
-    }
-    let base = tempfile::tempdir().unwrap();
-    let mount = base.path().join("mnt");
-    std::fs::create_dir(&mount).unwrap();
-    let meta = std::fs::metadata(&mount).unwrap();
-    let fs = RecordingFs::new(meta.uid(), meta.gid());
-    let state = fs.state.clone();
-    let mut config = fuser::Config::default();
-    config.mount_options = vec![fuser::MountOption::FSName("outbox-growth".into())];
-    let session = match fuser::spawn_mount(fs, &mount, &config) {
-        Ok(session) => session,
-        Err(e) => {
-            unavailable(format!("cannot mount a FUSE filesystem: {e}"));
-            return None;
-        }
-    };
-    workload(&mount);
-    session.umount_and_join().unwrap();
-    let log = std::mem::take(&mut state.lock().unwrap().log);
-    Some(log)
-}
 
 /// What the checker found in a log.
 #[derive(Default, Debug)]
@@ -140,7 +104,7 @@ fn check(ops: &[Op]) -> Growths {
 
 #[test]
 fn a_journal_growth_is_synced_before_an_entry_is_written_into_it() {
-    let Some(ops) = recorded(|dir| {
+    let Some(((), ops)) = recorder::record("outbox-growth", |dir| {
         crate::harness::within(
             "a journal growth is synced before an entry is written into it (the workload finishes)",
             crate::harness::DEADLOCK_LIMIT,

@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use durable_outbox::{ItemState, Outbox, OutboxItem};
 
 use crash_states::{Fate, Recording, Rng, Shape};
-use recorder::{Op, RecordingFs};
+use recorder::Op;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_outbox-test-worker");
 
@@ -113,78 +113,51 @@ fn builder(dir: &Path) -> durable_outbox::OutboxBuilder {
         .audit_rotate_bytes(2048)
 }
 
-/// Skips locally, fails under CI, when the machine cannot run the harness.
-fn unavailable(reason: &str) {
-    crate::harness::missing_tool(
-        "FUSE (/dev/fuse, and the right to mount: root, or fusermount3 from Debian's fuse3)",
-        reason,
-    );
-}
-
 /// Runs the workload on a recording mount and returns its operation log.
 fn record_workload() -> Option<Vec<Op>> {
-    use std::os::unix::fs::MetadataExt;
-    if !Path::new("/dev/fuse").exists() {
-        unavailable("/dev/fuse does not exist");
-        return None;
-    }
-    let base = tempfile::tempdir().unwrap();
-    let mount = base.path().join("mnt");
-    std::fs::create_dir(&mount).unwrap();
-    let meta = std::fs::metadata(&mount).unwrap();
-    let fs = RecordingFs::new(meta.uid(), meta.gid());
-    let state = fs.state.clone();
-    let mut config = fuser::Config::default();
-    config.mount_options = vec![fuser::MountOption::FSName("outbox-powerloss".into())];
-    let session = match fuser::spawn_mount(fs, &mount, &config) {
-        Ok(session) => session,
-        Err(e) => {
-            unavailable(&format!("cannot mount a FUSE filesystem: {e}"));
-            return None;
-        }
-    };
-    let mut child = Command::new(WORKER)
-        .arg("powerloss")
-        .arg(&mount)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > WORKLOAD_WATCHDOG {
-            let _ = child.kill();
-            let _ = child.wait();
-            drop(session);
-            panic!(
-                "watchdog: the power-loss workload did not finish in {WORKLOAD_WATCHDOG:?} \
-                 (a hang on the recording filesystem)"
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (mut out, mut err) = (String::new(), String::new());
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut out)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    session.umount_and_join().unwrap();
+    let ((status, out, err), log) = recorder::record("outbox-powerloss", |mount| {
+        let mut child = Command::new(WORKER)
+            .arg("powerloss")
+            .arg(mount)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > WORKLOAD_WATCHDOG {
+                let _ = child.kill();
+                let _ = child.wait();
+                // Unwinding takes the mount down.
+                panic!(
+                    "watchdog: the power-loss workload did not finish in {WORKLOAD_WATCHDOG:?} \
+                     (a hang on the recording filesystem)"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let (mut out, mut err) = (String::new(), String::new());
+        child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (status, out, err)
+    })?;
     assert!(
         status.success() && out.contains("done"),
         "the workload failed on the recording filesystem: {status}\n{out}\n{err}"
     );
-    let log = std::mem::take(&mut state.lock().unwrap().log);
     Some(log)
 }
 

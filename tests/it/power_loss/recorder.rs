@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{OsStr, OsString};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -125,6 +126,44 @@ impl RecordingFs {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// Runs `workload` on a fresh recording mount whose filesystem is named
+/// `fs_name`, and returns what it returned with the operation log, taken
+/// once the mount is down (a workload that panics takes the mount down as
+/// it unwinds). `None`, after reporting why (a failure when `CI` is set),
+/// where this machine cannot mount one.
+pub fn record<T>(fs_name: &str, workload: impl FnOnce(&Path) -> T) -> Option<(T, Vec<Op>)> {
+    use std::os::unix::fs::MetadataExt;
+    let unavailable = |why: &str| {
+        crate::harness::missing_tool(
+            "FUSE (/dev/fuse, and the right to mount: root, or fusermount3 from Debian's fuse3)",
+            why,
+        );
+    };
+    if !Path::new("/dev/fuse").exists() {
+        unavailable("/dev/fuse does not exist");
+        return None;
+    }
+    let base = tempfile::tempdir().unwrap();
+    let mount = base.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let meta = std::fs::metadata(&mount).unwrap();
+    let fs = RecordingFs::new(meta.uid(), meta.gid());
+    let state = fs.state.clone();
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![fuser::MountOption::FSName(fs_name.into())];
+    let session = match fuser::spawn_mount(fs, &mount, &config) {
+        Ok(session) => session,
+        Err(e) => {
+            unavailable(&format!("cannot mount a FUSE filesystem: {e}"));
+            return None;
+        }
+    };
+    let done = workload(&mount);
+    session.umount_and_join().unwrap();
+    let log = std::mem::take(&mut state.lock().unwrap().log);
+    Some((done, log))
 }
 
 impl State {
