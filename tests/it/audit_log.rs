@@ -11,7 +11,7 @@ use durable_outbox::{AuditFault, AuditLog, Error, GENESIS_HASH, Outbox, SendErro
 use sha2::{Digest, Sha256};
 
 use crate::engines::{EngineUnderTest, Kind, on_both_engines};
-use crate::harness::{Harness, builder, msg, secs};
+use crate::harness::{Harness, builder, files_starting_with, msg, secs};
 
 /// A mixed workload: sends, retries, deferrals, failures.
 fn busy() -> Harness {
@@ -269,16 +269,7 @@ fn a_torn_last_line_is_quarantined_and_the_chain_continues() {
         .rate_limit(2, secs(60))
         .open()
         .unwrap();
-    let quarantined: Vec<_> = fs::read_dir(h.dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("audit.jsonl.torn-")
-        })
-        .collect();
+    let quarantined = files_starting_with(h.dir.path(), "audit.jsonl.torn-");
     assert_eq!(quarantined.len(), 1);
     assert_eq!(
         fs::read(&quarantined[0]).unwrap(),

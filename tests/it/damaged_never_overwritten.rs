@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use durable_outbox::{ManualClock, Outbox};
 
-use crate::harness::{START, builder, msg};
+use crate::harness::{START, builder, files_starting_with, msg};
 
 const JOURNAL: &str = "outbox.journal";
 
@@ -29,18 +29,7 @@ fn open(dir: &Path) -> Outbox {
 
 /// The set-aside copies of the journal in `dir`.
 fn set_aside(dir: &Path) -> Vec<PathBuf> {
-    let mut found: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with(&format!("{JOURNAL}.torn-"))
-        })
-        .collect();
-    found.sort();
-    found
+    files_starting_with(dir, &format!("{JOURNAL}.torn-"))
 }
 
 /// An outbox holding "a", folded into its snapshot: its journal is a header

@@ -279,6 +279,18 @@ pub fn drop_mid_send(
     });
 }
 
+/// The files in `dir` whose name starts with `prefix`, in name order: the
+/// copies recovery sets aside (`<file>.torn-<n>`), for one.
+pub fn files_starting_with(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
+        .collect();
+    found.sort();
+    found
+}
+
 /// How long a test that can deadlock may run before its watchdog fires:
 /// far beyond what it needs on a loaded two-core machine.
 pub const DEADLOCK_LIMIT: Duration = Duration::from_secs(30);

@@ -10,22 +10,11 @@ use std::path::Path;
 
 use durable_outbox::{Error, ManualClock, Outbox};
 
-use crate::harness::{START, builder, msg};
+use crate::harness::{START, builder, files_starting_with, msg};
 
 fn open(dir: &Path) -> Outbox {
     let clock = ManualClock::at(START).unwrap();
     builder(dir, &clock).open().expect("the outbox opens")
-}
-
-/// Files in `dir` whose name starts with `prefix`.
-fn quarantined(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
-    let mut found: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
-        .collect();
-    found.sort();
-    found
 }
 
 /// Where the entries of `outbox.journal` end: its first zero byte.
@@ -66,7 +55,7 @@ fn a_torn_unacknowledged_entry_beyond_zeros_is_set_aside_before_the_next_commit(
         "the acknowledged enqueue"
     );
     outbox.verify_audit().unwrap();
-    let set_aside = quarantined(dir.path(), "outbox.journal.torn-");
+    let set_aside = files_starting_with(dir.path(), "outbox.journal.torn-");
     assert_eq!(set_aside.len(), 1, "{set_aside:?}");
     let kept = fs::read(&set_aside[0]).unwrap();
     let mut expected = vec![0u8; 100];
@@ -189,7 +178,7 @@ fn assert_rebuilt(dir: &Path, log: &[u8], damaged_from: usize) {
         log,
         "the log is rebuilt from the journal, byte for byte"
     );
-    let set_aside = quarantined(dir, "audit.jsonl.torn-");
+    let set_aside = files_starting_with(dir, "audit.jsonl.torn-");
     assert_eq!(set_aside.len(), 1, "{set_aside:?}");
     assert_eq!(
         fs::read(&set_aside[0]).unwrap(),
@@ -233,7 +222,7 @@ fn damage_to_a_durable_audit_record_is_refused_and_nothing_is_written() {
         "the damaged durable record is named: {err}"
     );
     assert_eq!(fs::read(dir.path().join("audit.jsonl")).unwrap(), damaged);
-    assert!(quarantined(dir.path(), "audit.jsonl.torn-").is_empty());
+    assert!(files_starting_with(dir.path(), "audit.jsonl.torn-").is_empty());
 }
 
 /// An outbox whose journal holds the acknowledged `a`, then the entry of a
@@ -315,7 +304,7 @@ fn assert_torn_write_set_aside(dir: &Path, torn: &[u8], lost: &[&str], destinati
         "the acknowledged enqueue"
     );
     outbox.verify_audit().unwrap();
-    let set_aside = quarantined(dir, "outbox.journal.torn-");
+    let set_aside = files_starting_with(dir, "outbox.journal.torn-");
     assert_eq!(set_aside.len(), 1, "{set_aside:?}");
     assert_eq!(
         fs::read(&set_aside[0]).unwrap(),
@@ -402,7 +391,7 @@ fn assert_journal_refused_at(dir: &Path, at: usize) {
         "{refused:?}"
     );
     assert_eq!(fs::read(&journal_path).unwrap(), journal, "nothing written");
-    assert!(quarantined(dir, "outbox.journal.torn-").is_empty());
+    assert!(files_starting_with(dir, "outbox.journal.torn-").is_empty());
 }
 
 #[test]
