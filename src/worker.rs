@@ -1729,6 +1729,17 @@ mod tests {
             })
     }
 
+    /// Two claimed items, a multi-thread runtime, and a worker's shared state
+    /// over them, where the `hit`-th start of a leader panics.
+    fn leader_start_panics_on_hit(
+        hit: u32,
+    ) -> (TwoClaimed, tokio::runtime::Runtime, Arc<Shared<()>>) {
+        let fixture = TwoClaimed::new(&[("step.spawn", crate::FailAction::PanicOnHit(hit))], false);
+        let runtime = multi_thread_runtime();
+        let shared = shared_on(&fixture.outbox, &runtime);
+        (fixture, runtime, shared)
+    }
+
     /// `a`'s step (its send recorded as delivered), spawned on `runtime`:
     /// it leads a batch unless one is gathering.
     fn spawn_step_of(
@@ -1777,16 +1788,9 @@ mod tests {
     /// again.
     #[test]
     fn a_leader_whose_hand_over_panics_never_strands_the_steps_queued_behind_it() {
-        use crate::FailAction;
         // The first start (a's step) passes; the second, the hand-over, panics.
-        let fixture = TwoClaimed::new(&[("step.spawn", FailAction::PanicOnHit(2))], false);
-        let TwoClaimed {
-            outbox,
-            claims: [a, _],
-            ..
-        } = &fixture;
-        let runtime = multi_thread_runtime();
-        let shared = shared_on(outbox, &runtime);
+        let (fixture, runtime, shared) = leader_start_panics_on_hit(2);
+        let TwoClaimed { claims: [a, _], .. } = &fixture;
         // Holding the picker stops a's leader between collecting its batch
         // and running it, so the next step queues behind the batch.
         let picker = shared.picker.lock().expect("picker");
@@ -1830,15 +1834,12 @@ mod tests {
     /// leader that was never started.
     #[test]
     fn a_step_whose_leader_fails_to_start_never_strands_the_next_steps() {
-        use crate::FailAction;
-        let fixture = TwoClaimed::new(&[("step.spawn", FailAction::PanicOnHit(1))], false);
+        let (fixture, runtime, shared) = leader_start_panics_on_hit(1);
         let TwoClaimed {
             outbox,
             claims: [a, b],
             ..
         } = &fixture;
-        let runtime = multi_thread_runtime();
-        let shared = shared_on(outbox, &runtime);
         let first = spawn_step_of(&runtime, &shared, a);
         a_step_raises_its_leaders_panic(&runtime, first);
         let next = step_within(
