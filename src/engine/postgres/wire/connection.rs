@@ -197,15 +197,7 @@ impl Connection {
     /// # Errors
     /// As [`startup::open`](super::startup::open).
     pub(crate) fn connect(config: &tokio_postgres::Config) -> Result<Self, WireError> {
-        Ok(Self {
-            framed: super::startup::open(config)?,
-            statements: HashMap::new(),
-            named: 0,
-            status: b'I',
-            closed: false,
-            round_trips: 0,
-            watch: None,
-        })
+        Ok(Self::over(super::startup::open(config)?))
     }
 
     /// Bounds each wait for an answer by `patience`, after which the server
@@ -266,8 +258,8 @@ impl Connection {
         }
     }
 
-    /// A session over `framed`, already started (a test's stand-in server).
-    #[cfg(test)]
+    /// A session over `framed`, already started (by [`connect`](Self::connect),
+    /// or a test's stand-in server).
     pub(super) fn over(framed: Framed) -> Self {
         Self {
             framed,

@@ -29,7 +29,7 @@ use stall_proxy::StallProxy;
 use super::frame::{Framed, Socket};
 use super::{Connection, WireError};
 use crate::engine::postgres::conn::{Conn, Step};
-use crate::engine::postgres::test_server::PgServer;
+use crate::engine::postgres::test_server::{PgDatabase, PgServer};
 use crate::error::Error;
 
 /// A watchdog for waits on the server: far beyond what they need.
@@ -772,6 +772,17 @@ fn within<T: Send + 'static>(guarantee: &str, f: impl FnOnce() -> T + Send + 'st
         .unwrap_or_else(|_| panic!("watchdog: {guarantee}"))
 }
 
+/// A stall proxy in front of `server`, and a URL of `db` through it.
+fn behind_a_stall_proxy(server: &PgServer, db: &PgDatabase<'_>) -> (StallProxy, String) {
+    let proxy = StallProxy::to(server.port());
+    let through = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    (proxy, through)
+}
+
 #[test]
 fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() {
     let Some(server) = PgServer::shared() else {
@@ -802,12 +813,7 @@ fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() 
 
     // The path to the server stalls: the server cannot be asked either (the
     // asking connection takes the same path): given up, in bounded time.
-    let proxy = StallProxy::to(server.port());
-    let through = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
-        proxy.port(),
-        db.name()
-    );
+    let (proxy, through) = behind_a_stall_proxy(server, &db);
     let mut conn = connect(&through);
     conn.watch(patience, &config(&through)).unwrap();
     let insert = "INSERT INTO t VALUES ($1)";
@@ -835,12 +841,7 @@ fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() 
 
     // The answer is lost on the way while the server, asked directly, finds
     // the backend done and idle: given up after the second look.
-    let proxy = StallProxy::to(server.port());
-    let through = format!(
-        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
-        proxy.port(),
-        db.name()
-    );
+    let (proxy, through) = behind_a_stall_proxy(server, &db);
     let mut conn = connect(&through);
     conn.watch(patience, &direct).unwrap();
     let staller = std::thread::spawn({
