@@ -226,6 +226,68 @@ def variant(on, shared_enqueue_lock=False, three_round_trips=False, times_in_pla
     return sql, "indexes" not in on
 
 
+FOR_UPDATE = ("SELECT idempotency_key, revision, doc, seq FROM {s}.items WHERE idempotency_key "
+              "= 'key-' || :k FOR UPDATE;\n")
+BREAK = "\\endpipeline\n\\startpipeline\n"
+SEALING = ("WITH d AS (DELETE FROM {s}.audit_pending WHERE id IN (SELECT id FROM {s}.audit_pending "
+           "ORDER BY id LIMIT 1000) RETURNING id, event) SELECT count(*) AS n FROM d \\gset\n"
+           "\\set tail :head + :n\n")
+SEALED = ("WITH sealed AS (INSERT INTO {s}.audit (seq, hash, line) SELECT * FROM unnest(ARRAY(SELECT "
+          ":head + g FROM generate_series(1, :n) g), ARRAY(SELECT repeat('h', 64) FROM "
+          "generate_series(1, :n)), ARRAY(SELECT repeat('x', {line_len}) FROM generate_series(1, "
+          ":n)))) UPDATE {s}.audit_head SET seq = :tail, hash = repeat('h', 64) WHERE id = 1;\n")
+# Audit events stored once: the sealing leaves the pending bodies where they
+# are and appends narrow (seq, hash, event id) records after the head.
+SEALING_ONCE = ("WITH sealed AS (INSERT INTO {s}.audit_seal (seq, hash, event_id) SELECT :head + "
+                "row_number() OVER (ORDER BY id), repeat('h', 64), id FROM {s}.audit_pending WHERE "
+                "id > :head ORDER BY id LIMIT 1000 RETURNING seq) SELECT coalesce(max(seq), :head) "
+                "AS tail FROM sealed \\gset\n"
+                "UPDATE {s}.audit_head SET seq = :tail, hash = repeat('h', 64) WHERE id = 1;\n")
+AUDIT_SEAL_TABLE = ("CREATE TABLE IF NOT EXISTS {s}.audit_seal (seq bigint PRIMARY KEY, "
+                    "hash text NOT NULL, event_id bigint NOT NULL)")
+LEVERS = ["audit once", "enqueue in one round trip", "finish in one round trip",
+          "narrow writes", "no send times"]
+
+
+def replace_once(sql, old, new, what):
+    if sql.count(old) < 1:
+        sys.exit(f"{what} was not found: the script is out of date")
+    return sql.replace(old, new, 1)
+
+
+def design(levers):
+    """Today's shape (`all on (enqueue lock shared, claim in three round
+    trips)`) with the named design levers applied: what each would save
+    before it is built."""
+    sql, _ = variant(set(FEATURES), True, False, False, True)
+    if "no send times" in levers:
+        sql = without("rate", sql)
+    if "audit once" in levers:
+        sql = replace_once(sql, SEALING + SEALED, SEALING_ONCE, "the sealing")
+    if "narrow writes" in levers:
+        # The claim and the finish write the state's columns, not the document.
+        for state in ("claimed", "sent"):
+            doc = (" doc = '{{\"key\":\"key-' || :k || '\",\"state\":\"%s\",\"pad\":\"' || "
+                   "repeat('x', {doc_pad}) || '\"}}',") % state
+            sql = replace_once(sql, doc, "", f"the {state} document")
+    if "finish in one round trip" in levers:
+        # The finish's update names the revision its claim wrote: no read
+        # before it (a lost claim shows as no row updated, then read).
+        at = sql.rindex(FOR_UPDATE)
+        sql = sql[:at] + sql[at:].replace(FOR_UPDATE + BREAK, "", 1)
+        if FOR_UPDATE + BREAK in sql[at:]:
+            sys.exit("the finish's read was not found: the script is out of date")
+    if "enqueue in one round trip" in levers:
+        # A fresh key's insert needs no read before it (ON CONFLICT DO
+        # NOTHING; a key already there is read after, in a second look).
+        head = sql.index(FOR_UPDATE)
+        first_break = sql.index(BREAK, head)
+        sql = sql[:head] + sql[head + len(FOR_UPDATE):first_break] + sql[first_break + len(BREAK):]
+        sql = replace_once(sql, "now(), now());\nCOMMIT;", "now(), now()) ON CONFLICT DO NOTHING;\nCOMMIT;",
+                           "the enqueue's insert")
+    return sql, False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=4000)
@@ -255,6 +317,11 @@ def main():
     variants["enqueues alone (enqueue lock shared)"] = (
         enqueue_only.replace("SELECT pg_advisory_xact_lock(-1 - :d);",
                              "SELECT pg_advisory_xact_lock_shared(-1 - :d);"), False)
+    today = "all on (enqueue lock shared, claim in three round trips)"
+    for lever in LEVERS:
+        variants[f"{today} + {lever}"] = design({lever})
+    variants[f"{today} + all levers"] = design(set(LEVERS))
+    variants[f"{today} + all levers but no send times"] = design(set(LEVERS) - {"no send times"})
     if args.only:
         names = [name.strip() for name in args.only.split(";")]
         unknown = [name for name in names if name not in variants]
@@ -292,6 +359,7 @@ def main():
                                 AND indexname NOT LIKE '%pkey'
                                 AND indexdef NOT LIKE '%(destination, seq, created_at, idempotency_key)%'
                             LOOP EXECUTE 'DROP INDEX ' || i; END LOOP; END $$""")
+                    server.psql("bench", AUDIT_SEAL_TABLE.format(s=f'"{schema}"'))
                     text = sql.format(s=f'"{schema}"', chan=f"durable_outbox_{schema}",
                                       doc_pad=760, event_pad=500, line_len=610)
                 with open(path, "w") as f:
