@@ -50,6 +50,24 @@ server's and pgbench's CPU per item (medians):
   what that would save at most (see README, "The finish's send-time
   write").
 
+- `all on (enqueue lock shared, claim in three round trips) + LEVER`: the
+  engine's shape of the ninth pass with one design lever applied, and with
+  all of them (`+ all levers`, and `+ all levers but no send times`), to
+  measure each before building it: `audit once` (the sealing appends narrow
+  `(seq, hash, event id)` records and leaves the pending bodies where they
+  are, instead of deleting them and writing each again), `enqueue in one
+  round trip` (no read before a fresh key's insert: `ON CONFLICT DO
+  NOTHING`, a taken key read after), `finish in one round trip` (the
+  finish's update names the revision its claim wrote, with no read before
+  it), `narrow writes` (the claim and the finish write the state's columns,
+  not the document) and `no send times` (no `rate_times` writes at all).
+- `all on (enqueue lock shared, claim in three round trips), K per
+  transaction` (K = 2, 4, 8): K items' enqueues in one transaction, then
+  their claims in one, then their finishes in one (one destination for the
+  K), each item's statements as the engine sends them: what sharing a
+  `COMMIT` among K items would save the server (items/s and CPU are per
+  item).
+
 - `enqueues alone` and `enqueues alone (enqueue lock shared)`: the W2
   item's enqueue transaction only (items/s are enqueues/s), with the
   destination's lock exclusive as before the eighth pass and shared as
@@ -69,6 +87,7 @@ item, so the tables are the engine's. The SQL is frozen here: a later
 """
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -288,6 +307,28 @@ def design(levers):
     return sql, False
 
 
+def batched(k):
+    """Today's shape with `k` items per transaction (see the module's doc)."""
+    sql, _ = variant(set(FEATURES), True, False, False, True)
+    head, rest = sql.split("\\startpipeline\n", 1)
+    body, seal = ("\\startpipeline\n" + rest).split("\\if :seal = 1", 1)
+    phases = body.split("COMMIT;\n")
+    if len(phases) != 4:
+        sys.exit("the three transactions were not found: the script is out of date")
+    phases.pop()
+    head = head.replace("\\set k random(1, 9000000000000000000)\n", "".join(
+        f"\\set k{j} random(1, 9000000000000000000)\n" for j in range(k)))
+    out = head
+    for phase in phases:
+        phase = phase.removeprefix("\\endpipeline\n")
+        for j in range(k):
+            part = re.sub(r":k\b", f":k{j}", phase)
+            if j > 0:
+                part = part.replace("BEGIN;\n", "", 1)
+            out += part + ("\\endpipeline\n" if j < k - 1 else "COMMIT;\n\\endpipeline\n")
+    return out + "\\if :seal = 1" + seal, False, k
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=4000)
@@ -322,6 +363,8 @@ def main():
         variants[f"{today} + {lever}"] = design({lever})
     variants[f"{today} + all levers"] = design(set(LEVERS))
     variants[f"{today} + all levers but no send times"] = design(set(LEVERS) - {"no send times"})
+    for k in (2, 4, 8):
+        variants[f"{today}, {k} per transaction"] = batched(k)
     if args.only:
         names = [name.strip() for name in args.only.split(";")]
         unknown = [name for name in names if name not in variants]
@@ -340,12 +383,14 @@ def main():
                 count += 1
                 path = os.path.join(server.root, f"v{count}.sql")
                 mode = "prepared"
+                per_txn = 1
                 if name == "floor":
                     text, mode = cp.TWO_UPDATES, "simple"
                 elif name == "skeleton":
                     text = SKELETON
                 else:
-                    sql, drop_indexes = spec
+                    sql, drop_indexes, *per = spec
+                    per_txn = per[0] if per else per_txn
                     schema = f"b{count}"
                     subprocess.run([bench, "--workload", "w2", "--threads", "1", "--n", "1",
                                     "--destinations", str(args.destinations),
@@ -366,10 +411,11 @@ def main():
                     f.write(text)
                 server.psql("bench", "CHECKPOINT")
                 _, tps, server_s, client_s = server.pgbench(
-                    "-M", mode, "-c", "8", "-j", "2", "-t", str(args.n // 8),
-                    "-D", f"destinations={args.destinations}", "-D", "seal_one_in=10",
+                    "-M", mode, "-c", "8", "-j", "2", "-t", str(args.n // 8 // per_txn),
+                    "-D", f"destinations={args.destinations}", "-D",
+                    f"seal_one_in={max(1, 10 // per_txn)}",
                     "-f", path)
-                row = (tps, 1000 * server_s / args.n, 1000 * client_s / args.n)
+                row = (tps * per_txn, 1000 * server_s / args.n, 1000 * client_s / args.n)
                 results.setdefault(name, []).append(row)
                 print(name, ["%.2f" % x for x in row], file=sys.stderr, flush=True)
     finally:
