@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Concurrency figures against the SQLite anchor, as the README's ratio table.
+"""Concurrency figures against the SQLite anchor, as the ratio table of docs/performance.md.
 
     python3 scripts/compare_w2.py [--n 2000] [--w1-n 1000] [--repeats 3]
 

@@ -47,7 +47,7 @@ server's and pgbench's CPU per item (medians):
 - `all on (enqueue lock shared, finish's time in place)`: the same with the
   finish's send-time write (`DELETE` the claim's row, `INSERT` the send's
   `ON CONFLICT DO NOTHING`) replaced by one `UPDATE` of the row in place:
-  what that would save at most (see README, "The finish's send-time
+  what that would save at most (see docs/performance.md, "The finish's send-time
   write").
 
 - `all on (enqueue lock shared, claim in three round trips) + LEVER`: the
