@@ -61,6 +61,12 @@ server's and pgbench's CPU per item (medians):
   finish's update names the revision its claim wrote, with no read before
   it), `narrow writes` (the claim and the finish write the state's columns,
   not the document) and `no send times` (no `rate_times` writes at all).
+- `… + hot claim` (alone, and with all five levers): the claim a HOT
+  update, changing no indexed column: the claim owner's index dropped (an
+  orphan scan would read the queued line), the claim keeping the row's
+  times, `fillfactor = 70` on `items` so the new version fits its page. The
+  share of `items` updates that were HOT is printed to stderr for every
+  line, to check that a line does what it says.
 - `all on (enqueue lock shared, claim in three round trips), K per
   transaction` (K = 2, 4, 8): K items' enqueues in one transaction, then
   their claims in one, then their finishes in one (one destination for the
@@ -266,6 +272,13 @@ AUDIT_SEAL_TABLE = ("CREATE TABLE IF NOT EXISTS {s}.audit_seal (seq bigint PRIMA
                     "hash text NOT NULL, event_id bigint NOT NULL)")
 LEVERS = ["audit once", "enqueue in one round trip", "finish in one round trip",
           "narrow writes", "no send times"]
+# A claim that is a HOT update: it changes no indexed column (the claim
+# owner's index dropped: an orphan scan would read the queued line instead;
+# the times it keeps), on pages with room for the new version.
+HOT_CLAIM_SETUP = ("DROP INDEX {s}.items_claim_owner_idx; "
+                   "ALTER TABLE {s}.items SET (fillfactor = 70)")
+CLAIM_TIMES = ("created_at = now(), updated_at = now() WHERE idempotency_key = 'key-' || :k "
+               "AND revision = 1;")
 
 
 def replace_once(sql, old, new, what):
@@ -304,6 +317,11 @@ def design(levers):
         sql = sql[:head] + sql[head + len(FOR_UPDATE):first_break] + sql[first_break + len(BREAK):]
         sql = replace_once(sql, "now(), now());\nCOMMIT;", "now(), now()) ON CONFLICT DO NOTHING;\nCOMMIT;",
                            "the enqueue's insert")
+    if "hot claim" in levers:
+        sql = replace_once(sql, CLAIM_TIMES, CLAIM_TIMES.replace(
+            "created_at = now(), updated_at = now()",
+            "created_at = created_at, updated_at = updated_at"), "the claim's times")
+        return sql, HOT_CLAIM_SETUP
     return sql, False
 
 
@@ -363,6 +381,8 @@ def main():
         variants[f"{today} + {lever}"] = design({lever})
     variants[f"{today} + all levers"] = design(set(LEVERS))
     variants[f"{today} + all levers but no send times"] = design(set(LEVERS) - {"no send times"})
+    variants[f"{today} + hot claim"] = design({"hot claim"})
+    variants[f"{today} + hot claim + all levers"] = design(set(LEVERS) | {"hot claim"})
     for k in (2, 4, 8):
         variants[f"{today}, {k} per transaction"] = batched(k)
     if args.only:
@@ -396,7 +416,9 @@ def main():
                                     "--destinations", str(args.destinations),
                                     "--postgres", server.url(),
                                     "--schema", schema], check=True, capture_output=True)
-                    if drop_indexes:
+                    if isinstance(drop_indexes, str):
+                        server.psql("bench", drop_indexes.format(s=f'"{schema}"'))
+                    elif drop_indexes:
                         server.psql("bench", f"""DO $$ DECLARE i text; BEGIN
                             ALTER TABLE {schema}.items DROP CONSTRAINT IF EXISTS items_enqueue_order_key;
                             FOR i IN SELECT format('%I.%I', schemaname, indexname) FROM pg_indexes
@@ -415,6 +437,12 @@ def main():
                     "-D", f"destinations={args.destinations}", "-D",
                     f"seal_one_in={max(1, 10 // per_txn)}",
                     "-f", path)
+                if name not in ("floor", "skeleton"):
+                    # Whether the claims and finishes were HOT updates (stderr).
+                    hot = server.psql("bench", "SELECT n_tup_upd, n_tup_hot_upd FROM "
+                                      "pg_stat_user_tables WHERE schemaname = "
+                                      f"'b{count}' AND relname = 'items'")
+                    print(f"  items updates, HOT: {hot}", file=sys.stderr)
                 row = (tps * per_txn, 1000 * server_s / args.n, 1000 * client_s / args.n)
                 results.setdefault(name, []).append(row)
                 print(name, ["%.2f" % x for x in row], file=sys.stderr, flush=True)
