@@ -886,3 +886,125 @@ fn a_long_chain_is_streamed_page_by_page_whole_and_in_order() {
         assert_eq!(pages(), 4);
     }
 }
+
+/// Another host that found this handle's owner lock free (its session was
+/// cut) holds the owner's key for the rest of the transaction in which it
+/// settles the dead owner's claims. A claim this handle makes meanwhile must
+/// not name its owner while the lock is free: it takes the lock again first
+/// (after that transaction ends), so the send it starts is live to every
+/// other handle, which answers `InFlight` and never declares it dead.
+///
+/// The other host is a real handle settling a claim of the cut owner (`j`),
+/// held inside that transaction by a table lock of the test's on
+/// `audit_pending`, which its commit writes to.
+#[test]
+fn a_claim_made_while_another_host_settles_the_cut_owners_claims_names_a_held_lock() {
+    let Some(engine) = engine() else { return };
+    let worker = engine.open();
+    worker.enqueue(msg("j", "chat-1")).unwrap();
+    worker.enqueue(msg("k", "chat-2")).unwrap();
+    let owner = psql(&engine, "SELECT owner_id FROM durable_outbox.owners");
+    assert!(!owner.is_empty() && !owner.contains('\n'), "{owner:?}");
+    // `j` is claimed by the worker, as its send left it before the cut.
+    let forged = psql(
+        &engine,
+        &format!(
+            "UPDATE durable_outbox.items SET claimed = true, claim_owner = '{owner}',
+               revision = revision + 1,
+               doc = (doc::jsonb || '{{\"claim_owner\": \"{owner}\",
+                 \"claimed_at_utc\": \"2026-01-15T09:00:00.000000Z\",
+                 \"dispatch_claimed\": true, \"attempts\": 1}}'::jsonb)::text
+             WHERE idempotency_key = 'j' RETURNING idempotency_key"
+        ),
+    );
+    assert_eq!(forged, "j");
+    let other = engine.open();
+    cut_owner_sessions(&engine);
+
+    let mut admin = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    let mut holding = admin.transaction().unwrap();
+    holding
+        .batch_execute("LOCK TABLE durable_outbox.audit_pending IN EXCLUSIVE MODE")
+        .unwrap();
+    let mut watcher = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    // How many sessions of this database wait for a lock of `locktype`.
+    let waiting = |watcher: &mut postgres::Client, locktype: &str| -> i64 {
+        watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+                 WHERE d.datname = current_database() AND l.locktype = $1 AND NOT l.granted",
+                &[&locktype],
+            )
+            .unwrap()
+            .get(0)
+    };
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let sends = AtomicUsize::new(0);
+    let (settled, seen, sent) = within(
+        "a claim while another host settles the cut owner's claims",
+        DEADLOCK_LIMIT,
+        || {
+            std::thread::scope(|scope| {
+                let (worker, other, sends) = (&worker, &other, &sends);
+                // The other host settles `j`: it probes the worker's lock,
+                // finds it free, and holds the key until its commit, which
+                // waits for the test's table lock.
+                let settling =
+                    scope.spawn(move || other.process("j", |_| panic!("never resent")).unwrap());
+                while waiting(&mut watcher, "relation") == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                let sending = scope.spawn(move || {
+                    worker
+                        .process("k", |_| {
+                            sends.fetch_add(1, Ordering::SeqCst);
+                            entered_tx.send(()).unwrap();
+                            release_rx.recv().unwrap();
+                            Ok(Some("tr-k".into()))
+                        })
+                        .unwrap()
+                });
+                // The worker claims and starts its send at once (a claim
+                // writes no audit event), or waits to take its owner lock
+                // again (the other host holds its key).
+                let mut entered = false;
+                while !entered && !sending.is_finished() && waiting(&mut watcher, "advisory") == 0 {
+                    entered = entered_rx.try_recv().is_ok();
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                holding.commit().unwrap();
+                let settled = settling.join().unwrap();
+                if !entered {
+                    entered_rx
+                        .recv()
+                        .expect("the worker's call ended without sending (its panic is above)");
+                }
+                // The worker is inside `send`: its claim must be live.
+                let seen = other.process("k", |_| panic!("never resent")).unwrap();
+                release_tx.send(()).unwrap();
+                (settled, seen, sending.join().unwrap())
+            })
+        },
+    );
+    assert_eq!(
+        settled.error_code.as_deref(),
+        Some(AMBIGUOUS_AFTER_RESTART),
+        "the cut owner's claim is settled: {settled:?}"
+    );
+    assert_eq!(
+        seen.outcome,
+        Outcome::InFlight,
+        "a send started after the cut is live to other handles: {seen:?}"
+    );
+    assert_eq!(sent.outcome, Outcome::Sent, "{sent:?}");
+    assert_eq!(sends.load(Ordering::SeqCst), 1);
+    let records = other.history("k").unwrap();
+    let outcomes: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+    assert_eq!(
+        outcomes,
+        ["queued", "sent"],
+        "no correction: never declared dead"
+    );
+    other.verify_audit().unwrap();
+}

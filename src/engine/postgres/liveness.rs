@@ -68,6 +68,56 @@ impl Liveness {
         }))
     }
 
+    /// Connects and takes `owner`'s lock again after the session that held
+    /// it ended (a cut, a server restart), waiting while other hosts'
+    /// transactions hold the key: each found the lock free and is settling
+    /// this owner's claims (see `PgTxn::owner_is_alive`), and a claim must
+    /// not name the owner before they end. The wait is bounded by half the
+    /// connection's answer timeout (`lock_timeout`), within the session's
+    /// deadline.
+    ///
+    /// # Errors
+    /// [`Error::SessionLocksUnavailable`] when the lock stayed taken that
+    /// long (another session holds it: the old one not ended yet on the
+    /// server, or a long transaction); [`Error::Database`].
+    pub(crate) fn retake(connector: &Connector, schema: &str, owner: &str) -> Result<Self> {
+        let mut client = connector.session()?;
+        let key = lock_key(schema, owner);
+        let wait = (connector.answer_timeout() / 2).as_millis().max(1);
+        client.batch_execute(
+            "bound the owner lock's wait",
+            &format!("BEGIN; SET LOCAL lock_timeout = {wait}"),
+        )?;
+        let taken = client.query_one(
+            "take the owner lock again",
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) AS taken",
+            &[&key],
+        );
+        let pid: i32 = match taken {
+            Ok(row) => row.get(0),
+            Err(Error::Database { source, .. })
+                if super::sqlstate(source.as_ref())
+                    == Some(postgres::error::SqlState::LOCK_NOT_AVAILABLE.code()) =>
+            {
+                return Err(Error::SessionLocksUnavailable {
+                    reason: format!(
+                        "owner lock {owner} stayed taken by another session for {wait} ms after \
+                         the original one ended"
+                    ),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        // The session lock outlives the transaction that took it.
+        client.batch_execute("end taking the owner lock", "COMMIT")?;
+        Ok(Self {
+            client,
+            pid,
+            key,
+            confirmed_from: None,
+        })
+    }
+
     /// Checks, from another session `other`, that the lock is held by this
     /// connection's own server session, and that the session is still the one
     /// that took it. Either failing means something between us and the server

@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 
 use super::{PgEngine, liveness, lock};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 static OWNER_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -57,7 +57,8 @@ impl PgEngine {
     /// Makes sure this handle's owner lock is held before a claim names it:
     /// after a cut or a server restart it is taken again (same owner id: the
     /// handle's sends in progress are alive, whatever other handles concluded
-    /// meanwhile) and verified.
+    /// meanwhile), once the other hosts' transactions that found it free
+    /// have ended, and verified.
     pub(super) fn ensure_owner(&self) -> Result<()> {
         // The owner session is a synchronous client: off a current-thread
         // runtime's thread (see `connect::blocking`).
@@ -75,15 +76,9 @@ impl PgEngine {
             "the owner lock's session is gone (network cut or server restart); \
              taking it again: claims in progress may have been declared ambiguous"
         );
-        let Some(mut fresh) = liveness::Liveness::take(&self.connector, &self.schema, &self.owner)?
-        else {
-            return Err(Error::SessionLocksUnavailable {
-                reason: format!(
-                    "owner lock {} is held by another session after the original one ended",
-                    self.owner
-                ),
-            });
-        };
+        // Other hosts settling this owner's claims hold its key until their
+        // transactions end: wait for them (bounded).
+        let mut fresh = liveness::Liveness::retake(&self.connector, &self.schema, &self.owner)?;
         // A dedicated connection: after a cut the path to the server may
         // still be unwell, and the claim that asked must not wait for ever.
         fresh.verify(liveness::Other::Session(&mut self.connector.session()?))?;

@@ -29,8 +29,13 @@
 //!    "the destination's lock".)
 //! 4. **The caps lock** (`caps`, exclusive), before the send times of every
 //!    destination are read (a global cap).
-//! 5. **Dead owners**: probing an owner with `pg_try_advisory_xact_lock` keeps
-//!    a dead owner's key locked until the transaction ends (never waits).
+//! 5. **Dead owners**: probing an owner with
+//!    `pg_try_advisory_xact_lock_shared` keeps a dead owner's key locked
+//!    until the transaction ends (never waits). Shared, so the owner's own
+//!    probe (shared too, see `PgEngine::open_txn`) still finds its lock free
+//!    while other hosts settle its claims, and takes it again (waiting for
+//!    them) before a claim names it; an exclusive probe made it fail, and
+//!    the owner claimed with its lock free.
 //!
 //! A one-item transaction locks its one item, then at most its destination,
 //! then the caps: a one-item transaction holding a later lock never waits for
@@ -979,8 +984,11 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     }
 
     /// Whether the handle with owner id `owner` (another handle's) holds its
-    /// lock. A dead owner's key stays locked by this transaction until it
-    /// ends, so its claims cannot be revived meanwhile.
+    /// lock. A dead owner's key stays locked (shared) by this transaction
+    /// until it ends, so its claims cannot be revived meanwhile: the owner
+    /// taking its lock again waits for this transaction. Shared, not
+    /// exclusive: the owner's own probe must still find its lock free (an
+    /// exclusive hold here made it fail, as if the owner session held it).
     ///
     /// # Errors
     /// [`Error::Database`].
@@ -991,7 +999,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         let free: bool = self
             .tx
             .query_one(
-                "SELECT pg_try_advisory_xact_lock($1)",
+                "SELECT pg_try_advisory_xact_lock_shared($1)",
                 &[&lock_key(&self.engine.schema, owner)],
             )
             .map_err(db("probe an owner lock"))?
