@@ -1214,6 +1214,7 @@ impl Watcher {
                     let Some(engine) = outbox.postgres_engine() else {
                         return;
                     };
+                    engine.start_listening();
                     while !flag.load(Ordering::Acquire) {
                         match engine.wait_for_work(interval) {
                             Ok(true) => wake.notify_one(),
@@ -1224,6 +1225,9 @@ impl Watcher {
                             }
                         }
                     }
+                    // Nobody reads the listening session from here on: it
+                    // must not stay subscribed (see `stop_listening`).
+                    engine.stop_listening();
                 });
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "could not start the wake-up listener; other hosts' enqueues wake the worker only at due times");

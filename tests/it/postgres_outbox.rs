@@ -1008,3 +1008,63 @@ fn a_claim_made_while_another_host_settles_the_cut_owners_claims_names_a_held_lo
     );
     other.verify_audit().unwrap();
 }
+
+/// A worker listens for other hosts' wake-ups on a session of its own, which
+/// is read only while someone waits on it. Every commit of every host still
+/// `NOTIFY`s the channel: a session left listening after the worker stopped
+/// piles the notifications up, its backend blocks writing them once the
+/// socket is full, and the server's notify queue (one for the whole
+/// cluster, 8 GB) can no longer be trimmed past it, until every `NOTIFY` on
+/// the server fails. So a stopped worker leaves no session listening, while
+/// its handle stays open for other calls.
+#[test]
+fn a_stopped_worker_leaves_no_session_listening_while_its_handle_stays_open() {
+    let Some(engine) = engine() else { return };
+    let outbox =
+        engine.open_real_clock_with(|b| b.rate_limit(u32::MAX, std::time::Duration::from_secs(60)));
+    let listening = || -> usize {
+        psql(
+            &engine,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .parse()
+        .unwrap()
+    };
+    let runtime = crate::harness::runtime();
+    within(
+        "a worker starts listening, then stops",
+        DEADLOCK_LIMIT,
+        || {
+            runtime.block_on(async {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let worker = outbox.worker(|_item: durable_outbox::OutboxItem| async {
+                    Ok::<_, durable_outbox::SendError>(None)
+                });
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                while listening() == 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap();
+            });
+        },
+    );
+    within(
+        "the stopped worker's listening session ends",
+        DEADLOCK_LIMIT,
+        || {
+            while listening() > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        },
+    );
+    // The handle goes on.
+    outbox.enqueue(msg("after", "chat-1")).unwrap();
+    assert_eq!(
+        outbox.get("after").unwrap().unwrap().state(),
+        ItemState::Queued
+    );
+}

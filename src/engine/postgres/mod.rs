@@ -161,6 +161,9 @@ pub(crate) struct PgEngine {
     pub(crate) faults: crate::failpoint::Failpoints,
     liveness: Mutex<liveness::Liveness>,
     listener: Mutex<Option<notify::Listener>>,
+    /// Workers of this handle listening for wake-ups (see
+    /// [`PgEngine::stop_listening`]).
+    listeners: AtomicU64,
     /// Sends the `NOTIFY`s that commits of this handle request, coalesced
     /// (see [`notify`]); dropped with the handle, it sends what is pending.
     wake: notify::Sender,
@@ -238,6 +241,7 @@ impl PgEngine {
             faults: crate::failpoint::Failpoints::from_env(),
             liveness: Mutex::new(liveness),
             listener: Mutex::new(None),
+            listeners: AtomicU64::new(0),
             wake,
         };
         // Events a crashed handle committed and never sealed go on the chain now.

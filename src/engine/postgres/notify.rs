@@ -5,7 +5,10 @@
 //! again, and it waits with a timeout, so a late or missed notification (the
 //! listener was reconnecting) only delays work, never loses it. A
 //! notification carries nothing: one sent after several commits announces
-//! them all.
+//! them all. The listening session is read only while a worker waits on it,
+//! so the last worker of a handle to stop closes it
+//! ([`PgEngine::stop_listening`]): left subscribed, it would hold back the
+//! server's notify queue.
 //!
 //! **Requesting costs a commit nothing.** A commit that makes an item
 //! claimable, once its `COMMIT` succeeded, calls [`Sender::request`]: a
@@ -408,6 +411,33 @@ impl Listener {
 
 /// What a worker asks of the engine besides the rules' transactions.
 impl PgEngine {
+    /// A worker of this handle starts waiting for wake-ups
+    /// ([`wait_for_work`](Self::wait_for_work)); it calls
+    /// [`stop_listening`](Self::stop_listening) when it stops.
+    pub(crate) fn start_listening(&self) {
+        self.listeners
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A worker of this handle stopped waiting for wake-ups: when it was the
+    /// last, the listening session is closed (the server ends its
+    /// subscription with it; a later wait listens again). The session is
+    /// read only while someone waits on it, and every commit of every host
+    /// still notifies the channel: left open, it would pile the
+    /// notifications up, its backend would block writing them, and the
+    /// server's notify queue (one for the whole cluster) could no longer be
+    /// trimmed past it, until every `NOTIFY` on the server failed.
+    pub(crate) fn stop_listening(&self) {
+        if self
+            .listeners
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            let listener = lock(&self.listener).take();
+            drop(listener);
+        }
+    }
+
     /// Blocks until a commit that made work due lands (on any handle of any
     /// host: `NOTIFY`) or `timeout` passes; `true` when woken. Waking is only
     /// a hint: a waiter reads again after it. A worker's tick also seals what
