@@ -46,6 +46,7 @@ impl PgEngine {
                 &[&key],
             )
             .map_err(db("read the audit log"))?;
+        self.make_reads_durable(&mut client)?;
         rows.iter().map(|row| self.record_of_row(row)).collect()
     }
 
@@ -68,6 +69,7 @@ impl PgEngine {
                 &[],
             )
             .map_err(db("read the audit head"))?;
+        self.make_reads_durable(&mut client)?;
         Ok(Head {
             seq: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
             hash: row.get(1),
@@ -152,6 +154,7 @@ impl PgEngine {
             return Err(e);
         }
         tx.commit().map_err(db("end verifying the audit log"))?;
+        self.make_reads_durable(&mut client)?;
         report.map(|report| (report, largest))
     }
 
@@ -169,6 +172,7 @@ impl PgEngine {
                 &[&i64::try_from(after).unwrap_or(i64::MAX), &limit],
             )
             .map_err(db("read the audit log"))?;
+        self.make_reads_durable(&mut client)?;
         rows.iter().map(|row| self.record_of_row(row)).collect()
     }
 }

@@ -524,8 +524,14 @@ impl PgEngine {
     /// # Errors
     /// Sealing's errors, as [`read`](Self::read) returns them.
     pub(super) fn sealed_client(&self) -> Result<Pooled<'_>> {
-        self.on_a_live_connection("sealing", |client| self.seal_before_reading(client))
-            .map(|(client, ())| client)
+        let (client, ()) =
+            self.on_a_live_connection("sealing", |client| self.seal_before_reading(client))?;
+        // A failpoint here stands for the moment between a reader's sealing
+        // and its read, when another handle's sealing may commit.
+        self.faults
+            .check("postgres.before_chain_read")
+            .map_err(|e| Error::io(self.place(), "read the audit chain", e))?;
+        Ok(client)
     }
 
     /// Runs `op` (safe to run again) on a pooled connection, and again on

@@ -26,7 +26,11 @@
 //! so a reader's sealing commits synchronously, and when it had nothing to
 //! seal but WAL is not flushed to its end, it commits anyway (it locked the
 //! head row, so it has a transaction id), which waits for the flush of every
-//! earlier sealing. What a reader returns is durable.
+//! earlier sealing. Another handle's sealing may still commit between that
+//! and the read, so every reader of the chain ends with
+//! [`PgEngine::make_reads_durable`]: when WAL is not flushed to its end, a
+//! synchronous commit that writes WAL flushes it, and with it every commit
+//! the read could see. What a reader returns is durable.
 //!
 //! **Invariant (per-item order):** an item's records are in the chain in the
 //! order of its changes. Two transactions that change one item are serialised
@@ -295,6 +299,37 @@ impl PgEngine {
                SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[]))
              UPDATE {s}.audit_head SET seq = $4, hash = $5 WHERE id = 1"
         )
+    }
+
+    /// Makes what a read on `client` just saw durable: every commit it could
+    /// see wrote its commit record before the read, so WAL flushed to its
+    /// current end covers them. When it is not flushed that far, a
+    /// transaction that writes WAL (a key-share lock on the head row: a
+    /// transaction id alone commits without a flush) commits synchronously,
+    /// which waits for that flush. Called by every reader of the chain after
+    /// its read (see the module docs: another handle's sealing commits
+    /// without waiting for its flush, and could otherwise be returned, then
+    /// taken back by a server crash).
+    ///
+    /// # Errors
+    /// [`Error::Database`]: the caller must not return what it read.
+    pub(super) fn make_reads_durable(&self, client: &mut Conn) -> Result<()> {
+        let mut tx = client.begin();
+        if Self::wal_flushed(&mut tx)? {
+            return tx.commit().map_err(db("end a WAL position read"));
+        }
+        let lock = format!(
+            "SELECT 1 FROM {}.audit_head WHERE id = 1 FOR KEY SHARE",
+            self.s
+        );
+        tx.pipeline(&[
+            Step::Simple("SELECT set_config('synchronous_commit', 'on', true)"),
+            Step::Execute(&lock, &[]),
+            Step::Simple("COMMIT"),
+        ])
+        .map_err(db("make the chain read durable"))?;
+        tx.ended();
+        Ok(())
     }
 
     /// Seals what is pending before a read of the chain (waits for the head).

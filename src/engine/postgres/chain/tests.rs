@@ -141,3 +141,57 @@ fn verify_finds_a_row_keyed_below_the_first_seq_whatever_the_page_size() {
         }
     }
 }
+
+/// A chain read returns only records a server crash cannot take back.
+/// Another handle seals without waiting for its WAL flush; when that sealing
+/// commits between a reader's own sealing and its read, the read sees it, so
+/// the reader must flush before it returns. On a server whose WAL writer
+/// waits 10 s between flushes, nothing else flushes it meanwhile.
+#[test]
+fn a_chain_read_returns_only_records_whose_wal_is_flushed() {
+    use crate::failpoint::FailAction;
+    use std::time::{Duration, Instant};
+
+    let Some(server) = PgServer::start() else {
+        return;
+    };
+    server.psql("postgres", "ALTER SYSTEM SET wal_writer_delay = '10s'");
+    server.psql(
+        "postgres",
+        "ALTER SYSTEM SET wal_writer_flush_after = '1GB'",
+    );
+    server.psql("postgres", "SELECT pg_reload_conf()");
+    let db = server.database();
+    let writer = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
+    let reader = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
+    enqueue(&writer, "first");
+    let point = "postgres.before_chain_read";
+    reader.faults.arm(point, FailAction::DelayMs(3_000));
+    std::thread::scope(|scope| {
+        let read = scope.spawn(|| reader.audit_head().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while reader.faults.hits(point) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the reader never reached its read after sealing"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Committed, then sealed without waiting for the flush, while the
+        // reader waits between its sealing and its read.
+        enqueue(&writer, "second");
+        let sealed_to = db.psql("SELECT pg_current_wal_insert_lsn()");
+        let head = read.join().unwrap();
+        assert_eq!(
+            head.seq, 2,
+            "the read saw the other handle's sealing (else this test proves nothing)"
+        );
+        let flushed = db.psql(&format!(
+            "SELECT pg_current_wal_flush_lsn() >= '{sealed_to}'::pg_lsn"
+        ));
+        assert_eq!(
+            flushed, "t",
+            "the head returned ({head:?}) is not durable: WAL is not flushed past {sealed_to}"
+        );
+    });
+}
