@@ -160,7 +160,7 @@ impl Framed {
         };
         if len > limit {
             return Err(WireError::protocol(format!(
-                "a message of kind {:?} claims {len} bytes, more than its kind may have                  ({limit}): a corrupt stream",
+                "a message of kind {:?} claims {len} bytes, more than its kind may have ({limit}): a corrupt stream",
                 char::from(header.tag())
             )));
         }
