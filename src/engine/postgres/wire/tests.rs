@@ -1,9 +1,12 @@
 //! The wire client's own guarantees: framing, one round trip per pipeline,
 //! statements prepared once, the pipeline's error semantics under one
 //! `Sync` (skipped statements, the failed transaction rolled back, steps
-//! after a `COMMIT`), binary rows, a dead session found closed, and logins
-//! (trust, MD5, SCRAM-SHA-256, a Unix socket) with the same typed errors as
-//! the `postgres` client. Against the real server of `tests/support`.
+//! after a `COMMIT`), binary rows (long ones too), notices and parameter
+//! reports passed over, a dead session found closed, a silent server found
+//! out (an answer stuck on the way, a server refusing the question), the
+//! dead-peer bounds on the socket, and logins (trust, MD5, SCRAM-SHA-256, a
+//! Unix socket) with the same typed errors as the `postgres` client. Against
+//! the real server of `tests/support`.
 
 #![allow(
     clippy::unwrap_used,
@@ -919,4 +922,51 @@ fn an_enqueue_whose_server_went_silent_fails_in_bounded_time() {
         "before",
         "the stalled enqueue never reached the server"
     );
+}
+
+#[test]
+fn a_row_longer_than_a_short_message_reads_back_whole() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let mut conn = connect(&db.url());
+    // A message body of 100 KB, and a row of the engine's own kind: a
+    // `DataRow` three times longer than any short message may be.
+    let long = 100_000i32;
+    let results = pipeline(&mut conn, &[("SELECT repeat('x', $1)", &[&long])]);
+    let outcome = results[0].as_ref().expect("a long row is a row");
+    assert_eq!(outcome.rows[0].get::<_, &str>(0).len(), 100_000);
+    assert!(!conn.is_closed());
+}
+
+#[test]
+fn notices_and_parameter_reports_between_answers_are_passed_over() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let mut conn = connect(&db.url());
+    // Preparing: an identifier longer than the server keeps draws a notice
+    // from the parser, between `ParseComplete` and the description.
+    let long_name = format!("SELECT 1 AS {}", "n".repeat(80));
+    // Running: a `ROLLBACK` with no transaction open draws a warning, a
+    // `SET` of a reported setting a `ParameterStatus`, both between the
+    // pipeline's answers.
+    let results = pipeline(
+        &mut conn,
+        &[
+            (long_name.as_str(), &[]),
+            ("ROLLBACK", &[]),
+            ("SET application_name = 'renamed'", &[]),
+            ("SELECT current_setting('application_name')", &[]),
+        ],
+    );
+    let outcomes: Vec<super::Outcome> = results
+        .into_iter()
+        .map(|r| r.expect("a notice is no error"))
+        .collect();
+    assert_eq!(outcomes[0].rows[0].get::<_, i32>(0), 1);
+    assert_eq!(outcomes[3].rows[0].get::<_, &str>(0), "renamed");
+    assert!(!conn.is_closed());
 }
