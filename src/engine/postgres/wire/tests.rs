@@ -970,3 +970,110 @@ fn notices_and_parameter_reports_between_answers_are_passed_over() {
     assert_eq!(outcomes[3].rows[0].get::<_, &str>(0), "renamed");
     assert!(!conn.is_closed());
 }
+
+#[test]
+fn a_watched_session_whose_answer_is_stuck_on_the_way_is_given_up() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let direct = config(&format!("{}?connect_timeout=2", db.url()));
+    let patience = Duration::from_millis(500);
+    let (proxy, through) = behind_a_stall_proxy(server, &db);
+    let mut conn = connect(&through);
+    conn.watch(patience, &direct).unwrap();
+    // Half the rows go out, then the statement waits for a lock; once it
+    // waits, the path stalls and the lock is freed: the server goes on
+    // writing 30 MB of rows that nobody reads, so its backend, asked
+    // directly, is "active" but waiting to write to its client.
+    let mut holder = connect(&db.url());
+    holder.simple("SELECT pg_advisory_lock(44)").unwrap();
+    let staller = std::thread::spawn({
+        let db_url = db.url();
+        move || {
+            let mut look = connect(&db_url);
+            let deadline = Instant::now() + LIMIT;
+            loop {
+                let rows = pipeline(
+                    &mut look,
+                    &[(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT repeat(%'",
+                        &[],
+                    )],
+                );
+                if rows[0].as_ref().unwrap().rows[0].get::<_, i64>(0) > 0 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "watchdog: the statement never waited"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            proxy.stall();
+            holder.simple("SELECT pg_advisory_unlock(44)").unwrap();
+            proxy
+        }
+    });
+    let (result, closed) = within("an answer stuck on its way is found out", move || {
+        let results = pipeline(
+            &mut conn,
+            &[(
+                "SELECT repeat('x', 1000) FROM generate_series(1, 60000) g \
+                 WHERE g <> 30000 OR pg_advisory_lock(44)::text IS NOT NULL",
+                &[],
+            )],
+        );
+        (results.into_iter().next().unwrap(), conn.is_closed())
+    });
+    let _proxy = staller.join().unwrap();
+    let e = result.expect_err("the rest of the answer never came");
+    assert!(closed, "{e}");
+    assert!(e.to_string().contains("twice found not running"), "{e}");
+}
+
+/// A role allowed one connection: its session's own, so a question about
+/// it on a second one is refused (set once on the shared server).
+fn single_connection_role(server: &PgServer) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        server.psql(
+            "postgres",
+            "CREATE ROLE wire_single LOGIN CONNECTION LIMIT 1",
+        );
+    });
+}
+
+#[test]
+fn a_watched_session_waits_on_when_the_server_refuses_the_question() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    single_connection_role(server);
+    let db = server.database();
+    let url = format!(
+        "postgres://wire_single@127.0.0.1:{}/{}?connect_timeout=2",
+        server.port(),
+        db.name()
+    );
+    let patience = Duration::from_millis(500);
+    let mut holder = connect(&db.url());
+    holder.simple("SELECT pg_advisory_lock(45)").unwrap();
+    let mut waiter = connect(&url);
+    waiter.watch(patience, &config(&url)).unwrap();
+    let waiting = std::thread::spawn(move || {
+        let results = pipeline(&mut waiter, &[("SELECT pg_advisory_lock(45)", &[])]);
+        (results.into_iter().all(|r| r.is_ok()), waiter.is_closed())
+    });
+    // The lock is held several times the patience: each look finds the
+    // server refusing a second connection of the role (a server at its
+    // connection limit), which is a live server.
+    std::thread::sleep(patience * 6);
+    holder.simple("SELECT pg_advisory_unlock(45)").unwrap();
+    assert_eq!(
+        waiting.join().unwrap(),
+        (true, false),
+        "a server that refuses the question is alive: the statement is waited for"
+    );
+}
