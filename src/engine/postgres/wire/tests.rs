@@ -1077,3 +1077,32 @@ fn a_watched_session_waits_on_when_the_server_refuses_the_question() {
         "a server that refuses the question is alive: the statement is waited for"
     );
 }
+
+#[test]
+fn a_tcp_session_carries_the_dead_peer_bounds_on_its_own_socket() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let connector = crate::engine::postgres::Connector::parse(&db.url()).unwrap();
+    let framed = super::startup::open(connector.config()).expect("open");
+    let Socket::Tcp(stream) = framed.socket() else {
+        panic!("a host name opens a TCP session")
+    };
+    let socket = socket2::SockRef::from(stream);
+    assert!(socket.keepalive().unwrap(), "keepalives on");
+    assert_eq!(
+        socket.tcp_keepalive_time().unwrap(),
+        Duration::from_secs(15)
+    );
+    assert_eq!(
+        socket.tcp_keepalive_interval().unwrap(),
+        Duration::from_secs(5)
+    );
+    assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+    assert_eq!(
+        socket.tcp_user_timeout().unwrap(),
+        Some(Duration::from_secs(30)),
+        "unacknowledged data gives the connection up after 30 s"
+    );
+}
