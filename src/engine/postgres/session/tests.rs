@@ -129,6 +129,12 @@ fn every_connection_kind_asks_the_server_to_drop_a_dead_peer_within_the_bounds()
         seen, defaults,
         "a synchronous client (migrations, opening checks)"
     );
+
+    // The pool's reads/commits connections: the ones that hold row locks.
+    let mut pooled = connector.conn().unwrap();
+    let row = pooled.query_one(SETTINGS, &[]).unwrap();
+    let seen: [String; 4] = [row.get(0), row.get(1), row.get(2), row.get(3)];
+    assert_eq!(seen, defaults, "a pooled reads/commits connection");
     // The wake-up sender's connection: `notify::tests`.
 }
 
