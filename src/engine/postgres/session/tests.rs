@@ -1,8 +1,8 @@
 //! Dead peers, against a real server: every connection a handle opens asks
 //! the server to drop it within the keepalive bounds (a URL's own values
 //! win), a call on a connection whose peer stopped answering fails within
-//! the answer timeout instead of hanging, and dropping the wake-up sender
-//! returns while its server does not answer.
+//! the answer timeout instead of hanging and closes its session, and
+//! dropping the wake-up sender returns while its server does not answer.
 
 #![allow(
     clippy::unwrap_used,
@@ -308,4 +308,32 @@ fn a_claim_on_a_handle_whose_server_stopped_answering_gets_an_error_in_bounded_t
         "dropping a handle returns while its server does not answer",
         move || drop(engine),
     );
+}
+
+/// A statement left unanswered gives its session up for good: its answer
+/// may still come, so the session is out of step; and the `LISTEN`er,
+/// which listens again on another connection only once its session reads
+/// as closed, would otherwise wait on a connection that hears nothing.
+#[test]
+fn a_session_whose_statement_went_unanswered_is_closed_for_good() {
+    let Some(path) = behind_a_proxy("tcp_user_timeout=1000&connect_timeout=2") else {
+        return;
+    };
+    let connector = Connector::parse(&path.url).unwrap();
+    let mut session = connector.session().unwrap();
+    assert!(!session.is_closed());
+    path.proxy.stall();
+    let (session, first) = within(
+        Duration::from_secs(60),
+        "a statement whose server stopped answering returns within the answer timeout",
+        move || {
+            let first = session.query_one("test", "SELECT 1", &[]).map(drop);
+            (session, first)
+        },
+    );
+    assert!(
+        matches!(first, Err(crate::Error::Database { .. })),
+        "{first:?}"
+    );
+    assert!(session.is_closed(), "given up after the missed deadline");
 }
