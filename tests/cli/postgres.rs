@@ -122,6 +122,31 @@ fn a_schema_names_where_a_url_outbox_lives_and_is_refused_for_a_directory() {
 }
 
 #[test]
+fn a_password_given_as_a_url_parameter_is_never_printed() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let Fixture { dir, outbox } = Fixture::demo();
+    drop(outbox);
+    cli(["migrate", dir.path().to_str().unwrap(), &url]).exits(0);
+    // libpq's other way to give a password, which the client accepts: a
+    // query parameter, with the user in the credentials or beside it.
+    let in_query = format!("{url}?password=sekrit&application_name=ops");
+    let no_credentials = in_query.replacen("postgres@", "", 1) + "&user=postgres";
+    for with_password in [in_query, no_credentials] {
+        let run = cli(["status", &with_password]);
+        run.exits(1).says("127.0.0.1");
+        assert!(!run.stdout.contains("sekrit"), "{run:#?}");
+        assert!(!run.stderr.contains("sekrit"), "{run:#?}");
+        let run = cli(["status", &with_password, "--json"]);
+        run.exits(1);
+        assert!(!run.stdout.contains("sekrit"), "{run:#?}");
+    }
+}
+
+#[test]
 fn an_unreachable_server_is_an_error_that_hides_the_password() {
     // Nothing listens on port 1.
     let run = cli([

@@ -252,19 +252,27 @@ pub fn place(target: &Target) -> Place<'_> {
     }
 }
 
-/// How to name the target in output: the directory, or the URL without its password.
+/// How to name the target in output: the directory, or the URL without its
+/// password and without its query (`?password=…` is the other way the client
+/// takes one, and `sslpassword` a third): user, host, port and database.
 pub fn target_label(target: &Target) -> String {
     match place(target) {
         Place::Dir(dir) => dir.display().to_string(),
         Place::Postgres(url) => {
             let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
-            let shown = match rest.split_once('@') {
-                Some((user, host)) => {
-                    let user = user.split_once(':').map_or(user, |(name, _)| name);
-                    format!("{scheme}://{user}@{host}")
+            // The client's order: credentials up to the first '@', then the
+            // query from the first '?' after them.
+            let (user, place) = match rest.split_once('@') {
+                Some((credentials, place)) => {
+                    let user = credentials
+                        .split_once(':')
+                        .map_or(credentials, |(name, _)| name);
+                    (format!("{user}@"), place)
                 }
-                None => url.to_owned(),
+                None => (String::new(), rest),
             };
+            let place = place.split_once('?').map_or(place, |(place, _)| place);
+            let shown = format!("{scheme}://{user}{place}");
             match &target.schema {
                 Some(name) => format!("{shown} (schema {name})"),
                 None => shown,
