@@ -147,6 +147,30 @@ fn a_password_given_as_a_url_parameter_is_never_printed() {
 }
 
 #[test]
+fn a_look_at_a_schema_before_the_bot_made_it_leaves_the_bots_settings_to_the_bot() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    // An operator looks before the bot's first start (or at a mistyped
+    // schema): the tool has no settings of the bot's to store.
+    let _ = cli(["status", &url]);
+    let _ = cli(["list", &url]);
+    let outbox = durable_outbox::Outbox::postgres(&url)
+        .rate_limit(3, std::time::Duration::from_secs(7))
+        .max_attempts(9)
+        .open()
+        .unwrap();
+    let settings = outbox.settings().unwrap();
+    assert_eq!(
+        (settings.rate_limit().count, settings.max_attempts()),
+        (3, 9),
+        "the bot's first open stores the bot's settings, not the tool's defaults"
+    );
+}
+
+#[test]
 fn an_unreachable_server_is_an_error_that_hides_the_password() {
     // Nothing listens on port 1.
     let run = cli([

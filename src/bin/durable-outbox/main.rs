@@ -283,7 +283,9 @@ pub fn target_label(target: &Target) -> String {
 
 #[cfg(feature = "postgres")]
 fn postgres_builder(target: &Target, url: &str) -> Result<OutboxBuilder, Box<dyn Error>> {
-    let mut builder = Outbox::postgres(url);
+    // A tool that only looks: a schema no bot has opened yet does not get
+    // the tool's default settings stored as the outbox's.
+    let mut builder = Outbox::postgres(url).compact_on_open(false);
     if let Some(schema) = &target.schema {
         builder = builder.schema(schema);
     }

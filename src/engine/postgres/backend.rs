@@ -69,7 +69,13 @@ impl PgBackend {
         let now = builder.clock.now();
         blocking(|| {
             super::retry::retrying("storing the settings", |_| {
-                engine.settle_settings(&defaults, &builder.explicit, builder.update_settings, now)
+                engine.settle_settings(
+                    &defaults,
+                    &builder.explicit,
+                    builder.update_settings,
+                    !builder.compact_on_open,
+                    now,
+                )
             })
         })?;
         // Like the file engine's compaction on open: history past

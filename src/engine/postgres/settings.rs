@@ -53,11 +53,19 @@ impl PgEngine {
     /// first state, not a change); values set explicitly on an outbox that
     /// lacks them, or with `update_settings`, are stored with a `settings`
     /// audit record; a builder value a stored one overrides is logged.
+    ///
+    /// A handle that only looks (`looking`: opened with
+    /// `compact_on_open(false)`, as the operator's tool and a monitoring probe
+    /// are) stores nothing for a new outbox: on the file engine a new
+    /// outbox's settings go with the handle's first change, which such a
+    /// handle never makes, so the tool's defaults never take the place of
+    /// those of the bot that opens after it.
     pub(crate) fn settle_settings(
         &self,
         defaults: &Settings,
         explicit: &Stored,
         update: bool,
+        looking: bool,
         now: DateTime<Utc>,
     ) -> Result<()> {
         let mut client = self.client()?;
@@ -71,6 +79,9 @@ impl PgEngine {
             .map_err(db("count items"))?
             .get(0);
         let new_outbox = items == 0 && head.seq == 0;
+        if new_outbox && looking && stored.is_empty() {
+            return tx.commit().map_err(db("end a read"));
+        }
         let plan = crate::settings::plan(&stored, defaults, explicit, update, new_outbox);
         for ignored in &plan.ignored {
             tracing::warn!(
