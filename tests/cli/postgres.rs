@@ -171,6 +171,50 @@ fn a_look_at_a_schema_before_the_bot_made_it_leaves_the_bots_settings_to_the_bot
 }
 
 #[test]
+fn a_malformed_url_or_schema_is_a_usage_error() {
+    let Fixture { dir, outbox } = Fixture::demo();
+    drop(outbox);
+    let d = dir.path().to_str().unwrap();
+    // Refused before any connection: nothing listens on port 1 anyway.
+    for args in [
+        vec!["status", "postgres://bot@127.0.0.1:notaport/db"],
+        vec![
+            "list",
+            "postgres://bot@127.0.0.1:1/db",
+            "--schema",
+            "Bad-Name",
+        ],
+        vec!["migrate", d, "postgres://bot@127.0.0.1:notaport/db"],
+        vec![
+            "migrate",
+            d,
+            "postgres://bot@127.0.0.1:1/db",
+            "--schema",
+            "Bad-Name",
+        ],
+    ] {
+        let run = cli(args.clone());
+        run.exits(2).complains("For more information, try '--help'");
+        assert!(
+            run.stderr.contains("url") || run.stderr.contains("schema"),
+            "{args:?} names the argument: {run:#?}"
+        );
+    }
+    // Not an outbox: the same as every command that takes a directory.
+    let empty = tempfile::tempdir().unwrap();
+    cli([
+        "migrate",
+        empty.path().to_str().unwrap(),
+        "postgres://bot@127.0.0.1:1/db",
+    ])
+    .exits(2)
+    .complains("not an outbox directory");
+    cli(["status", empty.path().to_str().unwrap()])
+        .exits(2)
+        .complains("not an outbox directory");
+}
+
+#[test]
 fn an_unreachable_server_is_an_error_that_hides_the_password() {
     // Nothing listens on port 1.
     let run = cli([

@@ -103,7 +103,16 @@ fn report(error: &(dyn Error + 'static), err: &mut dyn Write) -> ExitCode {
         message.push_str(&cause.to_string());
         chain = cause.source();
     }
-    let code = if error.is::<UsageError>() {
+    // The library's `InvalidConfig` names a value the tool took from the
+    // command line (the URL, `--schema`, migrate's `DIR`): the tool sets
+    // nothing else on a builder, and a stored setting that fails its checks
+    // is reported as a damaged record instead.
+    let bad_argument = error.is::<UsageError>()
+        || matches!(
+            error.downcast_ref::<durable_outbox::Error>(),
+            Some(durable_outbox::Error::InvalidConfig { .. })
+        );
+    let code = if bad_argument {
         message.push_str("\n\nFor more information, try '--help'.");
         USAGE
     } else {
