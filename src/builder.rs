@@ -346,9 +346,10 @@ impl OutboxBuilder {
     /// `true`, so the snapshot is current after every start. Tools that only
     /// look (an operator's `status`, a monitoring probe) turn it off so opening
     /// writes as little as possible; the journal is compacted later anyway.
-    /// On PostgreSQL (no journal) it marks such a tool too: opening a schema
-    /// that holds no outbox yet then stores none of the handle's settings,
-    /// and the first handle opened with it on (the bot) stores its own.
+    /// On PostgreSQL (no journal) it marks such a tool too: opening then
+    /// applies no `history_retention` (no prune, no `pruned` record), and
+    /// opening a schema that holds no outbox yet stores none of the handle's
+    /// settings: the first handle opened with it on (the bot) stores its own.
     pub fn compact_on_open(mut self, compact: bool) -> Self {
         self.compact_on_open = compact;
         self

@@ -215,6 +215,40 @@ fn a_malformed_url_or_schema_is_a_usage_error() {
 }
 
 #[test]
+fn looking_at_a_url_outbox_prunes_no_history() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    // A bot whose clock says January keeps history a week: by the tool's
+    // clock its sent item is long past retention.
+    let clock = durable_outbox::ManualClock::at("2026-01-15T09:00:00Z").unwrap();
+    let bot = durable_outbox::Outbox::postgres(&url)
+        .clock(clock.clone())
+        .sleeper(clock)
+        .history_retention(durable_outbox::Retention::MaxAge(
+            std::time::Duration::from_secs(7 * 86_400),
+        ))
+        .open()
+        .unwrap();
+    bot.enqueue(crate::harness::message("old-sent", "chat-1"))
+        .unwrap();
+    bot.process("old-sent", |_| Ok(Some("tg-old".into())))
+        .unwrap();
+    let head = bot.audit_head().unwrap();
+    for command in ["status", "list", "verify", "export"] {
+        let _ = cli([command, &url]);
+    }
+    assert_eq!(
+        bot.audit_head().unwrap(),
+        head,
+        "the tool wrote no record (a retention prune is the bot's to make)"
+    );
+    assert!(bot.get("old-sent").unwrap().is_some(), "nothing was pruned");
+}
+
+#[test]
 fn an_unreachable_server_is_an_error_that_hides_the_password() {
     // Nothing listens on port 1.
     let run = cli([

@@ -9,8 +9,9 @@
 //! changed more than `history_after` ago and outside every rate window
 //! (`Settings::history_cutoff`, the file engine's rule; `list_items` leaves them out,
 //! `history_items` lists them, `get` and the transport-ref lookups find both).
-//! Retention applies on open and on `compact` (as the file engine's
-//! compaction, which runs on open too): under `history_retention`
+//! Retention applies on open (unless the handle was opened with
+//! `compact_on_open(false)`, as a tool that only looks is) and on `compact`
+//! (as the file engine's compaction, which runs on open too): under `history_retention`
 //! `MaxAge(age)` the terminal items last changed longer ago than `age` are
 //! deleted, with one `pruned` audit record; `MaxSegments` has no segments to
 //! count here and keeps everything (logged).
@@ -79,13 +80,16 @@ impl PgBackend {
             })
         })?;
         // Like the file engine's compaction on open: history past
-        // `history_retention` goes now.
-        let settings = defaults.with_stored(&blocking(|| engine.stored_settings())?);
-        blocking(|| {
-            super::retry::retrying("a retention prune", |_| {
-                engine.apply_retention(&settings, now)
-            })
-        })?;
+        // `history_retention` goes now; and, as there, not for a handle that
+        // only looks (`compact_on_open(false)`: the operator's tool, a probe).
+        if builder.compact_on_open {
+            let settings = defaults.with_stored(&blocking(|| engine.stored_settings())?);
+            blocking(|| {
+                super::retry::retrying("a retention prune", |_| {
+                    engine.apply_retention(&settings, now)
+                })
+            })?;
+        }
         Ok(Self {
             engine: Some(engine),
             defaults,
