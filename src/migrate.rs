@@ -6,7 +6,7 @@
 //! are not touched), so a bot that starts meanwhile waits in its open instead
 //! of writing; it refuses outright when a handle is open on the directory.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, TryLockError};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -151,16 +151,27 @@ impl Migration {
         let live_items = items.len() as u64;
         let mut history = History::new(&self.dir);
         history.refresh()?;
-        let mut history_items = 0;
+        let mut moved: Vec<OutboxItem> = Vec::new();
+        let mut moved_at: HashMap<String, usize> = HashMap::new();
         for item in history.items() {
             let item = item?;
             // A crash between a move to history and the compaction that
             // drops the live copy leaves both: the live state is newer.
-            if !live.contains(&item.idempotency_key) {
-                history_items += 1;
-                items.push(item);
+            if live.contains(&item.idempotency_key) {
+                continue;
+            }
+            // An item requeued from history that went back there is in two
+            // segments; segments come oldest first, and the newest copy is
+            // the item (the one `get` returns).
+            if let Some(&at) = moved_at.get(&item.idempotency_key) {
+                moved[at] = item;
+            } else {
+                moved_at.insert(item.idempotency_key.clone(), moved.len());
+                moved.push(item);
             }
         }
+        let history_items = moved.len() as u64;
+        items.extend(moved);
         // Items written before enqueue sequences existed come first in their
         // line, as on the file engine.
         for item in &mut items {

@@ -497,3 +497,35 @@ fn an_open_outbox_is_refused_and_a_dead_claim_becomes_ambiguous_on_postgres() {
     );
     pg.verify_audit().unwrap();
 }
+
+#[test]
+fn an_item_that_went_to_history_twice_moves_once_as_its_newest_version() {
+    let Some(db) = database() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::at(START).unwrap();
+    {
+        let outbox = file_builder(dir.path(), &clock).open().unwrap();
+        outbox.enqueue(msg("again", "chat-1")).unwrap();
+        outbox
+            .process("again", |_| Err(SendError::permanent("chat_not_found")))
+            .unwrap();
+        clock.advance(DAY + secs(1));
+        outbox.compact().unwrap();
+        // The operator sends it again from history; it fails again and
+        // leaves for history a second time: two segments hold the key.
+        outbox
+            .requeue("again", "alice", "the chat exists again")
+            .unwrap();
+        outbox
+            .process("again", |_| Err(SendError::permanent("bot_blocked")))
+            .unwrap();
+        clock.advance(DAY + secs(1));
+        outbox.compact().unwrap();
+        assert!(outbox.list_items().unwrap().is_empty(), "both moves done");
+    }
+    let report = Migration::new(dir.path(), &db.url()).run().unwrap();
+    assert_eq!(report.history_items, 1, "{report:?}");
+    let pg = pg_builder(&db, &clock).open().unwrap();
+    let item = pg.get("again").unwrap().unwrap();
+    assert_eq!(item.error_code(), Some("bot_blocked"), "the newest version");
+}
