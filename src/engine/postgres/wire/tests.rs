@@ -765,6 +765,21 @@ mod hostile_server {
 
 /// Runs `f` on a thread of its own; fails the test naming `guarantee` when
 /// it has not returned within [`LIMIT`].
+/// Polls `count_sql` (a `count(*)`) on `look` until it counts a row: a
+/// session's statement is seen running or waiting on the server. Panics
+/// with `never` after [`LIMIT`] (a watchdog).
+fn wait_until_counted(look: &mut Connection, count_sql: &str, never: &str) {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let rows = pipeline(look, &[(count_sql, &[])]);
+        if rows[0].as_ref().unwrap().rows[0].get::<_, i64>(0) > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "watchdog: {never}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn within<T: Send + 'static>(guarantee: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (done, result) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -852,24 +867,11 @@ fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() 
         move || {
             // Once the statement runs on the server, cut the path.
             let mut look = connect(&db_url);
-            let deadline = Instant::now() + LIMIT;
-            loop {
-                let rows = pipeline(
-                    &mut look,
-                    &[(
-                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(1.5)%'",
-                        &[],
-                    )],
-                );
-                if rows[0].as_ref().unwrap().rows[0].get::<_, i64>(0) > 0 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "watchdog: the statement never ran"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            wait_until_counted(
+                &mut look,
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(1.5)%'",
+                "the statement never ran",
+            );
             proxy.stall();
             proxy
         }
@@ -992,25 +994,12 @@ fn a_watched_session_whose_answer_is_stuck_on_the_way_is_given_up() {
         let db_url = db.url();
         move || {
             let mut look = connect(&db_url);
-            let deadline = Instant::now() + LIMIT;
-            loop {
-                let rows = pipeline(
-                    &mut look,
-                    &[(
-                        "SELECT count(*) FROM pg_stat_activity \
-                         WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT repeat(%'",
-                        &[],
-                    )],
-                );
-                if rows[0].as_ref().unwrap().rows[0].get::<_, i64>(0) > 0 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "watchdog: the statement never waited"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            wait_until_counted(
+                &mut look,
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT repeat(%'",
+                "the statement never waited",
+            );
             proxy.stall();
             holder.simple("SELECT pg_advisory_unlock(44)").unwrap();
             proxy
