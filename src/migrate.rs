@@ -151,27 +151,22 @@ impl Migration {
         let live_items = items.len() as u64;
         let mut history = History::new(&self.dir);
         history.refresh()?;
-        let mut moved: Vec<OutboxItem> = Vec::new();
-        let mut moved_at: HashMap<String, usize> = HashMap::new();
+        // By key: an item requeued from history that went back there is in
+        // two segments; segments come oldest first, so the later copy, the
+        // one `get` returns, replaces the earlier (the CLI's history listing
+        // keeps the same rule).
+        let mut moved: HashMap<String, OutboxItem> = HashMap::new();
         for item in history.items() {
             let item = item?;
             // A crash between a move to history and the compaction that
             // drops the live copy leaves both: the live state is newer.
-            if live.contains(&item.idempotency_key) {
-                continue;
-            }
-            // An item requeued from history that went back there is in two
-            // segments; segments come oldest first, and the newest copy is
-            // the item (the one `get` returns).
-            if let Some(&at) = moved_at.get(&item.idempotency_key) {
-                moved[at] = item;
-            } else {
-                moved_at.insert(item.idempotency_key.clone(), moved.len());
-                moved.push(item);
+            if !live.contains(&item.idempotency_key) {
+                moved.insert(item.idempotency_key.clone(), item);
             }
         }
         let history_items = moved.len() as u64;
-        items.extend(moved);
+        // Sorted into line order below.
+        items.extend(moved.into_values());
         // Items written before enqueue sequences existed come first in their
         // line, as on the file engine.
         for item in &mut items {
