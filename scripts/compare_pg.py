@@ -289,6 +289,15 @@ def main():
                     help="start the server, print its URL and wait for Ctrl-C")
     args = ap.parse_args()
     build(args.no_build or args.serve)
+    # Every binary a case runs must be there before the first case: a case
+    # failing at the end of a run would throw away the minutes before it.
+    needed = [BENCH] if args.serve else [BENCH, SQLITE] + ([args.before] if args.before else []) \
+        + [spec.split("=", 1)[-1] for spec in args.also]
+    missing = [path for path in needed if not os.access(path, os.X_OK)]
+    if missing:
+        sys.exit("compare_pg: missing " + ", ".join(missing)
+                 + (" (run without --no-build to build ours and the SQLite anchor)"
+                    if args.no_build else ""))
     server = Server(args.dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
