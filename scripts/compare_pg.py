@@ -16,7 +16,11 @@ them alike:
   --schema S`, T = 1 (N = --n1) and T = 8 (N = --n), a fresh schema each run;
 - the floor: `pgbench -n -c T -j min(T,2) -T SECS -f two_updates.sql`, two
   single-row UPDATE transactions per item (after `pgbench -i -s 1`), in items/s
-  (= pgbench's tps / 2);
+  (one run of the script is one item, so pgbench's tps);
+- the issue's floor read literally ("a built-in script of two single-row
+  update transactions per item"): `pgbench -n -c T -j min(T,2) -T SECS -b
+  simple-update`, pgbench's own single-row update transaction (which also
+  reads the row back and inserts a history row), two per item: tps / 2;
 - our SQL via pgbench: `pgbench -n -M prepared -c 8 -j 2 -t N/8` running
   OUR_SQL below: the statements one W2 item runs on our engine at T=8 (as
   `log_statement = all` shows them), in the same three transactions
@@ -388,6 +392,22 @@ def main():
                   file=sys.stderr)
             return tps
 
+        def builtin_floor(clients):
+            """The issue's floor read literally: pgbench's built-in
+            single-row update transaction (`-b simple-update`: one `UPDATE`
+            of `pgbench_accounts`, a `SELECT` of it and an `INSERT` into
+            `pgbench_history`), two of them per item."""
+            _, tps, server_s, client_s = server.pgbench(
+                "-c", str(clients), "-j", str(min(clients, 2)), "-T", str(args.pgbench_secs),
+                "-b", "simple-update")
+            items = tps / 2
+            cpu.setdefault(f"pgbench built-in simple-update {clients} clients", []).append(
+                (1000 * server_s / (items * args.pgbench_secs),
+                 1000 * client_s / (items * args.pgbench_secs)))
+            print(json.dumps({"impl": "pgbench -b simple-update", "clients": clients,
+                              "items_per_s": items}), file=sys.stderr)
+            return items
+
         def our_sql_via_pgbench(clients, n):
             """OUR_SQL on a fresh schema our bench created (one item, so
             the tables, settings and audit head exist as ours has them)."""
@@ -434,6 +454,7 @@ def main():
             "ours, warm (PostgreSQL) T=8": lambda: ours(
                 8, args.n, name="ours, warm (PostgreSQL) T=8", extra=("--warm", "yes")),
             "pgbench floor 8 clients": lambda: floor(8),
+            "pgbench built-in simple-update 8 clients (tps / 2)": lambda: builtin_floor(8),
             "our SQL via pgbench 8 clients": lambda: our_sql_via_pgbench(8, args.n),
             "ours (PostgreSQL) T=1": lambda: ours(1, args.n1, name="ours (PostgreSQL) T=1"),
             "pgbench floor 1 client": lambda: floor(1),
@@ -470,6 +491,9 @@ def main():
             print(f"floor / ours at T={t}: {med[fl] / med[f'ours (PostgreSQL) T={t}']:.2f}x")
         print(f"floor / ours, warm at T=8 (connecting left out of both): "
               f"{med['pgbench floor 8 clients'] / med['ours, warm (PostgreSQL) T=8']:.2f}x")
+        builtin = med["pgbench built-in simple-update 8 clients (tps / 2)"]
+        print(f"built-in floor / ours at T=8: {builtin / med['ours (PostgreSQL) T=8']:.2f}x "
+              f"(warm: {builtin / med['ours, warm (PostgreSQL) T=8']:.2f}x)")
         sql = med["our SQL via pgbench 8 clients"]
         print(f"floor / our SQL via pgbench at T=8: {med['pgbench floor 8 clients'] / sql:.2f}x")
         print(f"our SQL via pgbench / ours at T=8: {sql / med['ours (PostgreSQL) T=8']:.2f}x")
