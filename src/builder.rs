@@ -40,6 +40,8 @@ pub struct OutboxBuilder {
     pub(crate) drain_batch: usize,
     pub(crate) ordering: crate::order::Ordering,
     pub(crate) compact_on_open: bool,
+    /// Whether opening may create the outbox (see [`create_if_missing`](Self::create_if_missing)).
+    pub(crate) create: Create,
     pub(crate) history_after: Duration,
     pub(crate) retention: crate::history::Retention,
     pub(crate) audit_rotate_bytes: u64,
@@ -65,6 +67,15 @@ pub struct OutboxBuilder {
     pub(crate) schema_named: bool,
 }
 
+/// Whether opening may create a new outbox ([`OutboxBuilder::create_if_missing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Create {
+    /// A bot's open: makes the directory or the schema's tables if missing.
+    IfMissing,
+    /// Only an existing outbox is opened; nothing is created.
+    Never,
+}
+
 /// A PostgreSQL outbox's place: the server and the schema.
 #[cfg(feature = "postgres")]
 #[derive(Clone)]
@@ -88,6 +99,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("drain_batch", &self.drain_batch)
             .field("ordering", &self.ordering)
             .field("compact_on_open", &self.compact_on_open)
+            .field("create", &self.create)
             .field("history_after", &self.history_after)
             .field("retention", &self.retention)
             .field("audit_rotate_bytes", &self.audit_rotate_bytes)
@@ -146,6 +158,7 @@ impl OutboxBuilder {
             drain_batch: 16,
             ordering: crate::order::Ordering::PerDestination,
             compact_on_open: true,
+            create: Create::IfMissing,
             history_after: Duration::from_secs(24 * 60 * 60),
             retention: crate::history::Retention::KeepAll,
             audit_rotate_bytes: 64 * 1024 * 1024,
@@ -352,6 +365,24 @@ impl OutboxBuilder {
     /// settings: the first handle opened with it on (the bot) stores its own.
     pub fn compact_on_open(mut self, compact: bool) -> Self {
         self.compact_on_open = compact;
+        self
+    }
+
+    /// Whether opening may create a new, empty outbox where none is. Default
+    /// `true`: a bot's first start makes its outbox. A tool that only looks
+    /// at an existing one turns it off, so a mistyped directory or schema is
+    /// an error instead of a fresh empty outbox that "verifies". With it off,
+    /// opening refuses, creating nothing, with [`Error::InvalidConfig`]:
+    /// setting `dir` for a directory that holds none of `outbox.json`,
+    /// `outbox.journal`, `audit.jsonl` and `outbox.lock` ([`Error::Io`] when
+    /// it does not exist), setting `schema` for a PostgreSQL schema without the outbox's
+    /// tables.
+    pub fn create_if_missing(mut self, create: bool) -> Self {
+        self.create = if create {
+            Create::IfMissing
+        } else {
+            Create::Never
+        };
         self
     }
 

@@ -125,7 +125,7 @@ impl Migration {
     pub fn run(self) -> Result<MigrationReport> {
         let hasher = self.audit_key.clone().map_or(Hasher::Plain, Hasher::Keyed);
         crate::engine::postgres::check_schema(&self.schema)?;
-        check_outbox_dir(&self.dir)?;
+        crate::engine::file::check_outbox_dir(&self.dir)?;
         let _held = hold_directory(&self.dir)?;
         refuse_open_handles(&self.dir)?;
 
@@ -209,34 +209,6 @@ impl Migration {
             audit_head: head,
         })
     }
-}
-
-/// The directory must exist and hold an outbox file: a typo must not migrate
-/// an empty outbox.
-fn check_outbox_dir(dir: &Path) -> Result<()> {
-    match fs::metadata(dir) {
-        Ok(meta) if meta.is_dir() => {}
-        Ok(_) => {
-            return Err(Error::invalid_config(
-                "dir",
-                format!("{} is not a directory", dir.display()),
-            ));
-        }
-        Err(e) => return Err(Error::io(dir, "stat", e)),
-    }
-    if !["outbox.json", "outbox.journal", "audit.jsonl"]
-        .iter()
-        .any(|name| dir.join(name).exists())
-    {
-        return Err(Error::invalid_config(
-            "dir",
-            format!(
-                "{} is not an outbox directory (no outbox.json, outbox.journal or audit.jsonl)",
-                dir.display()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Takes the directory lock without writing (the lock file opened read-only,

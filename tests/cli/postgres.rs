@@ -111,8 +111,10 @@ fn a_schema_names_where_a_url_outbox_lives_and_is_refused_for_a_directory() {
     cli(["list", &url, "--schema", "bot_a"])
         .exits(0)
         .says("welcome");
-    // The default schema is another, empty outbox.
-    assert!(!cli(["list", &url]).exits(0).stdout.contains("welcome"));
+    // The default schema holds no outbox: refused, not made.
+    cli(["list", &url])
+        .exits(2)
+        .complains("\"durable_outbox\" holds no outbox");
     cli(["list", d, "--schema", "bot_a"])
         .exits(2)
         .complains("--schema applies to a postgres:// URL");
@@ -144,6 +146,68 @@ fn a_password_given_as_a_url_parameter_is_never_printed() {
         run.exits(1);
         assert!(!run.stdout.contains("sekrit"), "{run:#?}");
     }
+}
+
+#[test]
+fn a_schema_or_database_holding_no_outbox_is_refused_and_nothing_is_created() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let Fixture { dir, outbox } = Fixture::demo();
+    drop(outbox);
+    cli([
+        "migrate",
+        dir.path().to_str().unwrap(),
+        &url,
+        "--schema",
+        "bot_a",
+    ])
+    .exits(0);
+    let schemas = || {
+        db.psql(
+            "SELECT string_agg(nspname, ',' ORDER BY nspname) FROM pg_namespace \
+             WHERE nspname NOT LIKE 'pg\\_%' AND nspname NOT IN ('information_schema', 'public')",
+        )
+    };
+    assert_eq!(schemas().trim(), "bot_a");
+    // A mistyped schema, and the URL alone (its default schema is not the
+    // one the outbox was migrated to): every command that reads, as for a
+    // directory that is not an outbox, exits 2 naming the schema.
+    let head = format!("1:{}", "ab".repeat(32));
+    let reads: [&[&str]; 8] = [
+        &["status"],
+        &["status", "--json"],
+        &["list"],
+        &["list", "--history"],
+        &["show", "welcome"],
+        &["verify"],
+        &["verify", "--expect-head", &head],
+        &["export", "--audit"],
+    ];
+    for (schema, named) in [(Some("bot_b"), "\"bot_b\""), (None, "\"durable_outbox\"")] {
+        for read in reads {
+            let mut args = vec![read[0], &url];
+            args.extend(&read[1..]);
+            if let Some(schema) = schema {
+                args.extend(["--schema", schema]);
+            }
+            let run = cli(&args);
+            run.exits(2)
+                .complains(&format!("schema {named} holds no outbox"));
+            assert!(!run.stdout.contains("verified"), "{args:?}: {run:#?}");
+        }
+    }
+    // So do the commands that write: nothing to requeue in an outbox that is not there.
+    cli([
+        "requeue", &url, "welcome", "--schema", "bot_b", "--reason", "r",
+    ])
+    .exits(2);
+    assert_eq!(schemas().trim(), "bot_a", "no schema was created");
+    cli(["verify", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says("verified");
 }
 
 #[test]

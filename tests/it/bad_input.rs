@@ -182,3 +182,38 @@ fn a_file_damaged_after_open_is_reported_by_every_call_and_never_overwritten() {
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(matches!(h.outbox.get("k"), Err(Error::Corrupt { .. })));
 }
+
+#[test]
+fn an_open_that_may_not_create_refuses_a_directory_holding_no_outbox_and_writes_nothing() {
+    let parent = tempfile::tempdir().unwrap();
+    let missing = parent.path().join("typo");
+    assert!(matches!(
+        Outbox::builder(&missing).create_if_missing(false).open(),
+        Err(Error::Io { path, .. }) if path == missing
+    ));
+    assert!(!missing.exists(), "the directory was not created");
+
+    let empty = parent.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    match Outbox::builder(&empty).create_if_missing(false).open() {
+        Err(Error::InvalidConfig {
+            setting: "dir",
+            reason,
+        }) => {
+            assert!(reason.contains("not an outbox directory"), "{reason}");
+        }
+        other => panic!("expected InvalidConfig(dir), got {other:?}"),
+    }
+    assert_eq!(
+        std::fs::read_dir(&empty).unwrap().count(),
+        0,
+        "nothing written"
+    );
+
+    // Once a bot made it, the same open succeeds.
+    drop(Outbox::open(&empty).unwrap());
+    Outbox::builder(&empty)
+        .create_if_missing(false)
+        .open()
+        .unwrap();
+}

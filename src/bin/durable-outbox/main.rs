@@ -293,8 +293,12 @@ pub fn target_label(target: &Target) -> String {
 #[cfg(feature = "postgres")]
 fn postgres_builder(target: &Target, url: &str) -> Result<OutboxBuilder, Box<dyn Error>> {
     // A tool that only looks: a schema no bot has opened yet does not get
-    // the tool's default settings stored as the outbox's.
-    let mut builder = Outbox::postgres(url).compact_on_open(false);
+    // the tool's default settings stored as the outbox's, and a schema
+    // holding no outbox (a typo, the wrong database) is refused, with
+    // nothing created, as a directory that is not an outbox is.
+    let mut builder = Outbox::postgres(url)
+        .compact_on_open(false)
+        .create_if_missing(false);
     if let Some(schema) = &target.schema {
         builder = builder.schema(schema);
     }

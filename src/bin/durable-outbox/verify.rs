@@ -220,7 +220,7 @@ fn check(
     builder: durable_outbox::OutboxBuilder,
     progress: &mut Progress<'_>,
     result: &mut Verification,
-) -> io::Result<Option<Outbox>> {
+) -> Result<Option<Outbox>, Box<dyn std::error::Error>> {
     let label = match place {
         crate::Place::Dir(dir) => {
             let size = std::fs::metadata(dir.join("audit.jsonl")).map_or(0, |m| m.len());
@@ -231,6 +231,9 @@ fn check(
     let records = Records::of(place);
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
+        // A URL or schema naming no outbox is the argument's fault, as a
+        // directory that is not an outbox is: exit 2, not a failed check.
+        Err(e @ Error::InvalidConfig { .. }) => return Err(Box::new(e)),
         Err(e) => {
             result.problems.push(problem_of(&e, records, None));
             return Ok(None);

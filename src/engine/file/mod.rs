@@ -89,6 +89,9 @@ impl FileEngine {
     /// As [`OutboxBuilder::open`].
     pub(crate) fn open(builder: &mut OutboxBuilder) -> Result<Self> {
         let dir = builder.dir.clone();
+        if builder.create == crate::builder::Create::Never {
+            check_outbox_dir(&dir)?;
+        }
         lock::create_private_dir(&dir)?;
         crate::trust::check_outbox_dir(&dir, builder.trust)?;
         let hasher = builder
@@ -952,4 +955,45 @@ impl Locked {
         };
         Ok((audit, loaded, history))
     }
+}
+
+/// The directory must exist and hold an outbox file: a typo must not migrate
+/// an empty outbox, nor open one where
+/// [`create_if_missing(false)`](crate::OutboxBuilder::create_if_missing) says
+/// none may be created.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] (`dir`) for a file or a directory with no outbox
+/// file; [`Error::Io`] when it cannot be looked at (a missing directory).
+pub(crate) fn check_outbox_dir(dir: &Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => {
+            return Err(Error::invalid_config(
+                "dir",
+                format!("{} is not a directory", dir.display()),
+            ));
+        }
+        Err(e) => return Err(Error::io(dir, "stat", e)),
+    }
+    // A bot's first open makes `outbox.lock` before anything else, and an
+    // outbox nothing was written to yet has only that.
+    if ![
+        "outbox.json",
+        "outbox.journal",
+        "audit.jsonl",
+        "outbox.lock",
+    ]
+    .iter()
+    .any(|name| dir.join(name).exists())
+    {
+        return Err(Error::invalid_config(
+            "dir",
+            format!(
+                "{} is not an outbox directory (no outbox.json, outbox.journal, audit.jsonl or outbox.lock)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -23,7 +23,7 @@ use chrono::{DateTime, Utc};
 use super::connect::blocking_local;
 use super::{PgEngine, PgTxn, blocking};
 use crate::audit::{AuditRecord, AuditReport, Hasher, Head};
-use crate::builder::OutboxBuilder;
+use crate::builder::{Create, OutboxBuilder};
 use crate::clock::{Clock, earlier};
 use crate::engine::file::DueSummary;
 use crate::error::{Error, Result};
@@ -61,7 +61,10 @@ impl PgBackend {
             .audit_key
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
-        let engine = blocking(|| PgEngine::open(&target.url, &target.schema, hasher))?;
+        let engine = blocking(|| match builder.create {
+            Create::IfMissing => PgEngine::open(&target.url, &target.schema, hasher),
+            Create::Never => PgEngine::open_existing(&target.url, &target.schema, hasher),
+        })?;
         #[cfg(any(test, feature = "test-failpoints"))]
         for (name, action) in &builder.failpoints {
             engine.faults.arm(name, *action);

@@ -88,6 +88,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use sha2::{Digest, Sha256};
 
 use crate::audit::Hasher;
+use crate::builder::Create;
 use crate::error::{Error, Result};
 
 #[cfg(test)]
@@ -188,7 +189,18 @@ impl PgEngine {
     /// Connects, creates or migrates the schema's tables, and registers and
     /// locks a fresh owner id.
     pub(crate) fn open(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
-        Self::open_with(url, schema, hasher, notify::COALESCE)
+        Self::open_with(url, schema, hasher, notify::COALESCE, Create::IfMissing)
+    }
+
+    /// [`open`](Self::open) of a schema that must already hold an outbox
+    /// (`create_if_missing(false)`): refuses one without the outbox's
+    /// tables, creating nothing.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open); [`Error::InvalidConfig`] (`schema`) when
+    /// the schema holds no outbox.
+    pub(crate) fn open_existing(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
+        Self::open_with(url, schema, hasher, notify::COALESCE, Create::Never)
     }
 
     /// [`open`](Self::open), with `wake_interval` between coalesced
@@ -198,6 +210,7 @@ impl PgEngine {
         schema: &str,
         hasher: Hasher,
         wake_interval: std::time::Duration,
+        create: Create,
     ) -> Result<Self> {
         check_schema(schema)?;
         let connector = Connector::parse(url)?;
@@ -205,6 +218,12 @@ impl PgEngine {
         {
             let mut probe = connector.connect()?;
             liveness::refuse_transaction_pooling(&mut client, &mut probe)?;
+        }
+        if create == Create::Never && !schema::holds_outbox(&mut client, schema)? {
+            return Err(Error::invalid_config(
+                "schema",
+                format!("schema {schema:?} holds no outbox in this database (nothing was created)"),
+            ));
         }
         schema::migrate(&mut client, schema)?;
         let s = quoted(schema);

@@ -190,6 +190,18 @@ pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) ->
     Ok(())
 }
 
+/// Whether `schema` holds an outbox (its version table), whatever its
+/// version: read without writing or locking anything.
+pub(crate) fn holds_outbox(client: &mut Client, schema: &str) -> Result<bool> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1::text) IS NOT NULL",
+            &[&format!("{}.outbox_meta", quoted(schema))],
+        )
+        .map_err(db("look for the outbox's tables"))?;
+    Ok(row.get(0))
+}
+
 /// `"name"`: a schema name is checked to be a plain identifier, and quoted anyway.
 pub(super) fn quoted(schema: &str) -> String {
     format!("\"{schema}\"")

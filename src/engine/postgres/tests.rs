@@ -1223,7 +1223,14 @@ fn a_burst_of_commits_sends_far_fewer_notifies_than_commits_and_one_after_the_la
     // A longer interval than the default, so that "far fewer" holds however
     // slowly a loaded machine commits (it is bounded by the interval below).
     let interval = Duration::from_millis(50);
-    let engine = PgEngine::open_with(&db.url(), DEFAULT_SCHEMA, Hasher::Plain, interval).unwrap();
+    let engine = PgEngine::open_with(
+        &db.url(),
+        DEFAULT_SCHEMA,
+        Hasher::Plain,
+        interval,
+        crate::builder::Create::IfMissing,
+    )
+    .unwrap();
     let mut listener = listen(&db.url());
     let (threads, each) = (8, 50);
     let start = std::time::Instant::now();
