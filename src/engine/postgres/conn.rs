@@ -119,6 +119,13 @@ impl Conn {
         self.wire.is_closed()
     }
 
+    /// Whether the server said, in its last `ReadyForQuery`, that a
+    /// transaction is open on the session (`T`), or a failed one (`E`):
+    /// anything but idle (`I`).
+    pub(crate) fn in_transaction(&self) -> bool {
+        self.wire.in_transaction()
+    }
+
     /// Begins a transaction: nothing is sent until its first statement,
     /// which carries the `BEGIN`.
     pub(crate) fn begin(&mut self) -> Tx<'_> {

@@ -562,8 +562,20 @@ impl PgEngine {
         }
     }
 
-    /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]).
+    /// Keeps `client` for the next caller (up to [`IDLE_CONNECTIONS`]),
+    /// unless it is closed or not idle: a session the server reports inside
+    /// a transaction (`ReadyForQuery` status `T`, or `E` for a failed one)
+    /// would run the next caller's statements in that transaction, so it is
+    /// closed instead (the server rolls the transaction back).
     pub(super) fn give_back(&self, client: Conn) {
+        if client.in_transaction() && !client.is_closed() {
+            tracing::warn!(
+                schema = %self.schema,
+                "a connection came back with a transaction open on it; closed, not pooled"
+            );
+            drop(client);
+            return;
+        }
         let mut idle = lock(&self.clients);
         if !client.is_closed() && idle.len() < IDLE_CONNECTIONS {
             idle.push(client);

@@ -1386,3 +1386,32 @@ fn dropping_a_handle_closes_its_wake_up_session() {
     assert!(hear(&mut listener, 1) >= 1);
     until_the_session_is_gone(&db, pid, "the wake-up session ends with its handle");
 }
+
+/// A connection given back with a transaction still open on it (a caller
+/// that sent `BEGIN` and never ended it) is closed, not pooled: the next
+/// borrower's statements would run inside that transaction, and what it
+/// believes committed would vanish with the connection.
+#[test]
+fn a_connection_given_back_inside_a_transaction_is_not_lent_again() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    {
+        let mut client = engine.client().unwrap();
+        client.query("BEGIN", &[]).unwrap();
+    }
+    {
+        let mut client = engine.client().unwrap();
+        client
+            .query("CREATE TABLE public.after_a_stray_begin (v int)", &[])
+            .unwrap();
+    }
+    assert_eq!(
+        db.psql("SELECT to_regclass('public.after_a_stray_begin') IS NOT NULL")
+            .trim(),
+        "t",
+        "the next borrower's statement committed on its own"
+    );
+}
