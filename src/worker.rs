@@ -1214,7 +1214,9 @@ impl Watcher {
                     let Some(engine) = outbox.postgres_engine() else {
                         return;
                     };
-                    engine.start_listening();
+                    // Dropped at the end, or while a panic unwinds this
+                    // thread: either way this worker stops listening.
+                    let listening = engine.start_listening();
                     while !flag.load(Ordering::Acquire) {
                         match engine.wait_for_work(interval) {
                             Ok(true) => wake.notify_one(),
@@ -1227,7 +1229,7 @@ impl Watcher {
                     }
                     // Nobody reads the listening session from here on: it
                     // must not stay subscribed (see `stop_listening`).
-                    engine.stop_listening();
+                    drop(listening);
                 });
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "could not start the wake-up listener; other hosts' enqueues wake the worker only at due times");

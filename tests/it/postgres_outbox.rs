@@ -1022,15 +1022,7 @@ fn a_stopped_worker_leaves_no_session_listening_while_its_handle_stays_open() {
     let Some(engine) = engine() else { return };
     let outbox =
         engine.open_real_clock_with(|b| b.rate_limit(u32::MAX, std::time::Duration::from_secs(60)));
-    let listening = || -> usize {
-        psql(
-            &engine,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-        )
-        .parse()
-        .unwrap()
-    };
+    let listening = || sessions_listening(&engine);
     let runtime = crate::harness::runtime();
     within(
         "a worker starts listening, then stops",
@@ -1062,6 +1054,70 @@ fn a_stopped_worker_leaves_no_session_listening_while_its_handle_stays_open() {
         },
     );
     // The handle goes on.
+    outbox.enqueue(msg("after", "chat-1")).unwrap();
+    assert_eq!(
+        outbox.get("after").unwrap().unwrap().state(),
+        ItemState::Queued
+    );
+}
+
+/// How many sessions of the test's database listen for wake-ups.
+fn sessions_listening(engine: &EngineUnderTest) -> usize {
+    psql(
+        engine,
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .parse()
+    .unwrap()
+}
+
+/// The worker's listening thread unwinding (here a panic where it waits for
+/// wake-ups, the second time it does, so its session listens by then) still
+/// lowers the handle's count of listeners: once the worker stops, no session
+/// listens, as after a clean stop, while the handle stays open.
+#[test]
+fn a_listening_thread_that_panics_leaves_no_session_listening() {
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_real_clock_with(|b| {
+        b.rate_limit(u32::MAX, std::time::Duration::from_secs(60))
+            .failpoint(
+                "postgres.wait_for_work",
+                durable_outbox::FailAction::PanicOnHit(2),
+            )
+    });
+    let runtime = crate::harness::runtime();
+    within(
+        "a worker listens, its listening thread panics, the worker stops",
+        DEADLOCK_LIMIT,
+        || {
+            runtime.block_on(async {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                // Its listening thread waits 50 ms at a time (the default
+                // `watch_interval`), so the second wait comes soon.
+                let worker = outbox.worker(|_item: durable_outbox::OutboxItem| async {
+                    Ok::<_, durable_outbox::SendError>(None)
+                });
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                while outbox.failpoint_hits("postgres.wait_for_work") < 2 {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap();
+            });
+        },
+    );
+    within(
+        "no session listens once the worker stopped",
+        DEADLOCK_LIMIT,
+        || {
+            while sessions_listening(&engine) > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        },
+    );
     outbox.enqueue(msg("after", "chat-1")).unwrap();
     assert_eq!(
         outbox.get("after").unwrap().unwrap().state(),

@@ -409,14 +409,31 @@ impl Listener {
     }
 }
 
+/// One worker's share of its handle's listening session, from
+/// [`PgEngine::start_listening`]: dropping it (at the end of the worker's
+/// wait loop, or while its thread unwinds) stops that worker's listening.
+#[must_use = "listening stops when the guard drops"]
+pub(crate) struct Listening<'e> {
+    engine: &'e PgEngine,
+}
+
+impl Drop for Listening<'_> {
+    fn drop(&mut self) {
+        self.engine.stop_listening();
+    }
+}
+
 /// What a worker asks of the engine besides the rules' transactions.
 impl PgEngine {
     /// A worker of this handle starts waiting for wake-ups
-    /// ([`wait_for_work`](Self::wait_for_work)); it calls
-    /// [`stop_listening`](Self::stop_listening) when it stops.
-    pub(crate) fn start_listening(&self) {
+    /// ([`wait_for_work`](Self::wait_for_work)) until the returned guard
+    /// drops, which calls [`stop_listening`](Self::stop_listening): also
+    /// when the worker's thread unwinds from a panic, so no path leaves the
+    /// count raised and the session listening.
+    pub(crate) fn start_listening(&self) -> Listening<'_> {
         self.listeners
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Listening { engine: self }
     }
 
     /// A worker of this handle stopped waiting for wake-ups: when it was the
@@ -427,7 +444,7 @@ impl PgEngine {
     /// notifications up, its backend would block writing them, and the
     /// server's notify queue (one for the whole cluster) could no longer be
     /// trimmed past it, until every `NOTIFY` on the server failed.
-    pub(crate) fn stop_listening(&self) {
+    fn stop_listening(&self) {
         if self
             .listeners
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
@@ -443,6 +460,11 @@ impl PgEngine {
     /// a hint: a waiter reads again after it. A worker's tick also seals what
     /// a crashed handle or a skipped best-effort sealing left pending.
     pub(crate) fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
+        // A failpoint here stands for anything on the waiting thread that
+        // fails or unwinds (a panic in a log subscriber, a bug).
+        self.faults
+            .check("postgres.wait_for_work")
+            .map_err(|e| Error::io(self.place(), "wait for work", e))?;
         // A worker's tick: events a crashed handle or a skipped best-effort
         // sealing left pending go on the chain.
         {
