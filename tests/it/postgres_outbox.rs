@@ -1124,3 +1124,62 @@ fn a_listening_thread_that_panics_leaves_no_session_listening() {
         ItemState::Queued
     );
 }
+
+/// `compact_on_open(false)` marks a handle that only looks (the operator's
+/// tool, a probe). On PostgreSQL it keeps two promises: opening a schema
+/// that holds no outbox yet stores none of its settings, so the bot's first
+/// open stores the bot's own; and opening prunes no history past
+/// `history_retention`, whatever the looking handle's clock says.
+#[test]
+fn a_handle_that_only_looks_stores_no_settings_and_prunes_nothing_on_open() {
+    let Some(engine) = engine() else { return };
+    let secs = std::time::Duration::from_secs;
+    let stored_rows = || psql(&engine, "SELECT count(*) FROM durable_outbox.settings");
+
+    let look = engine
+        .builder()
+        .compact_on_open(false)
+        .rate_limit(5, secs(11))
+        .max_attempts(4)
+        .open()
+        .unwrap();
+    let settings = look.settings().unwrap();
+    assert!(
+        !settings.is_stored("rate_limit") && !settings.is_stored("max_attempts"),
+        "the look's settings are its own, not the outbox's"
+    );
+    assert_eq!(stored_rows(), "0", "nothing stored for the new outbox");
+    drop(look);
+
+    let bot = engine
+        .builder()
+        .rate_limit(3, secs(7))
+        .max_attempts(9)
+        .history_retention(durable_outbox::Retention::MaxAge(secs(7 * 86_400)))
+        .open()
+        .unwrap();
+    let settings = bot.settings().unwrap();
+    assert_eq!(
+        (settings.rate_limit().count, settings.max_attempts()),
+        (3, 9),
+        "the bot's first open stores the bot's settings"
+    );
+    assert!(settings.is_stored("rate_limit") && settings.is_stored("max_attempts"));
+    bot.enqueue(msg("old-sent", "chat-1")).unwrap();
+    bot.process("old-sent", |_| Ok(Some("tg-old".into())))
+        .unwrap();
+    let head = bot.audit_head().unwrap();
+    drop(bot);
+
+    // A month later the sent item is past the stored week of retention.
+    engine.clock.advance(secs(30 * 86_400));
+    let look = engine.builder().compact_on_open(false).open().unwrap();
+    assert!(look.get("old-sent").unwrap().is_some(), "nothing pruned");
+    assert_eq!(look.audit_head().unwrap(), head, "no `pruned` record");
+    assert_eq!(look.settings().unwrap().max_attempts(), 9);
+    drop(look);
+    // The same open by a bot prunes it: the look's was a real choice.
+    let bot = engine.builder().open().unwrap();
+    assert!(bot.get("old-sent").unwrap().is_none(), "pruned on open");
+    assert_ne!(bot.audit_head().unwrap(), head);
+}
