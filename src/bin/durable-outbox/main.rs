@@ -234,7 +234,11 @@ pub fn builder(target: &Target) -> Result<OutboxBuilder, Box<dyn Error>> {
             "not an outbox directory (it has no outbox.json, outbox.journal, audit.jsonl or outbox.lock)",
         ));
     }
-    let mut builder = Outbox::builder(dir).compact_on_open(false);
+    // Checked above with its own messages; the library checks again as it
+    // opens, so a directory emptied meanwhile is not made an outbox either.
+    let mut builder = Outbox::builder(dir)
+        .compact_on_open(false)
+        .create_if_missing(false);
     if let Some(key) = audit_key(target)? {
         builder = builder.audit_key(key);
     }
