@@ -1076,6 +1076,7 @@ fn sessions_listening(engine: &EngineUnderTest) -> usize {
 /// wake-ups, the second time it does, so its session listens by then) still
 /// lowers the handle's count of listeners: once the worker stops, no session
 /// listens, as after a clean stop, while the handle stays open.
+#[cfg(feature = "test-failpoints")]
 #[test]
 fn a_listening_thread_that_panics_leaves_no_session_listening() {
     let Some(engine) = engine() else { return };
