@@ -1027,22 +1027,7 @@ fn a_stopped_worker_leaves_no_session_listening_while_its_handle_stays_open() {
     within(
         "a worker starts listening, then stops",
         DEADLOCK_LIMIT,
-        || {
-            runtime.block_on(async {
-                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-                let worker = outbox.worker(|_item: durable_outbox::OutboxItem| async {
-                    Ok::<_, durable_outbox::SendError>(None)
-                });
-                let running = tokio::spawn(worker.run(async move {
-                    stopped.await.ok();
-                }));
-                while listening() == 0 {
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                }
-                stop.send(()).unwrap();
-                running.await.unwrap().unwrap();
-            });
-        },
+        || run_a_worker_until(&outbox, &runtime, || listening() > 0),
     );
     within(
         "the stopped worker's listening session ends",
@@ -1059,6 +1044,29 @@ fn a_stopped_worker_leaves_no_session_listening_while_its_handle_stays_open() {
         outbox.get("after").unwrap().unwrap().state(),
         ItemState::Queued
     );
+}
+
+/// Runs a worker (whose sends succeed) on `outbox` until `until` holds,
+/// then stops it and waits for it to return.
+fn run_a_worker_until(
+    outbox: &durable_outbox::Outbox,
+    runtime: &tokio::runtime::Runtime,
+    until: impl Fn() -> bool,
+) {
+    runtime.block_on(async {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let worker = outbox.worker(|_item: durable_outbox::OutboxItem| async {
+            Ok::<_, durable_outbox::SendError>(None)
+        });
+        let running = tokio::spawn(worker.run(async move {
+            stopped.await.ok();
+        }));
+        while !until() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        stop.send(()).unwrap();
+        running.await.unwrap().unwrap();
+    });
 }
 
 /// How many sessions of the test's database listen for wake-ups.
@@ -1091,22 +1099,11 @@ fn a_listening_thread_that_panics_leaves_no_session_listening() {
     within(
         "a worker listens, its listening thread panics, the worker stops",
         DEADLOCK_LIMIT,
+        // Its listening thread waits 50 ms at a time (the default
+        // `watch_interval`), so the second wait comes soon.
         || {
-            runtime.block_on(async {
-                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-                // Its listening thread waits 50 ms at a time (the default
-                // `watch_interval`), so the second wait comes soon.
-                let worker = outbox.worker(|_item: durable_outbox::OutboxItem| async {
-                    Ok::<_, durable_outbox::SendError>(None)
-                });
-                let running = tokio::spawn(worker.run(async move {
-                    stopped.await.ok();
-                }));
-                while outbox.failpoint_hits("postgres.wait_for_work") < 2 {
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                }
-                stop.send(()).unwrap();
-                running.await.unwrap().unwrap();
+            run_a_worker_until(&outbox, &runtime, || {
+                outbox.failpoint_hits("postgres.wait_for_work") >= 2
             });
         },
     );
