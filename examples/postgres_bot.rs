@@ -1,11 +1,13 @@
 //! A bot on two hosts sharing one outbox in PostgreSQL.
 //!
 //! ```sh
-//! cargo run --example postgres_bot --features postgres,tokio -- postgres://bot@db.internal/bot
+//! cargo run --example postgres_bot --features postgres,tokio -- postgres://bot@db.internal/bot [HOST]
 //! ```
 //!
 //! Run it on as many hosts as you like against the same database: each host
-//! enqueues its own replies, and every host's worker delivers from the one
+//! enqueues its own greetings (keyed by `HOST`, default the machine's host
+//! name; two copies on one machine need two names, or the second one's
+//! greetings are the first one's again and enqueueing them is a no-op), and every host's worker delivers from the one
 //! backlog, each message once, in order per chat, under one rate cap. A host
 //! that dies mid-send leaves that message failed as ambiguous (never resent);
 //! everything else goes on from the other hosts.
@@ -25,8 +27,19 @@ async fn send_to_platform(item: OutboxItem) -> Result<Option<String>, SendError>
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::args()
         .nth(1)
-        .ok_or("usage: postgres_bot postgres://user@host/database")?;
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "this-host".into());
+        .ok_or("usage: postgres_bot postgres://user@host/database [HOST]")?;
+    // Part of every key this host enqueues. Not `$HOSTNAME`: shells set it
+    // without exporting it, so every host would read the same fallback and
+    // enqueue the same keys.
+    let host = std::env::args()
+        .nth(2)
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|name| name.trim().to_owned())
+        })
+        .unwrap_or_else(|| "this-host".into());
+    println!("host {host}");
 
     // Every host opens the same outbox: same URL, same schema.
     let outbox = Outbox::postgres(&url)
