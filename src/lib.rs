@@ -40,8 +40,9 @@
 //! })?;
 //! assert_eq!(receipt.outcome, Outcome::Sent);
 //!
-//! // A reply arrives quoting message id tg-981: which outbound item does it answer?
-//! let original = outbox.find_by_transport_ref("tg-981")?.expect("known reply");
+//! // A reply in chat-42 quotes message id tg-981: which outbound item does it
+//! // answer? Telegram numbers messages per chat, so look it up in that chat.
+//! let original = outbox.find_by_transport_ref_in("chat-42", "tg-981")?.expect("known reply");
 //! assert_eq!(original.idempotency_key(), "order-17");
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -61,7 +62,8 @@
 //! | `tokio` | the delivery worker (`Outbox::worker`) and async forms for tokio bots: `Outbox::process_async`, `Outbox::process_due_async`, and `_async` forms of `enqueue`, `get`, `find_*`, `list_items`, `requeue`, `cancel` and the bulk actions, all running file work on the blocking pool |
 //! | `metrics` | counters per outcome and error code, an enqueue-to-sent latency histogram and queue gauges through the [`metrics`](https://docs.rs/metrics) facade (names in the README's "Observability" table) |
 //! | `postgres` | `Outbox::postgres(url)`: the same `Outbox` in a PostgreSQL schema, shared by bots on several hosts (owner liveness by session advisory locks, one audit chain in a table, wake-ups by `LISTEN`/`NOTIFY`; see the README, "More than one host") |
-//! | `cli` | the `durable-outbox` operator tool (a binary; no library items) |
+//! | `matrix` | `MatrixClient`, a transport for the Matrix client-server API (stable `txnId`, classified failures, replies from `/sync`); implies `tokio`; plain HTTP unless the application enables a `reqwest` TLS feature (see the README, "A Matrix bot") |
+//! | `cli` | the `durable-outbox` operator tool (a binary; no library items; with `postgres` it also takes `postgres://` URLs and migrates) |
 //!
 //! `tracing` spans (`outbox.enqueue`, `outbox.claim`, `outbox.send`,
 //! `outbox.finish`, with key, destination, attempt and outcome) are always
