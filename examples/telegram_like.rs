@@ -132,7 +132,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("\nreplies arrive, quoting the messages they answer:");
     for reply in client.replies().await? {
-        match outbox.find_by_transport_ref(&reply.quotes)? {
+        // Telegram numbers messages per chat: look the quoted id up in the
+        // chat the reply came from.
+        match outbox.find_by_transport_ref_in(&reply.chat_id, &reply.quotes)? {
             Some(item) => println!(
                 "  {:?} in {} answers {}",
                 reply.text,

@@ -77,7 +77,8 @@ macro_rules! on_engine {
 /// })?;
 /// let receipt = outbox.process("order-17", |_item| Ok(Some("tg-981".into())))?;
 /// assert_eq!(receipt.outcome, Outcome::Sent);
-/// let original = outbox.find_by_transport_ref("tg-981")?.expect("correlated");
+/// // Telegram numbers messages per chat: look a reply's id up in its chat.
+/// let original = outbox.find_by_transport_ref_in("chat-42", "tg-981")?.expect("correlated");
 /// assert_eq!(original.idempotency_key(), "order-17");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
