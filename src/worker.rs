@@ -192,7 +192,10 @@ where
     /// The longest pause between two looks at the journal for changes made by
     /// other processes (at least 1 ms). Default 50 ms: another process's enqueue
     /// is picked up within about this long. Enqueues through this handle or its
-    /// clones wake the worker at once regardless.
+    /// clones wake the worker at once regardless. On PostgreSQL other hosts'
+    /// commits wake the worker through `LISTEN`/`NOTIFY` as they come, not on
+    /// this interval; there it is only how often (at least every 50 ms) the
+    /// listening thread checks whether the worker has stopped.
     #[must_use]
     pub fn watch_interval(mut self, interval: Duration) -> Self {
         self.watch_interval = interval.max(Duration::from_millis(1));
