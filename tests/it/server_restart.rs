@@ -120,3 +120,63 @@ fn a_connection_lost_during_commit_is_an_error_never_a_rerun() {
     assert_eq!(outbox.list_items().unwrap().len(), 2);
     assert_eq!(outbox.verify_audit().unwrap().records, 2);
 }
+
+/// A database (or role, or server) set to `synchronous_commit = off`, a
+/// common tuning, acknowledges a commit before its WAL is on disk: a server
+/// crash then takes back an enqueue that returned (lost) and a claim made
+/// before `send` (the item queued again: sent twice). The outbox's
+/// connections commit synchronously whatever the server's default. On a
+/// server whose WAL writer waits 10 s between flushes, nothing else makes
+/// the commits durable before the crash.
+#[test]
+fn an_enqueue_and_a_claim_survive_a_server_crash_on_a_database_that_commits_asynchronously() {
+    let Some(server) = crate::pg_server::PgServer::start() else {
+        return;
+    };
+    server.psql("postgres", "ALTER SYSTEM SET wal_writer_delay = '10s'");
+    server.psql(
+        "postgres",
+        "ALTER SYSTEM SET wal_writer_flush_after = '1GB'",
+    );
+    server.psql("postgres", "SELECT pg_reload_conf()");
+    let db = server.database();
+    db.psql(&format!(
+        "ALTER DATABASE {} SET synchronous_commit = off",
+        db.name()
+    ));
+    let outbox = Outbox::postgres(&db.url()).open().unwrap();
+    outbox.enqueue(msg("a", "chat-1")).unwrap();
+    server.crash();
+    server.restart();
+    let item = outbox.get("a").unwrap();
+    assert_eq!(
+        item.map(|i| (i.state(), i.attempts())),
+        Some((ItemState::Queued, 0)),
+        "the enqueue returned before the crash: it must not be lost"
+    );
+    // The claim is committed before `send` runs; the server crashes during
+    // the send, so the outcome is never recorded.
+    let crashed = outbox.process("a", |_| {
+        server.crash();
+        Ok(Some("tr-a".into()))
+    });
+    assert!(
+        crashed.is_err(),
+        "the finish met a crashed server: {crashed:?}"
+    );
+    server.restart();
+    drop(outbox);
+    let outbox = Outbox::postgres(&db.url()).open().unwrap();
+    let mut resent = 0;
+    let receipt = outbox
+        .process("a", |_| {
+            resent += 1;
+            Ok(Some("tr-a-again".into()))
+        })
+        .unwrap();
+    assert_eq!(
+        (resent, receipt.outcome),
+        (0, Outcome::Failed),
+        "the claim made before the first send survived: the item is ambiguous, never resent"
+    );
+}

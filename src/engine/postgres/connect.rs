@@ -153,9 +153,9 @@ pub(crate) struct Connector {
     /// [`conn`] too).
     config: tokio_postgres::Config,
     /// `SELECT set_config(…)` of the server-side dead-peer settings the
-    /// URL's `options` do not set, run first on each connection; `None` when
-    /// it sets them all.
-    server_settings: Option<String>,
+    /// URL's `options` do not set, and of durable commits, run first on each
+    /// connection.
+    server_settings: String,
 }
 
 impl Connector {
@@ -217,10 +217,10 @@ impl Connector {
     }
 
     /// The statement that asks the server for its end of the dead-peer
-    /// bounds (see [`ServerSettings`]), to run first on a new connection;
-    /// `None` when the URL's `options` set them all.
-    pub(crate) fn server_settings(&self) -> Option<&str> {
-        self.server_settings.as_deref()
+    /// bounds and for durable commits (see [`ServerSettings`]), to run first
+    /// on a new connection.
+    pub(crate) fn server_settings(&self) -> &str {
+        &self.server_settings
     }
 
     /// How long a statement on a dedicated connection may go unanswered:
@@ -251,11 +251,9 @@ impl Connector {
         let mut client = postgres::Config::from(self.config.clone())
             .connect(NoTls)
             .map_err(db("connect"))?;
-        if let Some(settings) = self.server_settings() {
-            client
-                .batch_execute(settings)
-                .map_err(db("apply the connection's server settings"))?;
-        }
+        client
+            .batch_execute(self.server_settings())
+            .map_err(db("apply the connection's server settings"))?;
         Ok(client)
     }
 
@@ -273,10 +271,8 @@ impl Connector {
         // A server that stops answering is found out; a slow statement is not cut.
         conn.watch(self.answer_timeout(), &self.config)
             .map_err(db("connect"))?;
-        if let Some(settings) = self.server_settings() {
-            conn.query(settings, &[])
-                .map_err(db("apply the connection's server settings"))?;
-        }
+        conn.query(self.server_settings(), &[])
+            .map_err(db("apply the connection's server settings"))?;
         Ok(conn)
     }
 }
@@ -289,6 +285,15 @@ impl Connector {
 /// which pgbouncer refuses; a setting the URL's `options` already give
 /// (`-c tcp_keepalives_idle=…`) is left to them, and one the server does not
 /// know (`tcp_user_timeout` before PostgreSQL 12) is skipped.
+///
+/// And durable commits: a `synchronous_commit` of `off` (a common tuning of
+/// a server, database or role, or the URL's `options`) acknowledges a commit
+/// before its WAL is flushed, so a server crash would take back an enqueue
+/// that returned (lost) or a claim made before `send` (the item queued
+/// again: sent twice). Every connection raises `off` to `on`; the stronger
+/// or equal levels (`local`, `remote_write`, `on`, `remote_apply`) are left
+/// as they are. The handle's own commits that need no flush (sealing, the
+/// wake-up `NOTIFY`s) turn it off for themselves.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct ServerSettings {
     /// `(name, value)` to set, in the server's units.
@@ -323,21 +328,21 @@ impl ServerSettings {
         Self { settings }
     }
 
-    /// One statement setting them all for the session (`None`: nothing to set).
-    fn statement(&self) -> Option<String> {
-        if self.settings.is_empty() {
-            return None;
+    /// One statement setting them all for the session, with
+    /// `synchronous_commit` raised to `on` where it is `off`.
+    fn statement(&self) -> String {
+        let mut values = String::new();
+        for (name, value) in &self.settings {
+            for part in ["('", name, "', '", value, "'), "] {
+                values.push_str(part);
+            }
         }
-        let values = self
-            .settings
-            .iter()
-            .map(|(name, value)| format!("('{name}', '{value}')"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        Some(format!(
-            "SELECT set_config(s.name, s.value, false) FROM (VALUES {values}) AS s(name, value) \
-             WHERE EXISTS (SELECT 1 FROM pg_settings p WHERE p.name = s.name)"
-        ))
+        format!(
+            "SELECT set_config(s.name, s.value, false) \
+             FROM (VALUES {values}('synchronous_commit', 'on')) AS s(name, value) \
+             WHERE EXISTS (SELECT 1 FROM pg_settings p WHERE p.name = s.name) \
+             AND (s.name <> 'synchronous_commit' OR current_setting('synchronous_commit') = 'off')"
+        )
     }
 }
 

@@ -117,9 +117,10 @@ impl Session {
             runtime: Some(runtime),
             answer: connector.answer_timeout(),
         };
-        if let Some(settings) = connector.server_settings() {
-            session.batch_execute("apply the connection's server settings", settings)?;
-        }
+        session.batch_execute(
+            "apply the connection's server settings",
+            connector.server_settings(),
+        )?;
         Ok(session)
     }
 
