@@ -46,11 +46,15 @@ fn migrate(args: &MigrateArgs, key: Option<Vec<u8>>, out: &mut dyn Write) -> Cli
             }),
         )?;
     } else {
+        // Claimed items are worth a warning only when there are some.
+        let claimed = match report.claimed_items {
+            0 => String::new(),
+            n => format!(" ({n} claimed: they will fail as ambiguous, never resent)"),
+        };
         writeln!(
             out,
-            "migrated {} live items ({} claimed: they will fail as ambiguous, never resent) \
-             and {} history items",
-            report.live_items, report.claimed_items, report.history_items
+            "migrated {} live items{claimed} and {} history items",
+            report.live_items, report.history_items
         )?;
         writeln!(
             out,
