@@ -13,9 +13,11 @@ Exit codes:
   1  needs attention: failed ambiguous items or a broken audit chain (status),
      verification failed (verify), the action was refused (requeue, cancel),
      nothing matched (show, find), or the outbox could not be read
-  2  bad arguments or usage: unknown option, invalid value, DIR is not an outbox";
+  2  bad arguments or usage: unknown option, invalid value, DIR is not an
+     outbox, URL's schema holds no outbox";
 
-/// Inspect and operate a durable-outbox directory while the bot runs.
+/// Inspect and operate a durable-outbox outbox (a directory, or a PostgreSQL
+/// schema given by URL) while the bot runs.
 ///
 /// Every command opens the outbox the way the bot does and takes the same lock for
 /// each change, so it is safe to run next to a live bot. Read commands record
@@ -139,7 +141,7 @@ pub struct MigrateArgs {
 #[derive(Debug, Args)]
 pub struct Target {
     /// The outbox directory (the one the bot opens), or the PostgreSQL
-    /// database of a `Outbox::postgres` outbox: `postgres://user@host:port/db`.
+    /// database of an `Outbox::postgres` outbox: `postgres://user@host:port/db`.
     #[arg(value_name = "DIR|URL")]
     pub dir: PathBuf,
     /// With a `postgres://` URL: the schema the outbox lives in (default `durable_outbox`).
