@@ -67,8 +67,9 @@ impl Outbox {
     ///
     /// # Panics
     ///
-    /// A panic inside the send future is recorded (the item fails with
-    /// [`SEND_PANICKED`](crate::SEND_PANICKED)), then resumed in the caller.
+    /// A panic in `send`, in its body or in the future it returns, is
+    /// recorded (the item fails with [`SEND_PANICKED`](crate::SEND_PANICKED)),
+    /// then resumed in the caller.
     ///
     /// # Errors
     ///
@@ -114,8 +115,8 @@ impl Outbox {
     ///
     /// # Panics
     ///
-    /// A panic in a send future is recorded, then resumed once the other
-    /// in-flight items have finished and been recorded.
+    /// A panic in `send` (its body or its future) is recorded, then resumed
+    /// once the other in-flight items have finished and been recorded.
     ///
     /// # Errors
     ///
@@ -162,8 +163,10 @@ impl Outbox {
         let (item, guard) = ticket.start_send();
         let claim = ClaimId::of(&item);
         let span = crate::outbox::send_span(&item);
-        let result: SendResult =
-            tracing::Instrument::instrument(CatchUnwind(Box::pin(send(item))), span).await;
+        // A panic in `send` itself, before it returns its future, is the
+        // send's panic too: recorded as panicked, like one in the future.
+        let sending = span.in_scope(|| CatchUnwind::start(|| send(item)));
+        let result: SendResult = tracing::Instrument::instrument(sending, span).await;
         guard.disarm();
         let outbox = self.clone();
         // The send ran: its record must be written even if this future is
@@ -566,19 +569,47 @@ impl Drop for CancelGuard {
     }
 }
 
-/// Polls a future, turning a panic inside it into an `Err` (like
-/// `std::panic::catch_unwind` for one poll at a time).
-pub(crate) struct CatchUnwind<F>(pub(crate) Pin<Box<F>>);
+/// Calls a send and polls the future it returns, turning a panic in either
+/// (the call's own body, before it returns its future, or one poll of the
+/// future) into an `Err`, like `std::panic::catch_unwind` for each of them.
+pub(crate) struct CatchUnwind<F>(Started<F>);
+
+/// Where a [`CatchUnwind`] stands.
+enum Started<F> {
+    /// The call returned its future.
+    Polling(Pin<Box<F>>),
+    /// The call panicked: its payload, until handed out.
+    Panicked(Option<Box<dyn std::any::Any + Send>>),
+}
+
+impl<F: Future> CatchUnwind<F> {
+    /// Calls `call` (the caller's send) at once, catching a panic in it.
+    pub(crate) fn start(call: impl FnOnce() -> F) -> Self {
+        Self(match catch_unwind(AssertUnwindSafe(call)) {
+            Ok(future) => Started::Polling(Box::pin(future)),
+            Err(panic) => Started::Panicked(Some(panic)),
+        })
+    }
+}
 
 impl<F: Future> Future for CatchUnwind<F> {
     type Output = std::thread::Result<F::Output>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = self.0.as_mut();
-        match catch_unwind(AssertUnwindSafe(move || inner.poll(cx))) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
-            Err(panic) => Poll::Ready(Err(panic)),
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            Started::Polling(future) => {
+                let inner = future.as_mut();
+                match catch_unwind(AssertUnwindSafe(move || inner.poll(cx))) {
+                    Ok(Poll::Pending) => Poll::Pending,
+                    Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+                    Err(panic) => Poll::Ready(Err(panic)),
+                }
+            }
+            // Polled again after it was ready (a misuse): the same
+            // outcome, with the payload already handed out.
+            Started::Panicked(panic) => Poll::Ready(Err(panic
+                .take()
+                .unwrap_or_else(|| Box::new("a send that panicked, polled again")))),
         }
     }
 }

@@ -1001,7 +1001,10 @@ where
         let (item, guard) = ticket.start_send();
         let key = item.idempotency_key.clone();
         let claim = ClaimId::of(&item);
-        let sending = CatchUnwind(Box::pin((shared.send)(item)));
+        // A panic in `send`'s own body, before it returns its future, fails
+        // the item as panicked too; it must not end the slot's task, which
+        // would raise it from `run` and cancel every other send in flight.
+        let sending = CatchUnwind::start(|| (shared.send)(item));
         let mut cancelled = shared.cancelled.clone();
         let result: SendResult = tokio::select! {
             result = sending => result,

@@ -92,6 +92,81 @@ on_both_engines! {
         h.outbox.verify_audit().unwrap();
     }
 
+    /// A send that panics in its own body, before it returns its future, is
+    /// the send's panic all the same: recorded as panicked (not as a
+    /// cancelled send), then resumed.
+    fn a_send_that_panics_before_returning_its_future_is_recorded_as_panicked(engine) {
+        let h = engine.harness();
+        h.enqueue("k", "chat-1");
+        let rt = runtime();
+        let joined = rt.block_on(async {
+            let outbox = h.outbox.clone();
+            tokio::spawn(async move {
+                outbox
+                    .process_async("k", |_| {
+                        let reply = transport_bug();
+                        async move { reply }
+                    })
+                    .await
+            })
+            .await
+        });
+        assert!(
+            joined.unwrap_err().is_panic(),
+            "the panic reaches the caller's task"
+        );
+        let item = h.outbox.get("k").unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.error_code()),
+            (ItemState::Failed, Some(SEND_PANICKED))
+        );
+    }
+
+    /// `process_due_async`: a send that panics before returning its future
+    /// is recorded as panicked, and the panic is resumed only once the send
+    /// in flight beside it has finished and been recorded (not cancelled).
+    fn a_drain_send_that_panics_before_returning_its_future_lets_the_others_finish(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        h.enqueue("slow", "chat-slow");
+        h.enqueue("boom", "chat-1");
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let opened = Arc::clone(&gate);
+        let rt = runtime();
+        let joined = within(
+            "a drain whose send panicked waits for the sends beside it",
+            DEADLOCK_LIMIT,
+            || {
+                rt.block_on(async {
+                    let outbox = h.outbox.clone();
+                    let draining = tokio::spawn(async move {
+                        outbox
+                            .process_due_async(2, move |item| {
+                                let gate = Arc::clone(&opened);
+                                assert_ne!(item.idempotency_key(), "boom", "transport bug");
+                                async move {
+                                    gate.notified().await;
+                                    Ok::<_, SendError>(Some("tr-slow".to_owned()))
+                                }
+                            })
+                            .await
+                    });
+                    while h.outbox.get("boom").unwrap().unwrap().state() != ItemState::Failed {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    gate.notify_one();
+                    draining.await
+                })
+            },
+        );
+        assert!(joined.unwrap_err().is_panic(), "the panic reaches the caller");
+        let code = |key: &str| {
+            let item = h.outbox.get(key).unwrap().unwrap();
+            (item.state(), item.error_code().map(str::to_owned))
+        };
+        assert_eq!(code("slow"), (ItemState::Sent, None), "the send beside it finished");
+        assert_eq!(code("boom"), (ItemState::Failed, Some(SEND_PANICKED.to_owned())));
+    }
+
     fn retries_wait_through_the_configured_sleeper(engine) {
         let h = engine.harness();
         h.enqueue("k", "chat-1");

@@ -409,3 +409,74 @@ on_both_engines! {
         assert!(producer.list_items().unwrap().iter().all(|i| i.state() == ItemState::Sent));
     }
 }
+
+on_both_engines! {
+    /// "A panic in `send` fails its item with `SEND_PANICKED` and the worker
+    /// carries on": also when `send` panics in its own body, before it
+    /// returns the future, and while another slot's send is in flight, which
+    /// must finish and be recorded as sent, not be cancelled.
+    fn a_send_that_panics_before_returning_its_future_fails_its_item_and_the_worker_carries_on(engine) {
+        let outbox = open(engine);
+        outbox
+            .enqueue_many(vec![
+                msg("slow", "chat-slow"),
+                msg("boom", "chat-1"),
+                msg("after", "chat-1"),
+            ])
+            .unwrap();
+        let t = Transport::default();
+        let gate = Arc::new(Notify::new());
+        let (sender, release) = (t.clone(), Arc::clone(&gate));
+        let probe = outbox.clone();
+        let report = runtime().block_on(async {
+            let (stop, stopped) = oneshot::channel::<()>();
+            let worker = outbox
+                .worker(move |item: OutboxItem| {
+                    let (t, gate) = (sender.clone(), Arc::clone(&release));
+                    t.note(&item);
+                    assert_ne!(item.idempotency_key(), "boom", "transport bug");
+                    async move {
+                        if item.idempotency_key() == "slow" {
+                            gate.notified().await;
+                        }
+                        Ok::<_, SendError>(Some(format!("tr-{}", item.idempotency_key())))
+                    }
+                })
+                .concurrency(2);
+            let mut running = tokio::spawn(worker.run(async move {
+                stopped.await.ok();
+            }));
+            let sent = |key: &str| {
+                probe
+                    .get(key)
+                    .unwrap()
+                    .is_some_and(|i| i.state() == ItemState::Sent)
+            };
+            within("a panicking send: the worker carries on to the next message", async {
+                tokio::select! {
+                    ended = &mut running => panic!("the worker stopped on a panicking send: {ended:?}"),
+                    () = until("the next message to the panicked send's chat is sent", || sent("after")) => {}
+                }
+            })
+            .await;
+            gate.notify_one();
+            within("a panicking send: the send in flight beside it finishes", async {
+                tokio::select! {
+                    ended = &mut running => panic!("the worker stopped on a panicking send: {ended:?}"),
+                    () = until("the slow send is recorded", || sent("slow")) => {}
+                }
+            })
+            .await;
+            stop.send(()).unwrap();
+            within("shutdown", running).await.unwrap().unwrap()
+        });
+        assert_eq!((report.sent, report.failed, report.cancelled), (2, 1, 0));
+        let boom = outbox.get("boom").unwrap().unwrap();
+        assert_eq!(
+            (boom.state(), boom.error_code()),
+            (ItemState::Failed, Some(durable_outbox::SEND_PANICKED)),
+            "the panicked send is recorded as panicked"
+        );
+        assert_eq!(t.started().iter().filter(|k| *k == "boom").count(), 1, "never resent");
+    }
+}
