@@ -1181,3 +1181,59 @@ fn a_handle_that_only_looks_stores_no_settings_and_prunes_nothing_on_open() {
     assert!(bot.get("old-sent").unwrap().is_none(), "pruned on open");
     assert_ne!(bot.audit_head().unwrap(), head);
 }
+
+/// A worker's listening session that was cut (a server restart, a network
+/// cut, a failover) is opened again on its next wait, and `NOTIFY`s sent
+/// while nobody listened reached nobody: once it listens again the worker
+/// reads the state again, so another host's enqueue committed in between is
+/// delivered instead of waiting for the next unrelated wake-up (for an
+/// idle worker with nothing deferred, for ever). The wait before the worker
+/// listens again is 2 s here (its watch interval), and the enqueue lands in it.
+#[test]
+fn a_worker_whose_listening_session_was_cut_delivers_what_another_host_enqueued_meanwhile() {
+    let Some(engine) = engine() else { return };
+    let uncapped = |b: durable_outbox::OutboxBuilder| {
+        b.rate_limit(u32::MAX, std::time::Duration::from_secs(60))
+    };
+    let outbox = engine.open_real_clock_with(uncapped);
+    let producer = engine.open_real_clock_with(uncapped);
+    let listening = || sessions_listening(&engine);
+    let runtime = crate::harness::runtime();
+    let report = within(
+        "a worker whose listening session was cut is woken by what was enqueued meanwhile",
+        DEADLOCK_LIMIT,
+        || {
+            runtime.block_on(async {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let worker = outbox
+                    .worker(|item: durable_outbox::OutboxItem| async move {
+                        Ok::<_, durable_outbox::SendError>(Some(format!(
+                            "tr-{}",
+                            item.idempotency_key()
+                        )))
+                    })
+                    .watch_interval(std::time::Duration::from_secs(2));
+                let running = tokio::spawn(worker.run(async move {
+                    stopped.await.ok();
+                }));
+                while listening() == 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                // The cut: the listening session ends (waited for), then
+                // another host enqueues while nobody listens.
+                psql(
+                    &engine,
+                    "SELECT count(pg_terminate_backend(pid, 30000)) FROM pg_stat_activity
+                     WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+                );
+                producer.enqueue(msg("meanwhile", "chat-1")).unwrap();
+                while producer.get("meanwhile").unwrap().unwrap().state() != ItemState::Sent {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                stop.send(()).unwrap();
+                running.await.unwrap().unwrap()
+            })
+        },
+    );
+    assert_eq!(report.sent, 1);
+}

@@ -457,7 +457,9 @@ impl PgEngine {
 
     /// Blocks until a commit that made work due lands (on any handle of any
     /// host: `NOTIFY`) or `timeout` passes; `true` when woken. Waking is only
-    /// a hint: a waiter reads again after it. A worker's tick also seals what
+    /// a hint: a waiter reads again after it. A wait that (re)opens the
+    /// listening session answers `true` at once, since what was committed
+    /// before it listened woke nobody. A worker's tick also seals what
     /// a crashed handle or a skipped best-effort sealing left pending.
     pub(crate) fn wait_for_work(&self, timeout: Duration) -> Result<bool> {
         // A failpoint here stands for anything on the waiting thread that
@@ -474,6 +476,11 @@ impl PgEngine {
         let mut listener = lock(&self.listener);
         if listener.as_ref().is_none_or(Listener::is_closed) {
             *listener = Some(Listener::start(&self.connector, &self.schema)?);
+            // Listening only from now on: what was committed while nobody
+            // listened (before the first wait, or while a cut session was
+            // down) notified nobody. Woken now, the worker reads the state
+            // again, after this point, and sees it.
+            return Ok(true);
         }
         match listener.as_mut() {
             Some(listener) => listener.wait(timeout),

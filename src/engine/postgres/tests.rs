@@ -249,7 +249,9 @@ fn a_commit_that_makes_work_due_wakes_a_waiter_on_another_handle() {
     };
     let db = server.database();
     let waiter = Arc::new(open(&db.url()));
-    // Subscribe first (a wait that times out), so the wake-up cannot be missed.
+    // Subscribe first, so the wake-up cannot be missed. The wait that starts
+    // listening is woken at once: what was committed before it notified nobody.
+    assert!(waiter.wait_for_work(LIMIT).unwrap());
     assert!(!waiter.wait_for_work(Duration::from_millis(50)).unwrap());
     let waiting = {
         let waiter = Arc::clone(&waiter);
