@@ -59,8 +59,13 @@ impl Outbox {
     ///
     /// # Cancellation
     ///
-    /// Dropping the returned future while `send` is in progress fails the item as
-    /// [`SEND_CANCELLED`] (recorded on the blocking pool); it is never resent.
+    /// Dropping the returned future before `send` is called gives the claim
+    /// back (the item is queued again as it was, attempts unchanged; a claim
+    /// still being made is given back once made). Dropping it while `send` is in progress
+    /// fails the item as [`SEND_CANCELLED`] (recorded on the blocking pool); it
+    /// is never resent. Either way the claim is settled by this handle, not
+    /// left for a restart (unless that write fails: the claim then stays, and
+    /// the next look at the item fails it as ambiguous).
     /// Once `send` has finished, its outcome is recorded even if the future is
     /// dropped, or the runtime shuts down, before the blocking pool runs the
     /// record: a pool that drops the record unrun runs it where it drops it.
@@ -112,6 +117,13 @@ impl Outbox {
     ///
     /// Receipts are reported in completion order. For a long-running loop that
     /// sleeps until work arrives, use [`Outbox::worker`].
+    ///
+    /// # Cancellation
+    ///
+    /// As for a [`Worker`](crate::Worker)'s `run`: dropping the returned
+    /// future fails the sends in progress as [`SEND_CANCELLED`] (never
+    /// resent), gives back the claims whose send had not started, and still
+    /// records the sends that had finished.
     ///
     /// # Panics
     ///
@@ -334,8 +346,9 @@ enum Step {
 
 /// The blocking calls a tokio bot makes, run on the blocking pool so they never
 /// stall the runtime's workers with file I/O and fsyncs. Each behaves exactly
-/// as its blocking namesake. Anything else (e.g. [`Outbox::verify_audit`]) is
-/// one line away:
+/// as its blocking namesake, and runs to its end once handed to the pool,
+/// even if the future awaiting it is dropped. Anything else (e.g.
+/// [`Outbox::verify_audit`]) is one line away:
 /// `tokio::task::spawn_blocking({ let o = outbox.clone(); move || o.verify_audit() }).await`.
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 impl Outbox {
@@ -362,6 +375,13 @@ impl Outbox {
     /// # Ok(())
     /// # }
     /// ```
+    ///
+    /// # Cancellation
+    ///
+    /// Dropping the returned future does not stop the enqueue once it is
+    /// handed to the blocking pool: the message may be queued although its
+    /// caller was never told. Enqueue it again with the same idempotency key
+    /// to learn which (the existing item comes back, nothing is written).
     ///
     /// # Errors
     ///
