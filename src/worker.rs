@@ -906,8 +906,10 @@ where
         Ok(Reply::Failed(e)) => Err(e),
         Ok(Reply::Panicked(payload)) => std::panic::resume_unwind(payload),
         Ok(Reply::Alone(finished, claims)) => {
+            // It records a send that ran: it must run even if the pool,
+            // its runtime shutting down, refuses it (see `must_run`).
             let work = Arc::clone(shared);
-            blocking(&shared.outbox, move || {
+            must_run(&shared.outbox, move || {
                 step_alone(&work.outbox, &work.ctx(), finished, claims)
             })
             .await

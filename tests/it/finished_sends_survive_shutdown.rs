@@ -473,3 +473,46 @@ fn a_batch_queued_behind_a_leader_when_its_runtime_shut_down_is_recorded() {
         assert_recorded_as_sent(&h, key);
     }
 }
+
+/// A finished send whose batched step failed in its rules (nothing of the
+/// batch written) is recorded by a step of its own. When that happens as
+/// the runtime shuts down, the pool refuses that step too, and it must still
+/// run where it is refused: the message was delivered, and is recorded as
+/// sent, not left claimed for the next look to fail as ambiguous. Here the
+/// batch after the send fails on the way in (`step.collect`, its 2nd hit;
+/// the 1st is the drain's claim of k).
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_send_whose_step_reruns_alone_as_its_runtime_shut_down_is_recorded() {
+    use durable_outbox::FailAction;
+    let h = Harness::with(|b| uncapped(b).failpoint("step.collect", FailAction::ErrorOnHit(2)));
+    h.enqueue("k", "chat-1");
+    let (rt, threads) = counted_runtime();
+    let (finished, finishing) = mpsc::channel();
+    let (go, going) = mpsc::channel();
+    let transport = held_transport_ending(finished, going, false);
+    let outbox = h.outbox.clone();
+    rt.spawn(async move { outbox.process_due_async(1, transport).await });
+    within(
+        "a send whose step reruns alone is recorded after a shutdown",
+        DEADLOCK_LIMIT,
+        || {
+            assert_eq!(finishing.recv().unwrap(), "k");
+            rt.shutdown_background();
+            go.send(()).unwrap();
+            threads.wait_all_stopped("a send whose step reruns alone is recorded after a shutdown");
+        },
+    );
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.transport_ref(), item.dispatch_claimed()),
+        (ItemState::Sent, Some("tr-k"), false),
+        "the record of k's send was lost: {item:?}"
+    );
+    assert_eq!(
+        h.outbox.failpoint_hits("step.collect"),
+        3,
+        "k's batch failed on the way in, then k stepped alone"
+    );
+    h.reopen().verify_audit().unwrap();
+}
