@@ -127,8 +127,9 @@ impl Outbox {
     ///
     /// # Panics
     ///
-    /// A panic in `send` (its body or its future) is recorded, then resumed
-    /// once the other in-flight items have finished and been recorded.
+    /// A panic in `send` (its body or its future) is recorded, and stops new
+    /// sends; it is resumed once the other in-flight items have finished and
+    /// been recorded.
     ///
     /// # Errors
     ///

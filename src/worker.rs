@@ -1030,7 +1030,11 @@ where
             other => (other, None),
         };
         if let Some(payload) = panic {
-            // Record, claim nothing more, and hand the panic to the drain's caller.
+            // Record, claim nothing more, and hand the panic to the drain's
+            // caller. No slot claims from here on either: the sends in flight
+            // finish and are recorded, and no new one starts (as after an
+            // error, and as `process_due`, whose pass ends at the panic).
+            shared.stopping.store(true, Ordering::Release);
             let outbox = shared.outbox.clone();
             let recorded = must_run(&shared.outbox, move || {
                 outbox.step(Some((&claim, &result)), None)

@@ -128,9 +128,12 @@ on_both_engines! {
     fn a_drain_send_that_panics_before_returning_its_future_lets_the_others_finish(engine) {
         let h = engine.harness_with(|b| b.rate_limit(u32::MAX, secs(60)));
         h.enqueue("slow", "chat-slow");
+        // b0 goes once slow's send has started; boom, behind it, then panics.
+        h.enqueue("b0", "chat-1");
         h.enqueue("boom", "chat-1");
         let gate = Arc::new(tokio::sync::Notify::new());
-        let opened = Arc::clone(&gate);
+        let slow_started = Arc::new(tokio::sync::Notify::new());
+        let (opened, started) = (Arc::clone(&gate), Arc::clone(&slow_started));
         let rt = runtime();
         let joined = within(
             "a drain whose send panicked waits for the sends beside it",
@@ -141,11 +144,17 @@ on_both_engines! {
                     let draining = tokio::spawn(async move {
                         outbox
                             .process_due_async(2, move |item| {
-                                let gate = Arc::clone(&opened);
-                                assert_ne!(item.idempotency_key(), "boom", "transport bug");
+                                let (gate, started) = (Arc::clone(&opened), Arc::clone(&started));
+                                let key = item.idempotency_key().to_owned();
+                                assert_ne!(key, "boom", "transport bug");
                                 async move {
-                                    gate.notified().await;
-                                    Ok::<_, SendError>(Some("tr-slow".to_owned()))
+                                    if key == "slow" {
+                                        started.notify_one();
+                                        gate.notified().await;
+                                    } else {
+                                        started.notified().await;
+                                    }
+                                    Ok::<_, SendError>(Some(format!("tr-{key}")))
                                 }
                             })
                             .await
@@ -165,6 +174,74 @@ on_both_engines! {
         };
         assert_eq!(code("slow"), (ItemState::Sent, None), "the send beside it finished");
         assert_eq!(code("boom"), (ItemState::Failed, Some(SEND_PANICKED.to_owned())));
+    }
+
+    /// `process_due_async` after a send panicked: the sends in flight beside
+    /// it finish and are recorded, but no new one starts (as after an
+    /// error, and as `process_due`, whose pass ends at the panic): the
+    /// messages behind them stay queued, untouched, for the next pass.
+    fn a_drain_starts_no_new_send_after_a_send_panicked(engine) {
+        let h = engine.harness_with(|b| b.rate_limit(u32::MAX, secs(60)));
+        for key in ["a1", "a2", "a3"] {
+            h.enqueue(key, "chat-a");
+        }
+        h.enqueue("boom", "chat-b");
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let a1_started = Arc::new(tokio::sync::Notify::new());
+        let (opened, started) = (Arc::clone(&gate), Arc::clone(&a1_started));
+        let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let log = Arc::clone(&sent);
+        let rt = runtime();
+        let joined = within(
+            "a drain whose send panicked waits for the send beside it",
+            DEADLOCK_LIMIT,
+            || {
+                rt.block_on(async {
+                    let outbox = h.outbox.clone();
+                    let draining = tokio::spawn(async move {
+                        outbox
+                            .process_due_async(2, move |item| {
+                                let (gate, log, started) =
+                                    (Arc::clone(&opened), Arc::clone(&log), Arc::clone(&started));
+                                async move {
+                                    let key = item.idempotency_key().to_owned();
+                                    log.lock().unwrap().push(key.clone());
+                                    if key == "boom" {
+                                        // Once a1's send is under way.
+                                        started.notified().await;
+                                        transport_bug()
+                                    } else {
+                                        if key == "a1" {
+                                            started.notify_one();
+                                            gate.notified().await;
+                                        }
+                                        Ok(Some(format!("tr-{key}")))
+                                    }
+                                }
+                            })
+                            .await
+                    });
+                    while h.outbox.get("boom").unwrap().unwrap().state() != ItemState::Failed {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    gate.notify_one();
+                    draining.await
+                })
+            },
+        );
+        assert!(joined.unwrap_err().is_panic(), "the panic reaches the caller");
+        let mut sent = sent.lock().unwrap().clone();
+        sent.sort();
+        assert_eq!(sent, ["a1", "boom"], "no new send after the panic");
+        assert_eq!(h.outbox.get("a1").unwrap().unwrap().state(), ItemState::Sent);
+        for key in ["a2", "a3"] {
+            let item = h.outbox.get(key).unwrap().unwrap();
+            assert_eq!(
+                (item.state(), item.attempts(), item.dispatch_claimed()),
+                (ItemState::Queued, 0, false),
+                "{key} untouched"
+            );
+        }
     }
 
     fn retries_wait_through_the_configured_sleeper(engine) {
