@@ -61,9 +61,9 @@ impl Outbox {
     ///
     /// Dropping the returned future before `send` is called gives the claim
     /// back (the item is queued again as it was, attempts unchanged; a claim
-    /// still being made is given back once made). Dropping it while `send` is in progress
-    /// fails the item as [`SEND_CANCELLED`] (recorded on the blocking pool); it
-    /// is never resent. Either way the claim is settled by this handle, not
+    /// still being made is given back once made). Dropping it while `send`
+    /// is in progress fails the item as [`SEND_CANCELLED`] (recorded on the
+    /// blocking pool); it is never resent. Either way the claim is settled by this handle, not
     /// left for a restart (unless that write fails: the claim then stays, and
     /// the next look at the item fails it as ambiguous).
     /// Once `send` has finished, its outcome is recorded even if the future is
