@@ -266,6 +266,14 @@ where
             "delivery worker started"
         );
         loop {
+            // A shutdown that has completed (before `run`, or while the last
+            // round ran) stops the worker before it claims anything more:
+            // "no new claims" holds from that moment, not from the next wait.
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = std::future::ready(()) => {}
+            }
             if let Err(e) = fill(&shared, &mut slots, concurrency).await {
                 failure = Some(e);
                 break;

@@ -480,3 +480,39 @@ on_both_engines! {
         assert_eq!(t.started().iter().filter(|k| *k == "boom").count(), 1, "never resent");
     }
 }
+
+on_both_engines! {
+    /// A worker whose shutdown has already completed when it starts (a
+    /// SIGTERM during the bot's start-up) claims nothing and sends nothing:
+    /// "no new claims" from the moment shutdown completes.
+    fn a_worker_whose_shutdown_already_completed_claims_and_sends_nothing(engine) {
+        let outbox = open(engine);
+        for i in 0..3 {
+            outbox.enqueue(msg(&format!("m{i}"), &format!("chat-{i}"))).unwrap();
+        }
+        let t = Transport::default();
+        let sender = t.clone();
+        let report = runtime().block_on(async {
+            let worker = outbox.worker(move |item: OutboxItem| {
+                let t = sender.clone();
+                async move {
+                    t.note(&item);
+                    Ok::<_, SendError>(None)
+                }
+            });
+            within("a worker stopped before it started", worker.run(std::future::ready(())))
+                .await
+                .unwrap()
+        });
+        assert_eq!(t.started(), Vec::<String>::new(), "nothing sent after shutdown");
+        assert_eq!((report.sent, report.released), (0, 0), "nothing claimed: {report:?}");
+        for item in outbox.list_items().unwrap() {
+            assert_eq!(
+                (item.state(), item.attempts(), item.dispatch_claimed()),
+                (ItemState::Queued, 0, false),
+                "{} untouched",
+                item.idempotency_key()
+            );
+        }
+    }
+}
