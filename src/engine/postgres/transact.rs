@@ -203,10 +203,11 @@ impl PgEngine {
                         "a pooled connection was closed before the transaction began \
                          (server restart or terminated session); running it on another"
                     );
-                    match self.client() {
-                        Ok(fresh) => client = fresh,
-                        Err(e) => break Err(e),
-                    }
+                    // The dead connection's slot is freed before the next
+                    // is taken: under the cap, callers each holding a dead
+                    // one while waiting for a fresh one could wait for ever.
+                    drop(client);
+                    client = self.client()?;
                 }
                 done => break done,
             }
