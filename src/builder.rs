@@ -65,6 +65,10 @@ pub struct OutboxBuilder {
     /// A schema named with [`schema`](Self::schema): refused on a directory.
     #[cfg(feature = "postgres")]
     pub(crate) schema_named: bool,
+    /// [`max_connections`](Self::max_connections), if set: refused on a
+    /// directory, and when 0.
+    #[cfg(feature = "postgres")]
+    pub(crate) max_connections: Option<usize>,
 }
 
 /// Whether opening may create a new outbox ([`OutboxBuilder::create_if_missing`]).
@@ -175,6 +179,8 @@ impl OutboxBuilder {
             postgres: None,
             #[cfg(feature = "postgres")]
             schema_named: false,
+            #[cfg(feature = "postgres")]
+            max_connections: None,
         }
     }
 
@@ -200,6 +206,27 @@ impl OutboxBuilder {
         if let Some(target) = &mut self.postgres {
             name.clone_into(&mut target.schema);
         }
+        self
+    }
+
+    /// The most connections for reads and commits this PostgreSQL handle
+    /// opens at once (default 10), so that a bot running many calls at once
+    /// (threads, or tasks calling the `_async` forms) does not take the
+    /// server's `max_connections` from its other users. A call that finds
+    /// them all in use waits for one to come free, at most as long as
+    /// opening a connection may take (the URL's `connect_timeout` plus its
+    /// `tcp_user_timeout`: 10 s + 30 s by default), then fails with
+    /// [`Error::PoolExhausted`].
+    ///
+    /// In all a handle uses at most `n` + 3 connections: these, one holding
+    /// its owner lock, one listening for wake-ups while a worker waits, and
+    /// one sending wake-ups; briefly one or two more while it opens, takes
+    /// its owner lock again after a cut, or asks the server about a
+    /// connection that went silent. At least 1; only for
+    /// [`Outbox::postgres`] (refused on a directory).
+    #[cfg(feature = "postgres")]
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = Some(n);
         self
     }
 
@@ -575,6 +602,21 @@ impl OutboxBuilder {
                 "schema",
                 "a schema names where a PostgreSQL outbox lives; this builder opens a directory",
             ));
+        }
+        #[cfg(feature = "postgres")]
+        if let Some(n) = self.max_connections {
+            if n == 0 {
+                return Err(Error::invalid_config(
+                    "max_connections",
+                    "must be at least 1",
+                ));
+            }
+            if self.postgres.is_none() {
+                return Err(Error::invalid_config(
+                    "max_connections",
+                    "caps a PostgreSQL handle's connections; this builder opens a directory",
+                ));
+            }
         }
         Outbox::open_with(self)
     }

@@ -177,6 +177,23 @@ pub enum Error {
         reason: String,
     },
 
+    /// Every reads/commits connection a PostgreSQL handle may open
+    /// (`OutboxBuilder::max_connections`, feature `postgres`)
+    /// stayed lent out to its other calls for as long as this call could
+    /// wait (the URL's `connect_timeout` plus its `tcp_user_timeout`: 40 s
+    /// by default). Nothing of this call was done; try again later, or
+    /// allow the handle more connections if the server has them to spare.
+    #[error(
+        "postgres: the connection pool is exhausted: all {max_connections} connections \
+         (max_connections) stayed in use for {waited:?}"
+    )]
+    PoolExhausted {
+        /// The handle's cap on its reads/commits connections.
+        max_connections: usize,
+        /// How long the call waited for one.
+        waited: std::time::Duration,
+    },
+
     /// The operation does not exist on this outbox's storage engine (e.g.
     /// `compact` or `dir` on a PostgreSQL outbox, which has no directory,
     /// journal or audit segment files). Nothing was done.

@@ -22,6 +22,8 @@ mod bulk_actions;
 mod byte_compat;
 #[cfg(feature = "postgres")]
 mod claim_identity;
+#[cfg(feature = "postgres")]
+mod connection_cap;
 mod damaged_never_overwritten;
 #[cfg(feature = "postgres")]
 mod deferred_sealing;

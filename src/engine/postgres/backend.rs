@@ -23,7 +23,7 @@ use chrono::{DateTime, Utc};
 use super::connect::blocking_local;
 use super::{PgEngine, PgTxn, blocking};
 use crate::audit::{AuditRecord, AuditReport, Hasher, Head};
-use crate::builder::{Create, OutboxBuilder};
+use crate::builder::OutboxBuilder;
 use crate::clock::{Clock, earlier};
 use crate::engine::file::DueSummary;
 use crate::error::{Error, Result};
@@ -61,9 +61,15 @@ impl PgBackend {
             .audit_key
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
-        let engine = blocking(|| match builder.create {
-            Create::IfMissing => PgEngine::open(&target.url, &target.schema, hasher),
-            Create::Never => PgEngine::open_existing(&target.url, &target.schema, hasher),
+        let max_connections = builder.max_connections.unwrap_or(super::MAX_CONNECTIONS);
+        let engine = blocking(|| {
+            PgEngine::open_capped(
+                &target.url,
+                &target.schema,
+                hasher,
+                builder.create,
+                max_connections,
+            )
         })?;
         #[cfg(any(test, feature = "test-failpoints"))]
         for (name, action) in &builder.failpoints {

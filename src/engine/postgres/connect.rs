@@ -27,7 +27,8 @@
 //! lost later in a transaction, and above all during `COMMIT` (which may
 //! have committed), is returned as the error it is and never rerun.
 
-use std::time::Duration;
+use std::sync::{Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use postgres::{Client, NoTls};
 
@@ -37,6 +38,13 @@ use crate::error::{Error, Result};
 
 /// How many idle reads/commits connections a handle keeps open between calls.
 pub(crate) const IDLE_CONNECTIONS: usize = 8;
+
+/// How many reads/commits connections a handle may have open at once (idle
+/// and lent) unless its builder says otherwise
+/// (`OutboxBuilder::max_connections`). With the handle's dedicated
+/// connections on top (see [`PgEngine::client`]), a handle uses at most 13
+/// of the server's `max_connections` (100 by default, shared by everyone).
+pub(crate) const MAX_CONNECTIONS: usize = 10;
 
 /// How many times one call runs again on another connection after the one
 /// it used turned out dead: once per idle connection of the pool, plus the
@@ -452,6 +460,128 @@ fn tcp_user_timeout_of(given: &[(String, String)]) -> Result<UserTimeout> {
     })
 }
 
+/// The handle's reads/commits connections: those idle between calls, and
+/// how many are open in all (idle and lent out), never more than `max`.
+///
+/// A slot is taken before a connection is opened and freed when the
+/// connection is dropped (closed, found dead, or discarded by
+/// [`PgEngine::give_back`]); a caller that finds every slot taken and no
+/// idle connection waits on `freed` until a connection comes back or a slot
+/// frees, or until its deadline.
+pub(super) struct Pool {
+    state: Mutex<PoolState>,
+    /// Signalled once per connection given back idle and per freed slot.
+    freed: Condvar,
+    max: usize,
+}
+
+/// What [`Pool`]'s mutex guards.
+struct PoolState {
+    idle: Vec<Conn>,
+    /// Connections open: idle, lent out, or being opened.
+    open: usize,
+}
+
+/// A slot taken for a connection being opened: freed when dropped unless
+/// the connection opened ([`Slot::filled`]), so a failed or panicking
+/// connect never keeps a slot.
+struct Slot<'p> {
+    pool: &'p Pool,
+    filled: bool,
+}
+
+impl Slot<'_> {
+    fn filled(mut self) {
+        self.filled = true;
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if !self.filled {
+            self.pool.closed(None);
+        }
+    }
+}
+
+impl Pool {
+    /// An empty pool of at most `max` connections (at least 1).
+    pub(super) fn new(max: usize) -> Self {
+        Self {
+            state: Mutex::new(PoolState {
+                idle: Vec::new(),
+                open: 0,
+            }),
+            freed: Condvar::new(),
+            max: max.max(1),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        lock(&self.state)
+    }
+
+    /// An idle connection (maybe dead: the caller finds out), else `None`:
+    /// a slot taken for a connection the caller opens (see [`Slot`]);
+    /// waiting up to `timeout` for either while every slot is taken. Idle
+    /// connections found closed are dropped on the way, their slots freed.
+    ///
+    /// # Errors
+    /// [`Error::PoolExhausted`] when `timeout` passes first.
+    fn take(&self, timeout: Duration) -> Result<Option<Conn>> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.state();
+        loop {
+            let before = state.idle.len();
+            state.idle.retain(|conn| !conn.is_closed());
+            state.open -= before - state.idle.len();
+            if let Some(conn) = state.idle.pop() {
+                return Ok(Some(conn));
+            }
+            if state.open < self.max {
+                state.open += 1;
+                return Ok(None);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::PoolExhausted {
+                    max_connections: self.max,
+                    waited: timeout,
+                });
+            }
+            state = self
+                .freed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Keeps `conn` idle when there is room ([`IDLE_CONNECTIONS`]); else
+    /// hands it back to be closed (its slot freed by [`closed`](Self::closed)).
+    fn keep(&self, conn: Conn) -> Option<Conn> {
+        let mut state = self.state();
+        if state.idle.len() >= IDLE_CONNECTIONS {
+            return Some(conn);
+        }
+        state.idle.push(conn);
+        drop(state);
+        self.freed.notify_one();
+        None
+    }
+
+    /// Closes `conn` (if any) and frees its slot, waking one waiter.
+    fn closed(&self, conn: Option<Conn>) {
+        // Closed before the slot is freed: the next connection is not
+        // opened while this one still stands.
+        drop(conn);
+        let mut state = self.state();
+        state.open = state.open.saturating_sub(1);
+        drop(state);
+        self.freed.notify_one();
+    }
+}
+
 /// A reads/commits connection lent by [`PgEngine::client`].
 pub(super) struct Pooled<'e> {
     engine: &'e PgEngine,
@@ -490,15 +620,38 @@ impl PgEngine {
     /// A reads/commits connection of its own for the caller: an idle one of
     /// the pool, or a new one (a closed one is dropped). Given back to the
     /// pool when the guard drops.
+    ///
+    /// **The cap.** A handle has at most its `max_connections` (see
+    /// [`MAX_CONNECTIONS`]) of these open; a caller that finds them all lent
+    /// out waits until one comes back or closes, for at most
+    /// [`Connector::open_timeout`] (the URL's `connect_timeout` plus its
+    /// answer timeout: as long as opening a connection could take). On top
+    /// come the handle's dedicated connections: one holding the owner lock,
+    /// one listening while a worker waits for work, one sending wake-ups;
+    /// and, briefly, one asking the server about a silent connection, and
+    /// those of opening and of taking the owner lock again.
+    ///
+    /// **No call holds a lent connection while taking another** (with the
+    /// cap, callers each holding one and waiting for a second could wait
+    /// for ever): a stale rerun gives the dead connection back first, and
+    /// every path that needs more than one statement (sealing after a
+    /// commit, a chain read and `make_reads_durable`, retention) runs them
+    /// on the connection it holds.
+    ///
+    /// # Errors
+    /// [`Error::PoolExhausted`] when none came free in time;
+    /// [`Error::Database`] when a new connection cannot be opened.
     pub(super) fn client(&self) -> Result<Pooled<'_>> {
-        let idle = {
-            let mut idle = lock(&self.clients);
-            idle.retain(|client| !client.is_closed());
-            idle.pop()
-        };
-        let client = match idle {
-            Some(client) => client,
-            None => self.connector.conn()?,
+        let client = if let Some(idle) = self.pool.take(self.connector.open_timeout())? {
+            idle
+        } else {
+            let slot = Slot {
+                pool: &self.pool,
+                filled: false,
+            };
+            let fresh = self.connector.conn()?;
+            slot.filled();
+            fresh
         };
         Ok(Pooled {
             engine: self,
@@ -571,23 +724,24 @@ impl PgEngine {
     /// unless it is closed or not idle: a session the server reports inside
     /// a transaction (`ReadyForQuery` status `T`, or `E` for a failed one)
     /// would run the next caller's statements in that transaction, so it is
-    /// closed instead (the server rolls the transaction back).
+    /// closed instead (the server rolls the transaction back). A connection
+    /// closed here frees its slot of the pool.
     pub(super) fn give_back(&self, client: Conn) {
         if client.in_transaction() && !client.is_closed() {
             tracing::warn!(
                 schema = %self.schema,
                 "a connection came back with a transaction open on it; closed, not pooled"
             );
-            drop(client);
+            self.pool.closed(Some(client));
             return;
         }
-        let mut idle = lock(&self.clients);
-        if !client.is_closed() && idle.len() < IDLE_CONNECTIONS {
-            idle.push(client);
+        if client.is_closed() {
+            self.pool.closed(Some(client));
             return;
         }
-        drop(idle);
-        drop(client);
+        if let Some(surplus) = self.pool.keep(client) {
+            self.pool.closed(Some(surplus));
+        }
     }
 }
 

@@ -71,8 +71,7 @@ mod wire;
 
 pub(crate) use backend::{ENGINE, PgBackend};
 pub(crate) use chain::AUDIT_PAGE;
-use conn::Conn;
-pub(crate) use connect::{Connector, blocking};
+pub(crate) use connect::{Connector, MAX_CONNECTIONS, blocking};
 pub(crate) use import::{Import, import};
 use owner::owner_candidate;
 use rows::ItemWrite;
@@ -146,8 +145,8 @@ pub(crate) struct PgEngine {
     s: String,
     owner: String,
     hasher: Hasher,
-    /// Idle reads/commits connections.
-    clients: Mutex<Vec<Conn>>,
+    /// The reads/commits connections: idle ones, and the cap on all of them.
+    pool: connect::Pool,
     /// Audit ids minted by this handle so far.
     minted: AtomicU64,
     /// Commits of this handle whose events no sealing has taken up yet (see
@@ -188,29 +187,53 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl PgEngine {
     /// Connects, creates or migrates the schema's tables, and registers and
     /// locks a fresh owner id.
+    #[cfg(test)]
     pub(crate) fn open(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
-        Self::open_with(url, schema, hasher, notify::COALESCE, Create::IfMissing)
+        Self::open_with(
+            url,
+            schema,
+            hasher,
+            notify::COALESCE,
+            Create::IfMissing,
+            MAX_CONNECTIONS,
+        )
     }
 
-    /// [`open`](Self::open) of a schema that must already hold an outbox
-    /// (`create_if_missing(false)`): refuses one without the outbox's
-    /// tables, creating nothing.
+    /// [`open`](Self::open) with at most `max_connections` reads/commits
+    /// connections (see [`PgEngine::client`]); with [`Create::Never`]
+    /// (`create_if_missing(false)`) it refuses a schema without the
+    /// outbox's tables, creating nothing.
     ///
     /// # Errors
     /// As [`open`](Self::open); [`Error::InvalidConfig`] (`schema`) when
-    /// the schema holds no outbox.
-    pub(crate) fn open_existing(url: &str, schema: &str, hasher: Hasher) -> Result<Self> {
-        Self::open_with(url, schema, hasher, notify::COALESCE, Create::Never)
+    /// the schema must hold an outbox and holds none.
+    pub(crate) fn open_capped(
+        url: &str,
+        schema: &str,
+        hasher: Hasher,
+        create: Create,
+        max_connections: usize,
+    ) -> Result<Self> {
+        Self::open_with(
+            url,
+            schema,
+            hasher,
+            notify::COALESCE,
+            create,
+            max_connections,
+        )
     }
 
     /// [`open`](Self::open), with `wake_interval` between coalesced
-    /// wake-ups (tests use a longer one than [`notify::COALESCE`]).
+    /// wake-ups (tests use a longer one than [`notify::COALESCE`]) and at
+    /// most `max_connections` reads/commits connections.
     fn open_with(
         url: &str,
         schema: &str,
         hasher: Hasher,
         wake_interval: std::time::Duration,
         create: Create,
+        max_connections: usize,
     ) -> Result<Self> {
         check_schema(schema)?;
         let connector = Connector::parse(url)?;
@@ -252,7 +275,7 @@ impl PgEngine {
             s,
             owner,
             hasher,
-            clients: Mutex::new(Vec::new()),
+            pool: connect::Pool::new(max_connections),
             minted: AtomicU64::new(0),
             unsealed: AtomicU64::new(0),
             in_txn: AtomicU64::new(0),
@@ -265,9 +288,11 @@ impl PgEngine {
         };
         // Events a crashed handle committed and never sealed go on the chain now.
         drop(client);
-        let mut conn = engine.connector.conn()?;
-        engine.seal_pending(&mut conn, Seal::Wait)?;
-        engine.give_back(conn);
+        // Through the pool, so its slot is counted and freed like any other.
+        {
+            let mut conn = engine.client()?;
+            engine.seal_pending(&mut conn, Seal::Wait)?;
+        }
         Ok(engine)
     }
 

@@ -1231,6 +1231,7 @@ fn a_burst_of_commits_sends_far_fewer_notifies_than_commits_and_one_after_the_la
         Hasher::Plain,
         interval,
         crate::builder::Create::IfMissing,
+        super::MAX_CONNECTIONS,
     )
     .unwrap();
     let mut listener = listen(&db.url());
@@ -1416,4 +1417,45 @@ fn a_connection_given_back_inside_a_transaction_is_not_lent_again() {
         "t",
         "the next borrower's statement committed on its own"
     );
+}
+
+/// A connection closed instead of pooled (it came back inside a
+/// transaction) frees its slot of the cap: with a cap of one, the next
+/// caller gets a connection at once instead of `PoolExhausted` (the wait's
+/// bound is 2 s here: `connect_timeout` plus `tcp_user_timeout`).
+#[test]
+fn a_connection_closed_instead_of_pooled_frees_its_slot_of_the_cap() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", db.url());
+    let engine = PgEngine::open_capped(
+        &url,
+        DEFAULT_SCHEMA,
+        Hasher::Plain,
+        crate::builder::Create::IfMissing,
+        1,
+    )
+    .unwrap();
+    {
+        let mut client = engine.client().unwrap();
+        client.query("BEGIN", &[]).unwrap();
+    }
+    let mut client = engine
+        .client()
+        .expect("the discarded connection's slot is free again");
+    client.query("SELECT 1", &[]).unwrap();
+    drop(client);
+    // And the cap holds: while one is lent, a second caller waits, then
+    // gets the typed error naming the cap.
+    let held = engine.client().unwrap();
+    match engine.client() {
+        Err(Error::PoolExhausted {
+            max_connections: 1, ..
+        }) => {}
+        Err(other) => panic!("a second caller under a cap of one: {other}"),
+        Ok(_) => panic!("a second connection under a cap of one"),
+    }
+    drop(held);
 }
