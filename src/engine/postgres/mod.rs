@@ -8,7 +8,8 @@
 //! which runs its own small runtime internally.
 //!
 //! Connections per handle: a small pool for reads and commits (one per thread
-//! calling at once, so the threads of one handle commit side by side; up to
+//! calling at once, so the threads of one handle commit side by side, up to
+//! the handle's `max_connections`, beyond which callers wait; up to
 //! [`IDLE_CONNECTIONS`] kept open between calls), one dedicated to the owner's
 //! advisory lock ([`liveness`]), one for `LISTEN` once a worker waits, and
 //! one for the handle's wake-up sender thread, opened on the first commit
