@@ -228,3 +228,47 @@ fn a_cap_of_zero_or_a_cap_on_a_directory_is_refused_naming_the_setting() {
         other => panic!("a cap of 0 must be refused: {other:?}"),
     }
 }
+
+/// A connection that cannot be opened (here the database refuses new
+/// connections) frees the slot taken for it: once the database takes
+/// connections again, the next call under a cap of one gets one instead
+/// of waiting out the bound (2 s here) and `PoolExhausted`.
+#[test]
+fn a_connection_that_fails_to_open_frees_its_slot_of_the_cap() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
+    let outbox = uncapped(Outbox::postgres(&url))
+        .max_connections(1)
+        .open()
+        .unwrap();
+    outbox.enqueue(msg("a", "chat-1")).unwrap();
+    let server = crate::pg_server::PgServer::shared().unwrap();
+    let db = db_of(&engine);
+    let allow = |allowed: bool| {
+        server.psql(
+            "postgres",
+            &format!("ALTER DATABASE {db} WITH ALLOW_CONNECTIONS {allowed}"),
+        );
+    };
+    allow(false);
+    // Its sessions end too (from another database: this one refuses psql).
+    server.psql(
+        "postgres",
+        &format!(
+            "SELECT count(pg_terminate_backend(pid, 30000)) FROM pg_stat_activity
+             WHERE datname = '{db}'"
+        ),
+    );
+    let refused = outbox.get("a");
+    allow(true);
+    match refused {
+        Err(Error::Database { .. }) => {}
+        other => panic!("no connection could be opened: {other:?}"),
+    }
+    assert!(
+        outbox.get("a").unwrap().is_some(),
+        "the failed connect's slot is free again"
+    );
+}
