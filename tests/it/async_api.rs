@@ -69,27 +69,7 @@ on_both_engines! {
 
     fn a_panicking_send_future_is_recorded_then_resumed(engine) {
         let h = engine.harness();
-        h.enqueue("k", "chat-1");
-        let rt = runtime();
-        let joined = rt.block_on(async {
-            let outbox = h.outbox.clone();
-            tokio::spawn(async move {
-                outbox
-                    .process_async("k", |_| async { transport_bug() })
-                    .await
-            })
-            .await
-        });
-        assert!(
-            joined.unwrap_err().is_panic(),
-            "the panic reaches the caller's task"
-        );
-        let item = h.outbox.get("k").unwrap().unwrap();
-        assert_eq!(
-            (item.state(), item.error_code()),
-            (ItemState::Failed, Some(SEND_PANICKED))
-        );
-        h.outbox.verify_audit().unwrap();
+        panics_are_recorded_then_resumed(&h, |_| async { transport_bug() });
     }
 
     /// A send that panics in its own body, before it returns its future, is
@@ -97,29 +77,10 @@ on_both_engines! {
     /// cancelled send), then resumed.
     fn a_send_that_panics_before_returning_its_future_is_recorded_as_panicked(engine) {
         let h = engine.harness();
-        h.enqueue("k", "chat-1");
-        let rt = runtime();
-        let joined = rt.block_on(async {
-            let outbox = h.outbox.clone();
-            tokio::spawn(async move {
-                outbox
-                    .process_async("k", |_| {
-                        let reply = transport_bug();
-                        async move { reply }
-                    })
-                    .await
-            })
-            .await
+        panics_are_recorded_then_resumed(&h, |_| {
+            let reply = transport_bug();
+            async move { reply }
         });
-        assert!(
-            joined.unwrap_err().is_panic(),
-            "the panic reaches the caller's task"
-        );
-        let item = h.outbox.get("k").unwrap().unwrap();
-        assert_eq!(
-            (item.state(), item.error_code()),
-            (ItemState::Failed, Some(SEND_PANICKED))
-        );
     }
 
     /// `process_due_async`: a send that panics before returning its future
@@ -365,6 +326,32 @@ on_both_engines! {
 
 fn transport_bug() -> Result<Option<String>, SendError> {
     panic!("transport bug")
+}
+
+/// `process_async` of a fresh item with `send`, which panics: the panic
+/// reaches the caller's task, and the item is failed as `send_panicked`,
+/// on a chain that verifies.
+fn panics_are_recorded_then_resumed<F, Fut>(h: &Harness, send: F)
+where
+    F: FnMut(durable_outbox::OutboxItem) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<Option<String>, SendError>> + Send,
+{
+    h.enqueue("k", "chat-1");
+    let rt = runtime();
+    let joined = rt.block_on(async {
+        let outbox = h.outbox.clone();
+        tokio::spawn(async move { outbox.process_async("k", send).await }).await
+    });
+    assert!(
+        joined.unwrap_err().is_panic(),
+        "the panic reaches the caller's task"
+    );
+    let item = h.outbox.get("k").unwrap().unwrap();
+    assert_eq!(
+        (item.state(), item.error_code()),
+        (ItemState::Failed, Some(SEND_PANICKED))
+    );
+    h.outbox.verify_audit().unwrap();
 }
 
 on_both_engines! {
