@@ -133,12 +133,7 @@ fn an_enqueue_and_a_claim_survive_a_server_crash_on_a_database_that_commits_asyn
     let Some(server) = crate::pg_server::PgServer::start() else {
         return;
     };
-    server.psql("postgres", "ALTER SYSTEM SET wal_writer_delay = '10s'");
-    server.psql(
-        "postgres",
-        "ALTER SYSTEM SET wal_writer_flush_after = '1GB'",
-    );
-    server.psql("postgres", "SELECT pg_reload_conf()");
+    server.delay_the_wal_writer();
     let db = server.database();
     db.psql(&format!(
         "ALTER DATABASE {} SET synchronous_commit = off",

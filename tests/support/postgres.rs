@@ -322,6 +322,18 @@ impl PgServer {
         );
     }
 
+    /// Makes the WAL writer wait 10 s between flushes (and never flush for
+    /// volume), so a commit that does not flush its own WAL stays unflushed
+    /// for the length of a test: what a crash then takes back shows it.
+    pub fn delay_the_wal_writer(&self) {
+        self.psql("postgres", "ALTER SYSTEM SET wal_writer_delay = '10s'");
+        self.psql(
+            "postgres",
+            "ALTER SYSTEM SET wal_writer_flush_after = '1GB'",
+        );
+        self.psql("postgres", "SELECT pg_reload_conf()");
+    }
+
     /// The data directory (for diagnostics).
     pub fn data_dir(&self) -> &Path {
         &self.data

@@ -155,12 +155,7 @@ fn a_chain_read_returns_only_records_whose_wal_is_flushed() {
     let Some(server) = PgServer::start() else {
         return;
     };
-    server.psql("postgres", "ALTER SYSTEM SET wal_writer_delay = '10s'");
-    server.psql(
-        "postgres",
-        "ALTER SYSTEM SET wal_writer_flush_after = '1GB'",
-    );
-    server.psql("postgres", "SELECT pg_reload_conf()");
+    server.delay_the_wal_writer();
     let db = server.database();
     let writer = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
     let reader = PgEngine::open(&db.url(), DEFAULT_SCHEMA, Hasher::Plain).unwrap();
