@@ -216,7 +216,8 @@ impl OutboxBuilder {
     /// them all in use waits for one to come free, at most as long as
     /// opening a connection may take (the URL's `connect_timeout` plus its
     /// `tcp_user_timeout`: 10 s + 30 s by default), then fails with
-    /// [`Error::PoolExhausted`].
+    /// [`Error::PoolExhausted`], having done nothing; except recording what
+    /// a send did, which waits as long as it takes (the send happened).
     ///
     /// In all a handle uses at most `n` + 3 connections: these, one holding
     /// its owner lock, one listening for wake-ups while a worker waits, and

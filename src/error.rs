@@ -183,6 +183,10 @@ pub enum Error {
     /// wait (the URL's `connect_timeout` plus its `tcp_user_timeout`: 40 s
     /// by default). Nothing of this call was done; try again later, or
     /// allow the handle more connections if the server has them to spare.
+    /// Never the error of recording a send that already happened (the
+    /// record after `send`, a worker's step, giving a claim back): those
+    /// wait for a connection as long as it takes, so a call that returns
+    /// this sent nothing.
     #[error(
         "postgres: the connection pool is exhausted: all {max_connections} connections \
          (max_connections) stayed in use for {waited:?}"

@@ -23,7 +23,7 @@ use crate::rate::{DestinationWindow, RateLimit};
 use crate::receipt::{DeliveryReceipt, DrainReport};
 use crate::rules::bulk::{Bulk, operator_note};
 use crate::rules::lifecycle::{self, Decision};
-use crate::rules::txn::{Scope, Txn};
+use crate::rules::txn::{Scope, Txn, Wait};
 use crate::rules::{Actor, InFlight};
 use crate::rules::{drain, enqueue};
 use crate::send::SendError;
@@ -587,7 +587,14 @@ impl Outbox {
         }
         let mut claimed_here: Option<ClaimId> = None;
         let mut rerun = false;
-        let stepped = self.transact(|actor, txn| {
+        // A step that records a finished send waits for a connection as
+        // long as it takes (see `Wait::UntilFree`).
+        let wait = if finished.is_some() {
+            Wait::UntilFree
+        } else {
+            Wait::Bounded
+        };
+        let stepped = self.transact_waiting(Scope::Any, wait, |actor, txn| {
             // Locked here, inside the transaction, never across its sync: a
             // worker's slots then share one commit group.
             let mut picker = pick.map(|p| p.lock().unwrap_or_else(PoisonError::into_inner));
@@ -648,7 +655,9 @@ impl Outbox {
         let mut members: Vec<M> = Vec::new();
         let mut claimed_here: Vec<ClaimId> = Vec::new();
         let batched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.transact(|actor, txn| {
+            // Its members' finished sends are recorded here: it waits for a
+            // connection as long as it takes (see `Wait::UntilFree`).
+            self.transact_waiting(Scope::Any, Wait::UntilFree, |actor, txn| {
                 // A rerun (the server rolled the attempt back) keeps the members
                 // it took and undoes what the attempt did outside the database.
                 let rerun = collect.is_none();
@@ -1255,7 +1264,18 @@ impl Outbox {
 
     fn transact_in<T>(
         &self,
+        scope: Scope<'_>,
+        f: impl FnMut(&Actor<'_>, &mut dyn Txn) -> Result<T>,
+    ) -> Result<T> {
+        self.transact_waiting(scope, Wait::Bounded, f)
+    }
+
+    /// Runs `f` as [`transact_in`](Self::transact_in) does, waiting for a
+    /// connection as `wait` says (see [`Wait`]).
+    fn transact_waiting<T>(
+        &self,
         #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] scope: Scope<'_>,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] wait: Wait,
         mut f: impl FnMut(&Actor<'_>, &mut dyn Txn) -> Result<T>,
     ) -> Result<T> {
         let inner = &*self.inner;
@@ -1277,7 +1297,7 @@ impl Outbox {
                     pacing: &inner.pacing,
                     idempotent: &inner.config.idempotent,
                 };
-                engine.transact(scope, |txn| f(&actor, txn))
+                engine.transact(scope, wait, |txn| f(&actor, txn))
             }
         }
     }
@@ -1361,7 +1381,7 @@ impl Outbox {
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
         let key = claim.key();
         let recorded = self.check_after_send().and_then(|()| {
-            self.transact_one(key, |actor, txn| {
+            self.transact_waiting(Scope::OneItem(key), Wait::UntilFree, |actor, txn| {
                 lifecycle::finish(actor, txn, claim, &result)
             })
         });
@@ -1382,9 +1402,11 @@ impl Outbox {
     /// for an idempotent transport, goes back to the queue for a resend.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn abandon(&self, claim: &ClaimId, code: &str) -> Result<()> {
-        let result = self.transact_one(claim.key(), |actor, txn| {
-            lifecycle::abandon(actor, txn, claim, code)
-        });
+        let result = self.transact_waiting(
+            Scope::OneItem(claim.key()),
+            Wait::UntilFree,
+            |actor, txn| lifecycle::abandon(actor, txn, claim, code),
+        );
         self.in_flight().remove(claim);
         result
     }
@@ -1395,9 +1417,11 @@ impl Outbox {
     /// `claim`.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn release(&self, claim: &ClaimId, before: &OutboxItem) -> Result<()> {
-        let result = self.transact_one(claim.key(), |actor, txn| {
-            lifecycle::release(actor, txn, claim, before)
-        });
+        let result = self.transact_waiting(
+            Scope::OneItem(claim.key()),
+            Wait::UntilFree,
+            |actor, txn| lifecycle::release(actor, txn, claim, before),
+        );
         self.in_flight().remove(claim);
         result
     }

@@ -75,6 +75,21 @@ impl<'k> Scope<'k> {
     }
 }
 
+/// How long a transaction may wait for a connection where the engine caps
+/// them (a PostgreSQL handle's `max_connections`; the file engine has none
+/// to wait for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// At most the engine's bound, then `Error::PoolExhausted` with nothing
+    /// done: the caller may try again.
+    Bounded,
+    /// As long as it takes: a transaction that records what a send did
+    /// (or gives back a claim), after the send. Given up on, it would leave
+    /// the claim for a later look to settle as an ambiguous failure (or, for
+    /// an idempotent transport, a resend) though its outcome was known.
+    UntilFree,
+}
+
 /// One read-modify-write of the outbox, as the delivery rules see it.
 ///
 /// The rules are generic over this trait (monomorphised for the file engine);

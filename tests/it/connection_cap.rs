@@ -272,3 +272,89 @@ fn a_connection_that_fails_to_open_frees_its_slot_of_the_cap() {
         "the failed connect's slot is free again"
     );
 }
+
+/// A send that delivered is recorded as sent even when every connection of
+/// the cap stays lent out past the wait's bound (2 s here) while the record
+/// waits: the send happened, and a record given up on would leave its claim
+/// to be settled later as an ambiguous failure (or, for an idempotent
+/// transport, a resend) of a delivery whose outcome was known.
+#[test]
+fn a_delivered_send_is_recorded_as_sent_though_the_cap_stays_held_past_the_bound() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
+    let outbox = uncapped(Outbox::postgres(&url))
+        .max_connections(1)
+        .open()
+        .unwrap();
+    outbox.enqueue(msg("a", "chat-1")).unwrap();
+    outbox.enqueue(msg("b", "chat-2")).unwrap();
+    let mut admin = Some(postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap());
+    let mut watcher = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
+    within(
+        "no deadlock under the connection cap",
+        DEADLOCK_LIMIT,
+        || {
+            std::thread::scope(|scope| {
+                let outbox = &outbox;
+                let mut threads = Vec::new();
+                let receipt = outbox
+                    .process("a", |_| {
+                        let mut admin = admin.take().unwrap();
+                        let (locked, is_locked) = mpsc::channel();
+                        let (held, is_held) = mpsc::channel::<()>();
+                        threads.push(scope.spawn(move || {
+                            let mut lock = admin.transaction().unwrap();
+                            lock.batch_execute(
+                                "LOCK TABLE durable_outbox.items IN ACCESS EXCLUSIVE MODE",
+                            )
+                            .unwrap();
+                            locked.send(()).unwrap();
+                            is_held.recv().unwrap();
+                            // Two bounded calls one after the other each
+                            // wait out the bound: the second ends a bound
+                            // after the first ended, and the first began
+                            // before this send returned, so the record has
+                            // waited past the bound when the lock goes.
+                            for _ in 0..2 {
+                                match outbox.get("b") {
+                                    Err(Error::PoolExhausted { .. }) => {}
+                                    other => panic!("a read past the bound: {other:?}"),
+                                }
+                            }
+                            lock.rollback().unwrap();
+                        }));
+                        is_locked.recv().unwrap();
+                        // The cap's one connection is lent to a read that
+                        // waits on the lock.
+                        threads.push(scope.spawn(move || {
+                            outbox.get("b").unwrap();
+                        }));
+                        while watcher
+                            .query_one(
+                                "SELECT count(*) FROM pg_stat_activity
+                                 WHERE datname = current_database() AND wait_event_type = 'Lock'
+                                   AND application_name = 'durable-outbox'",
+                                &[],
+                            )
+                            .unwrap()
+                            .get::<_, i64>(0)
+                            == 0
+                        {
+                            std::thread::yield_now();
+                        }
+                        held.send(()).unwrap();
+                        Ok(Some("ref-a".to_owned()))
+                    })
+                    .unwrap_or_else(|e| panic!("the delivered send's record: {e}"));
+                assert_eq!(receipt.outcome, Outcome::Sent);
+                for thread in threads {
+                    thread.join().unwrap();
+                }
+            });
+        },
+    );
+    let item = outbox.get("a").unwrap().unwrap();
+    assert_eq!(item.state(), durable_outbox::ItemState::Sent);
+}

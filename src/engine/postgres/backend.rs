@@ -31,7 +31,7 @@ use crate::filter::ItemFilter;
 use crate::item::{ItemState, OutboxItem};
 use crate::rate::{DestinationWindow, RateLimit};
 use crate::receipt::{DeliveryReceipt, DrainReport, Outcome};
-use crate::rules::txn::Scope;
+use crate::rules::txn::{Scope, Wait};
 use crate::settings::Settings;
 
 /// The engine's name in errors about operations it does not offer.
@@ -141,15 +141,17 @@ impl PgBackend {
     }
 
     /// Runs one transaction of the rules (again, from the start, when the
-    /// server aborted it to break a deadlock: see `PgEngine::transact`).
+    /// server aborted it to break a deadlock: see `PgEngine::transact_waiting`),
+    /// waiting for a connection of the cap as `wait` says.
     pub(crate) fn transact<T>(
         &self,
         scope: Scope<'_>,
+        wait: Wait,
         f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
         blocking_local(|| {
             self.engine()
-                .transact(self.clock.now(), &self.defaults, scope, f)
+                .transact_waiting(self.clock.now(), &self.defaults, scope, wait, f)
         })
     }
 

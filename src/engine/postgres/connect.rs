@@ -35,6 +35,7 @@ use postgres::{Client, NoTls};
 use super::conn::Conn;
 use super::{PgEngine, db, lock};
 use crate::error::{Error, Result};
+use crate::rules::txn::Wait;
 
 /// How many idle reads/commits connections a handle keeps open between calls.
 pub(crate) const IDLE_CONNECTIONS: usize = 8;
@@ -523,13 +524,14 @@ impl Pool {
 
     /// An idle connection (maybe dead: the caller finds out), else `None`:
     /// a slot taken for a connection the caller opens (see [`Slot`]);
-    /// waiting up to `timeout` for either while every slot is taken. Idle
+    /// waiting up to `timeout` for either while every slot is taken (with
+    /// `None`, or a timeout too long to count, as long as it takes). Idle
     /// connections found closed are dropped on the way, their slots freed.
     ///
     /// # Errors
     /// [`Error::PoolExhausted`] when `timeout` passes first.
-    fn take(&self, timeout: Duration) -> Result<Option<Conn>> {
-        let deadline = Instant::now() + timeout;
+    fn take(&self, timeout: Option<Duration>) -> Result<Option<Conn>> {
+        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
         let mut state = self.state();
         loop {
             let before = state.idle.len();
@@ -542,11 +544,18 @@ impl Pool {
                 state.open += 1;
                 return Ok(None);
             }
+            let Some(deadline) = deadline else {
+                state = self
+                    .freed
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            };
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::PoolExhausted {
                     max_connections: self.max,
-                    waited: timeout,
+                    waited: timeout.unwrap_or_default(),
                 });
             }
             state = self
@@ -625,7 +634,9 @@ impl PgEngine {
     /// [`MAX_CONNECTIONS`]) of these open; a caller that finds them all lent
     /// out waits until one comes back or closes, for at most
     /// [`Connector::open_timeout`] (the URL's `connect_timeout` plus its
-    /// answer timeout: as long as opening a connection could take). On top
+    /// answer timeout: as long as opening a connection could take; a
+    /// transaction recording a send waits as long as it takes, see
+    /// [`client_waiting`](Self::client_waiting)). On top
     /// come the handle's dedicated connections: one holding the owner lock,
     /// one listening while a worker waits for work, one sending wake-ups;
     /// and, briefly, one asking the server about a silent connection, and
@@ -642,7 +653,23 @@ impl PgEngine {
     /// [`Error::PoolExhausted`] when none came free in time;
     /// [`Error::Database`] when a new connection cannot be opened.
     pub(super) fn client(&self) -> Result<Pooled<'_>> {
-        let client = if let Some(idle) = self.pool.take(self.connector.open_timeout())? {
+        self.client_waiting(Wait::Bounded)
+    }
+
+    /// [`client`](Self::client), waiting for a connection of the cap at
+    /// most [`Connector::open_timeout`] ([`Wait::Bounded`]) or as long as
+    /// it takes ([`Wait::UntilFree`]: a transaction that records a send
+    /// which already happened).
+    ///
+    /// # Errors
+    /// As [`client`](Self::client); never [`Error::PoolExhausted`] with
+    /// [`Wait::UntilFree`].
+    pub(super) fn client_waiting(&self, wait: Wait) -> Result<Pooled<'_>> {
+        let timeout = match wait {
+            Wait::Bounded => Some(self.connector.open_timeout()),
+            Wait::UntilFree => None,
+        };
+        let client = if let Some(idle) = self.pool.take(timeout)? {
             idle
         } else {
             let slot = Slot {

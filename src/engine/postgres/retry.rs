@@ -13,7 +13,7 @@
 //!
 //! **Invariant:** only a whole transaction is rerun, and only one whose
 //! effects outside the database are undone or repeatable: every caller
-//! documents how (`PgEngine::transact`: the rules' side effects on the
+//! documents how (`PgEngine::transact_waiting`: the rules' side effects on the
 //! handle, `Outbox::step` and `Outbox::claim` undo theirs before a rerun;
 //! `send` never runs inside a transaction). Any other error, and a
 //! connection lost during `COMMIT` (which may have committed), is returned

@@ -12,6 +12,7 @@ use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};
+use crate::rules::txn::Wait;
 use crate::settings::{Settings, Stored};
 
 /// What [`PgEngine::open_txn`] found.
@@ -154,9 +155,10 @@ impl PgEngine {
         })
     }
 
-    /// Runs one read-modify-write of the rules (see [`PgTxn`]) and commits it.
-    /// Returns `f`'s value once the commit is durable; on any error nothing
-    /// of it is visible.
+    /// Runs one read-modify-write of the rules (see [`PgTxn`]) and commits it,
+    /// on a connection of the cap waited for as `wait` says (see
+    /// [`PgEngine::client_waiting`]). Returns `f`'s value once the commit is
+    /// durable; on any error nothing of it is visible.
     ///
     /// A transaction the server aborts to break a deadlock or a serialization
     /// conflict is run again from the start, `f` included, up to
@@ -166,27 +168,42 @@ impl PgEngine {
     /// Then, best effort (a failure is logged: the next reader seals), it
     /// seals the events it committed, unless another sealer holds the head,
     /// and wakes waiting workers when an item became claimable.
+    pub(crate) fn transact_waiting<T>(
+        &self,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+        scope: txn::Scope<'_>,
+        wait: Wait,
+        mut f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+    ) -> Result<T> {
+        retry::retrying("the rules' transaction", |_| {
+            self.transact_once(now, defaults, scope, wait, &mut f)
+        })
+    }
+
+    /// [`transact_waiting`](Self::transact_waiting) with the bounded wait
+    /// of any call ([`Wait::Bounded`]).
+    #[cfg(test)]
     pub(crate) fn transact<T>(
         &self,
         now: DateTime<Utc>,
         defaults: &Settings,
         scope: txn::Scope<'_>,
-        mut f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+        f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
-        retry::retrying("the rules' transaction", |_| {
-            self.transact_once(now, defaults, scope, &mut f)
-        })
+        self.transact_waiting(now, defaults, scope, Wait::Bounded, f)
     }
 
-    /// One attempt of [`transact`](Self::transact).
+    /// One attempt of [`transact_waiting`](Self::transact_waiting).
     fn transact_once<T>(
         &self,
         now: DateTime<Utc>,
         defaults: &Settings,
         scope: txn::Scope<'_>,
+        wait: Wait,
         f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
-        let mut client = self.client()?;
+        let mut client = self.client_waiting(wait)?;
         let running = Running::enter(&self.in_txn);
         // A pooled connection found dead by the opening pipeline (nothing of
         // the transaction can have committed, `f` has not run): run it again
@@ -207,7 +224,7 @@ impl PgEngine {
                     // is taken: under the cap, callers each holding a dead
                     // one while waiting for a fresh one could wait for ever.
                     drop(client);
-                    client = self.client()?;
+                    client = self.client_waiting(wait)?;
                 }
                 done => break done,
             }
@@ -218,7 +235,7 @@ impl PgEngine {
         outcome.map(|(value, _)| value)
     }
 
-    /// [`transact`](Self::transact)'s transaction: `f`'s value, and whether
+    /// [`transact_waiting`](Self::transact_waiting)'s transaction: `f`'s value, and whether
     /// the commit left audit events pending. `opened` is set once the
     /// transaction's opening pipeline succeeded, before `f` runs.
     fn run_txn<T>(
