@@ -313,10 +313,10 @@ fn a_delivered_send_is_recorded_as_sent_though_the_cap_stays_held_past_the_bound
                             locked.send(()).unwrap();
                             is_held.recv().unwrap();
                             // Two bounded calls one after the other each
-                            // wait out the bound: the second ends a bound
-                            // after the first ended, and the first began
-                            // before this send returned, so the record has
-                            // waited past the bound when the lock goes.
+                            // wait out the bound: the lock goes two bounds
+                            // after the send signalled, and the record began
+                            // as the send returned, right after: it has
+                            // waited past its own bound by then.
                             for _ in 0..2 {
                                 match outbox.get("b") {
                                     Err(Error::PoolExhausted { .. }) => {}
