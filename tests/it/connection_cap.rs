@@ -34,6 +34,16 @@ fn db_of(engine: &EngineUnderTest) -> String {
     engine.url().rsplit('/').next().unwrap().to_owned()
 }
 
+/// An outbox (no rate cap) of at most `cap` connections whose wait for one
+/// is bounded at 2 s: `connect_timeout` 1 s plus `tcp_user_timeout` 1 s.
+fn capped_with_a_2_s_bound(engine: &EngineUnderTest, cap: usize) -> Outbox {
+    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
+    uncapped(Outbox::postgres(&url))
+        .max_connections(cap)
+        .open()
+        .unwrap()
+}
+
 /// The handle's dedicated sessions counted by [`crate_sessions`].
 const DEDICATED: usize = 2;
 
@@ -153,12 +163,8 @@ fn a_call_that_waits_past_the_bound_gets_pool_exhausted_naming_the_cap() {
     let Some(engine) = EngineUnderTest::postgres() else {
         return;
     };
-    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
     let cap = 2;
-    let outbox = uncapped(Outbox::postgres(&url))
-        .max_connections(cap)
-        .open()
-        .unwrap();
+    let outbox = capped_with_a_2_s_bound(&engine, cap);
     outbox.enqueue(msg("a", "chat-1")).unwrap();
     let mut admin = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
     let mut watcher = postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap();
@@ -238,11 +244,7 @@ fn a_connection_that_fails_to_open_frees_its_slot_of_the_cap() {
     let Some(engine) = EngineUnderTest::postgres() else {
         return;
     };
-    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
-    let outbox = uncapped(Outbox::postgres(&url))
-        .max_connections(1)
-        .open()
-        .unwrap();
+    let outbox = capped_with_a_2_s_bound(&engine, 1);
     outbox.enqueue(msg("a", "chat-1")).unwrap();
     let server = crate::pg_server::PgServer::shared().unwrap();
     let db = db_of(&engine);
@@ -283,11 +285,7 @@ fn a_delivered_send_is_recorded_as_sent_though_the_cap_stays_held_past_the_bound
     let Some(engine) = EngineUnderTest::postgres() else {
         return;
     };
-    let url = format!("{}?connect_timeout=1&tcp_user_timeout=1000", engine.url());
-    let outbox = uncapped(Outbox::postgres(&url))
-        .max_connections(1)
-        .open()
-        .unwrap();
+    let outbox = capped_with_a_2_s_bound(&engine, 1);
     outbox.enqueue(msg("a", "chat-1")).unwrap();
     outbox.enqueue(msg("b", "chat-2")).unwrap();
     let mut admin = Some(postgres::Client::connect(&engine.url(), postgres::NoTls).unwrap());
