@@ -215,8 +215,9 @@ impl OutboxBuilder {
     /// server's `max_connections` from its other users. A call that finds
     /// them all in use waits for one to come free, at most as long as
     /// opening a connection may take (the URL's `connect_timeout` plus its
-    /// `tcp_user_timeout`: 10 s + 30 s by default, and 30 s for a
-    /// `tcp_user_timeout` of 0, which the sockets take as "never"), then fails with
+    /// `tcp_user_timeout`: 10 s + 30 s by default; a `tcp_user_timeout` of
+    /// 0, which the sockets take as "never", counts as its 30 s default
+    /// here), then fails with
     /// [`Error::PoolExhausted`], having done nothing; except recording what
     /// a send did, which waits as long as it takes (the send happened).
     ///

@@ -181,7 +181,7 @@ pub enum Error {
     /// (`OutboxBuilder::max_connections`, feature `postgres`)
     /// stayed lent out to its other calls for as long as this call could
     /// wait (the URL's `connect_timeout` plus its `tcp_user_timeout`: 40 s
-    /// by default; a `tcp_user_timeout` of 0 counts as 30 s here). Nothing of this call was done; try again later, or
+    /// by default; a `tcp_user_timeout` of 0 counts as its 30 s default here). Nothing of this call was done; try again later, or
     /// allow the handle more connections if the server has them to spare.
     /// Never the error of recording a send that already happened (the
     /// record after `send`, a worker's step, giving a claim back): those
