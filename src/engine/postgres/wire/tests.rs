@@ -46,6 +46,31 @@ fn connect(url: &str) -> Connection {
     Connection::connect(&config(url)).expect("connect")
 }
 
+/// `waiter` (watched by the caller) asks for advisory lock `key` while a
+/// session of `holder_url` holds it for `held`: whether its statement
+/// succeeded, and whether its session was closed after.
+fn wait_for_a_lock_held(
+    holder_url: &str,
+    mut waiter: Connection,
+    key: i64,
+    held: Duration,
+) -> (bool, bool) {
+    let mut holder = connect(holder_url);
+    holder
+        .simple(&format!("SELECT pg_advisory_lock({key})"))
+        .unwrap();
+    let waiting = std::thread::spawn(move || {
+        let lock = format!("SELECT pg_advisory_lock({key})");
+        let results = pipeline(&mut waiter, &[(lock.as_str(), &[])]);
+        (results.into_iter().all(|r| r.is_ok()), waiter.is_closed())
+    });
+    std::thread::sleep(held);
+    holder
+        .simple(&format!("SELECT pg_advisory_unlock({key})"))
+        .unwrap();
+    waiting.join().unwrap()
+}
+
 fn pipeline(
     conn: &mut Connection,
     statements: &[(&str, super::connection::Params<'_>)],
@@ -813,18 +838,10 @@ fn a_watched_session_gives_up_a_silent_server_and_never_cuts_a_slow_statement() 
 
     // A lock wait far longer than the patience: the server is asked, finds
     // the statement running, and the wait goes on to its answer.
-    let mut holder = connect(&db.url());
-    holder.simple("SELECT pg_advisory_lock(42)").unwrap();
     let mut waiter = connect(&db.url());
     waiter.watch(patience, &direct).unwrap();
-    let waiting = std::thread::spawn(move || {
-        let results = pipeline(&mut waiter, &[("SELECT pg_advisory_lock(42)", &[])]);
-        (results.into_iter().all(|r| r.is_ok()), waiter.is_closed())
-    });
-    std::thread::sleep(patience * 6);
-    holder.simple("SELECT pg_advisory_unlock(42)").unwrap();
     assert_eq!(
-        waiting.join().unwrap(),
+        wait_for_a_lock_held(&db.url(), waiter, 42, patience * 6),
         (true, false),
         "a slow statement is waited for, however long"
     );
@@ -1047,21 +1064,13 @@ fn a_watched_session_waits_on_when_the_server_refuses_the_question() {
         db.name()
     );
     let patience = Duration::from_millis(500);
-    let mut holder = connect(&db.url());
-    holder.simple("SELECT pg_advisory_lock(45)").unwrap();
     let mut waiter = connect(&url);
     waiter.watch(patience, &config(&url)).unwrap();
-    let waiting = std::thread::spawn(move || {
-        let results = pipeline(&mut waiter, &[("SELECT pg_advisory_lock(45)", &[])]);
-        (results.into_iter().all(|r| r.is_ok()), waiter.is_closed())
-    });
     // The lock is held several times the patience: each look finds the
     // server refusing a second connection of the role (a server at its
     // connection limit), which is a live server.
-    std::thread::sleep(patience * 6);
-    holder.simple("SELECT pg_advisory_unlock(45)").unwrap();
     assert_eq!(
-        waiting.join().unwrap(),
+        wait_for_a_lock_held(&db.url(), waiter, 45, patience * 6),
         (true, false),
         "a server that refuses the question is alive: the statement is waited for"
     );
