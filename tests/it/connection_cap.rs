@@ -34,6 +34,19 @@ fn db_of(engine: &EngineUnderTest) -> String {
     engine.url().rsplit('/').next().unwrap().to_owned()
 }
 
+/// How many of the crate's sessions in `watcher`'s database wait on a lock.
+fn sessions_waiting_on_a_lock(watcher: &mut postgres::Client) -> i64 {
+    watcher
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND application_name = 'durable-outbox'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
 /// An outbox (no rate cap) of at most `cap` connections whose wait for one
 /// is bounded at 2 s: `connect_timeout` 1 s plus `tcp_user_timeout` 1 s.
 fn capped_with_a_2_s_bound(engine: &EngineUnderTest, cap: usize) -> Outbox {
@@ -179,15 +192,7 @@ fn a_call_that_waits_past_the_bound_gets_pool_exhausted_naming_the_cap() {
                 let held: Vec<_> = (0..cap).map(|_| scope.spawn(|| outbox.get("a"))).collect();
                 // Both connections of the cap are lent, their reads waiting on the lock.
                 loop {
-                    let waiting: i64 = watcher
-                        .query_one(
-                            "SELECT count(*) FROM pg_stat_activity
-                         WHERE datname = current_database() AND wait_event_type = 'Lock'
-                           AND application_name = 'durable-outbox'",
-                            &[],
-                        )
-                        .unwrap()
-                        .get(0);
+                    let waiting = sessions_waiting_on_a_lock(&mut watcher);
                     if waiting == i64::try_from(cap).unwrap() {
                         break;
                     }
@@ -329,17 +334,7 @@ fn a_delivered_send_is_recorded_as_sent_though_the_cap_stays_held_past_the_bound
                         threads.push(scope.spawn(move || {
                             outbox.get("b").unwrap();
                         }));
-                        while watcher
-                            .query_one(
-                                "SELECT count(*) FROM pg_stat_activity
-                                 WHERE datname = current_database() AND wait_event_type = 'Lock'
-                                   AND application_name = 'durable-outbox'",
-                                &[],
-                            )
-                            .unwrap()
-                            .get::<_, i64>(0)
-                            == 0
-                        {
+                        while sessions_waiting_on_a_lock(&mut watcher) == 0 {
                             std::thread::yield_now();
                         }
                         held.send(()).unwrap();
