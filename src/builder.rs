@@ -69,6 +69,14 @@ pub struct OutboxBuilder {
     /// directory, and when 0.
     #[cfg(feature = "postgres")]
     pub(crate) max_connections: Option<usize>,
+    /// [`upgrade_schema`](Self::upgrade_schema): `None` unless set (then
+    /// refused on a directory); unset means upgrade.
+    #[cfg(feature = "postgres")]
+    pub(crate) upgrade_schema: Option<bool>,
+    /// The schema version a test's open migrates to instead of this
+    /// release's ([`schema_version_for_tests`](Self::schema_version_for_tests)).
+    #[cfg(all(feature = "postgres", any(test, feature = "test-failpoints")))]
+    pub(crate) schema_version_for_tests: Option<i64>,
 }
 
 /// Whether opening may create a new outbox ([`OutboxBuilder::create_if_missing`]).
@@ -181,6 +189,10 @@ impl OutboxBuilder {
             schema_named: false,
             #[cfg(feature = "postgres")]
             max_connections: None,
+            #[cfg(feature = "postgres")]
+            upgrade_schema: None,
+            #[cfg(all(feature = "postgres", any(test, feature = "test-failpoints")))]
+            schema_version_for_tests: None,
         }
     }
 
@@ -230,6 +242,36 @@ impl OutboxBuilder {
     #[cfg(feature = "postgres")]
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = Some(n);
+        self
+    }
+
+    /// Whether opening may migrate a PostgreSQL outbox whose tables are at
+    /// an older schema version to this release's. Default `true`: a bot's
+    /// open upgrades the outbox it starts on, as the bots of one release
+    /// expect. A tool that only looks (the operator's `durable-outbox`, a
+    /// monitoring probe) turns it off: migrating is a decision for whoever
+    /// upgrades the bots, because a bot of the older release refuses the
+    /// migrated tables ([`Error::UnsupportedSchema`]) at its next start.
+    /// With it off, opening an outbox at an older version is refused with
+    /// [`Error::SchemaUpgradeNeeded`], nothing written; one at this
+    /// release's version opens as usual, and creating a new outbox (see
+    /// [`create_if_missing`](Self::create_if_missing)) is not an upgrade.
+    /// Only for [`Outbox::postgres`] (refused on a directory: opening one
+    /// rewrites no file in a newer format unless it compacts, see
+    /// [`compact_on_open`](Self::compact_on_open)).
+    #[cfg(feature = "postgres")]
+    pub fn upgrade_schema(mut self, upgrade: bool) -> Self {
+        self.upgrade_schema = Some(upgrade);
+        self
+    }
+
+    /// Migrates a PostgreSQL outbox only up to `version` on open, as an
+    /// older release would have (tests build an older schema with it;
+    /// feature `test-failpoints` only).
+    #[cfg(all(feature = "postgres", any(test, feature = "test-failpoints")))]
+    #[doc(hidden)]
+    pub fn schema_version_for_tests(mut self, version: i64) -> Self {
+        self.schema_version_for_tests = Some(version);
         self
     }
 
@@ -559,7 +601,9 @@ impl OutboxBuilder {
     ///
     /// For `Outbox::postgres` (feature `postgres`): connects, creates or
     /// migrates the schema's tables (refusing a newer schema with
-    /// [`Error::UnsupportedSchema`]), stores or reconciles the settings, and
+    /// [`Error::UnsupportedSchema`], and an older one with
+    /// [`Error::SchemaUpgradeNeeded`] under `upgrade_schema(false)`), stores
+    /// or reconciles the settings, and
     /// takes this handle's owner lock; [`Error::InvalidConfig`] for a bad URL
     /// or schema name, [`Error::Database`] when the server cannot be reached
     /// or fails, [`Error::SessionLocksUnavailable`] behind a transaction-mode
@@ -620,6 +664,13 @@ impl OutboxBuilder {
                     "caps a PostgreSQL handle's connections; this builder opens a directory",
                 ));
             }
+        }
+        #[cfg(feature = "postgres")]
+        if self.upgrade_schema.is_some() && self.postgres.is_none() {
+            return Err(Error::invalid_config(
+                "upgrade_schema",
+                "is about a PostgreSQL outbox's tables; this builder opens a directory",
+            ));
         }
         Outbox::open_with(self)
     }

@@ -167,6 +167,29 @@ pub enum Error {
         known: i64,
     },
 
+    /// A PostgreSQL outbox's tables are at an older schema version than this
+    /// release's, and the handle was opened with
+    /// `OutboxBuilder::upgrade_schema(false)` (as the operator's tool is):
+    /// migrating them is left to an open that means to. Nothing was written.
+    ///
+    /// Upgrade when the bots on the outbox are upgraded too: a bot of the
+    /// older release goes on running on migrated tables, but refuses them
+    /// ([`Error::UnsupportedSchema`]) at its next start. Open the outbox with
+    /// a handle that may upgrade (the default), or run
+    /// `durable-outbox upgrade-schema URL`.
+    #[error(
+        "postgres schema {schema:?} is at outbox schema version {found}, older than this release's {known}; \
+         nothing was written: a handle opened with upgrade_schema(false) does not migrate it (the default open does)"
+    )]
+    SchemaUpgradeNeeded {
+        /// The PostgreSQL schema the outbox lives in.
+        schema: String,
+        /// The version the tables declare.
+        found: i64,
+        /// This release's version.
+        known: i64,
+    },
+
     /// Session-level advisory locks do not work on this connection, so owner
     /// liveness (and with it at-most-once) cannot be guaranteed: typically a
     /// transaction-mode pooler such as pgbouncer sits between the outbox and

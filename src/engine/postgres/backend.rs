@@ -62,12 +62,22 @@ impl PgBackend {
             .take()
             .map_or(Hasher::Plain, Hasher::Keyed);
         let max_connections = builder.max_connections.unwrap_or(super::MAX_CONNECTIONS);
+        let versioning = super::Versioning {
+            #[cfg(any(test, feature = "test-failpoints"))]
+            target: builder
+                .schema_version_for_tests
+                .unwrap_or(super::SCHEMA_VERSION),
+            #[cfg(not(any(test, feature = "test-failpoints")))]
+            target: super::SCHEMA_VERSION,
+            upgrade: builder.upgrade_schema.unwrap_or(true),
+        };
         let engine = blocking(|| {
             PgEngine::open_capped(
                 &target.url,
                 &target.schema,
                 hasher,
                 builder.create,
+                versioning,
                 max_connections,
             )
         })?;

@@ -91,8 +91,7 @@ use crate::audit::Hasher;
 use crate::builder::Create;
 use crate::error::{Error, Result};
 
-#[cfg(test)]
-use schema::SCHEMA_VERSION;
+pub(crate) use schema::{SCHEMA_VERSION, Versioning};
 
 /// The schema used when the caller names none.
 pub(crate) const DEFAULT_SCHEMA: &str = "durable_outbox";
@@ -196,6 +195,7 @@ impl PgEngine {
             hasher,
             notify::COALESCE,
             Create::IfMissing,
+            Versioning::CURRENT,
             MAX_CONNECTIONS,
         )
     }
@@ -203,16 +203,20 @@ impl PgEngine {
     /// [`open`](Self::open) with at most `max_connections` reads/commits
     /// connections (see [`PgEngine::client`]); with [`Create::Never`]
     /// (`create_if_missing(false)`) it refuses a schema without the
-    /// outbox's tables, creating nothing.
+    /// outbox's tables, creating nothing; it migrates the tables as
+    /// `versioning` allows.
     ///
     /// # Errors
     /// As [`open`](Self::open); [`Error::InvalidConfig`] (`schema`) when
-    /// the schema must hold an outbox and holds none.
+    /// the schema must hold an outbox and holds none;
+    /// [`Error::SchemaUpgradeNeeded`] when the tables are older and
+    /// `versioning` may not upgrade them.
     pub(crate) fn open_capped(
         url: &str,
         schema: &str,
         hasher: Hasher,
         create: Create,
+        versioning: Versioning,
         max_connections: usize,
     ) -> Result<Self> {
         Self::open_with(
@@ -221,19 +225,22 @@ impl PgEngine {
             hasher,
             notify::COALESCE,
             create,
+            versioning,
             max_connections,
         )
     }
 
     /// [`open`](Self::open), with `wake_interval` between coalesced
-    /// wake-ups (tests use a longer one than [`notify::COALESCE`]) and at
-    /// most `max_connections` reads/commits connections.
+    /// wake-ups (tests use a longer one than [`notify::COALESCE`]), the
+    /// tables migrated as `versioning` allows, and at most
+    /// `max_connections` reads/commits connections.
     fn open_with(
         url: &str,
         schema: &str,
         hasher: Hasher,
         wake_interval: std::time::Duration,
         create: Create,
+        versioning: Versioning,
         max_connections: usize,
     ) -> Result<Self> {
         check_schema(schema)?;
@@ -249,7 +256,7 @@ impl PgEngine {
                 format!("schema {schema:?} holds no outbox in this database (nothing was created)"),
             ));
         }
-        schema::migrate(&mut client, schema)?;
+        schema::open_tables(&mut client, schema, versioning)?;
         let s = quoted(schema);
         let (owner, mut liveness) = loop {
             let candidate = owner_candidate();

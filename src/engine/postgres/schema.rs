@@ -6,6 +6,12 @@
 //! transaction-level advisory lock (concurrent opens wait for each other), and
 //! refuses a version newer than this release knows: an older binary must not
 //! write to tables a newer one shaped.
+//!
+//! That refusal is why a handle that only looks (the operator's tool, opened
+//! with `upgrade_schema(false)`) never migrates: the bots of the older
+//! release go on running on the migrated tables, but each refuses them at
+//! its next start. Such a handle is refused an older version instead, with
+//! nothing written ([`Error::SchemaUpgradeNeeded`]).
 
 use postgres::{Client, Transaction};
 
@@ -118,17 +124,51 @@ const MIGRATIONS: &[&str] = &[
 /// The schema version this release writes.
 pub(crate) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// Creates or migrates the tables of `schema`; refuses a newer version.
-pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
-    migrate_to(client, schema, SCHEMA_VERSION)
+/// What opening may do to the version of an outbox's tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Versioning {
+    /// The version to migrate to: this release's, an older one only where
+    /// tests build an outbox as an older release left it.
+    pub(crate) target: i64,
+    /// Whether an outbox at an older version may be migrated to `target`
+    /// (`OutboxBuilder::upgrade_schema`). When not, it is refused with
+    /// [`Error::SchemaUpgradeNeeded`] and nothing is written; a schema with
+    /// no outbox yet is created at `target` either way (creation is
+    /// `create_if_missing`'s to allow).
+    pub(crate) upgrade: bool,
+}
+
+impl Versioning {
+    /// A bot's open: creates or migrates to this release's version.
+    #[cfg(test)]
+    pub(crate) const CURRENT: Self = Self {
+        target: SCHEMA_VERSION,
+        upgrade: true,
+    };
 }
 
 /// Creates or migrates the tables of `schema` up to version `target` (tests
 /// build an older schema with it), in a transaction of its own; refuses a
 /// version newer than this release.
+#[cfg(test)]
 pub(crate) fn migrate_to(client: &mut Client, schema: &str, target: i64) -> Result<()> {
+    open_tables(
+        client,
+        schema,
+        Versioning {
+            target,
+            upgrade: true,
+        },
+    )
+}
+
+/// Creates or migrates the tables of `schema` as `versioning` allows, in a
+/// transaction of its own (rolled back when it refuses: nothing is written).
+/// Refuses a version newer than this release, and an older one that
+/// `versioning` may not upgrade.
+pub(crate) fn open_tables(client: &mut Client, schema: &str, versioning: Versioning) -> Result<()> {
     let mut tx = client.transaction().map_err(db("begin migration"))?;
-    migrate_in(&mut tx, schema, target)?;
+    migrate_as(&mut tx, schema, versioning)?;
     tx.commit().map_err(db("commit the migration"))
 }
 
@@ -139,6 +179,21 @@ pub(crate) fn migrate_to(client: &mut Client, schema: &str, target: i64) -> Resu
 /// created. Holds the schema's migration lock until `tx` ends, so concurrent
 /// opens wait for each other. Refuses a version newer than this release.
 pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) -> Result<()> {
+    migrate_as(
+        tx,
+        schema,
+        Versioning {
+            target,
+            upgrade: true,
+        },
+    )
+}
+
+/// [`migrate_in`] as `versioning` allows: an outbox at an older version
+/// than `versioning.target` is refused unless `versioning.upgrade`, before
+/// anything is written but what the caller's transaction then rolls back.
+fn migrate_as(tx: &mut Transaction<'_>, schema: &str, versioning: Versioning) -> Result<()> {
+    let Versioning { target, upgrade } = versioning;
     let s = quoted(schema);
     tx.execute(
         "SELECT pg_advisory_xact_lock($1)",
@@ -165,6 +220,15 @@ pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) ->
             known: SCHEMA_VERSION,
         });
     }
+    // Version 0 is no outbox yet: the statements above made its version
+    // table in this transaction, and creating one is not an upgrade.
+    if !upgrade && found > 0 && found < target {
+        return Err(Error::SchemaUpgradeNeeded {
+            schema: schema.to_owned(),
+            found,
+            known: SCHEMA_VERSION,
+        });
+    }
     let target = usize::try_from(target).unwrap_or(0).min(MIGRATIONS.len());
     for (index, migration) in MIGRATIONS
         .iter()
@@ -182,11 +246,16 @@ pub(crate) fn migrate_in(tx: &mut Transaction<'_>, schema: &str, target: i64) ->
             "applied an outbox schema migration"
         );
     }
-    tx.execute(
-        &format!("UPDATE {s}.outbox_meta SET version = $1"),
-        &[&(target as i64).max(found)],
-    )
-    .map_err(db("record the schema version"))?;
+    let version = (target as i64).max(found);
+    // Tables already at their version are left as they are: opening them
+    // writes no new row version of `outbox_meta`.
+    if version != found {
+        tx.execute(
+            &format!("UPDATE {s}.outbox_meta SET version = $1"),
+            &[&version],
+        )
+        .map_err(db("record the schema version"))?;
+    }
     Ok(())
 }
 

@@ -1095,6 +1095,85 @@ fn a_claim_reads_no_more_send_times_than_its_cap_needs() {
 }
 
 #[test]
+fn an_open_that_may_not_upgrade_refuses_an_older_schema_writing_nothing() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let previous = super::SCHEMA_VERSION - 1;
+    let mut client = super::Connector::parse(&url).unwrap().connect().unwrap();
+    super::schema::migrate_to(&mut client, DEFAULT_SCHEMA, previous).unwrap();
+    drop(client);
+    // The version row as stored (`xmin` changes with any write of it, even
+    // of the same value), the tables' columns, and the registered owners.
+    let stored = || {
+        db.psql(
+            "SELECT (SELECT version || '@' || xmin FROM durable_outbox.outbox_meta) \
+             || ' ' || (SELECT string_agg(table_name || '.' || column_name, ',' \
+                          ORDER BY table_name, column_name) \
+                        FROM information_schema.columns WHERE table_schema = 'durable_outbox') \
+             || ' owners ' || (SELECT count(*) FROM durable_outbox.owners)",
+        )
+    };
+    let before = stored();
+    // The operator tool's open.
+    let look = || {
+        crate::Outbox::postgres(&url)
+            .compact_on_open(false)
+            .create_if_missing(false)
+            .upgrade_schema(false)
+            .open()
+    };
+    match look() {
+        Err(Error::SchemaUpgradeNeeded {
+            schema,
+            found,
+            known,
+        }) => assert_eq!(
+            (schema.as_str(), found, known),
+            (DEFAULT_SCHEMA, previous, super::SCHEMA_VERSION)
+        ),
+        other => panic!("an older schema must be refused, got {other:?}"),
+    }
+    assert_eq!(stored(), before, "nothing written");
+
+    // A bot's open (the default) migrates it, as it always has.
+    drop(crate::Outbox::postgres(&url).open().unwrap());
+    assert_eq!(
+        db.psql("SELECT version FROM durable_outbox.outbox_meta"),
+        super::SCHEMA_VERSION.to_string()
+    );
+    // Then the tool's open goes on, and writes no new version row.
+    let row = db.psql("SELECT xmin FROM durable_outbox.outbox_meta");
+    drop(look().unwrap());
+    assert_eq!(db.psql("SELECT xmin FROM durable_outbox.outbox_meta"), row);
+    // Creating an outbox is not upgrading one.
+    drop(
+        crate::Outbox::postgres(&url)
+            .schema("fresh")
+            .upgrade_schema(false)
+            .open()
+            .unwrap(),
+    );
+    assert_eq!(
+        db.psql("SELECT version FROM fresh.outbox_meta"),
+        super::SCHEMA_VERSION.to_string()
+    );
+    // A directory has no schema to upgrade.
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        crate::Outbox::builder(dir.path())
+            .upgrade_schema(false)
+            .open(),
+        Err(Error::InvalidConfig {
+            setting: "upgrade_schema",
+            ..
+        })
+    ));
+}
+
+#[test]
 fn a_version_3_schema_migrates_to_4_keeping_items_their_order_and_lookups() {
     let Some(server) = PgServer::shared() else {
         return;
@@ -1231,6 +1310,7 @@ fn a_burst_of_commits_sends_far_fewer_notifies_than_commits_and_one_after_the_la
         Hasher::Plain,
         interval,
         crate::builder::Create::IfMissing,
+        super::Versioning::CURRENT,
         super::MAX_CONNECTIONS,
     )
     .unwrap();
@@ -1435,6 +1515,7 @@ fn a_connection_closed_instead_of_pooled_frees_its_slot_of_the_cap() {
         DEFAULT_SCHEMA,
         Hasher::Plain,
         crate::builder::Create::IfMissing,
+        super::Versioning::CURRENT,
         1,
     )
     .unwrap();
