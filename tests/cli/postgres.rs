@@ -322,3 +322,119 @@ fn an_unreachable_server_is_an_error_that_hides_the_password() {
     run.exits(1).complains("postgres: connect failed");
     assert!(!run.stderr.contains("sekrit"), "{run:#?}");
 }
+
+/// The outbox schema version this release writes: what a bot's open leaves
+/// in a schema of its own.
+#[cfg(feature = "test-failpoints")]
+fn this_releases_schema_version(db: &crate::pg_server::PgDatabase<'_>) -> i64 {
+    drop(
+        durable_outbox::Outbox::postgres(&db.url())
+            .schema("version_probe")
+            .open()
+            .unwrap(),
+    );
+    db.psql("SELECT version FROM version_probe.outbox_meta")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn the_tool_never_migrates_an_older_schema_as_it_looks_and_upgrade_schema_does() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let url = db.url();
+    let current = this_releases_schema_version(&db);
+    let previous = current - 1;
+    // The outbox as a bot of the previous release left it, still running
+    // there: one item sent (with the platform's id) and one queued.
+    let bot = durable_outbox::Outbox::postgres(&url)
+        .schema("bot_a")
+        .schema_version_for_tests(previous)
+        .open()
+        .unwrap();
+    bot.enqueue(crate::harness::message("welcome", "chat-1"))
+        .unwrap();
+    bot.process("welcome", |_| Ok(Some("tg-1".into()))).unwrap();
+    bot.enqueue(crate::harness::message("later", "chat-2"))
+        .unwrap();
+    drop(bot);
+    let version = || db.psql("SELECT version FROM bot_a.outbox_meta");
+    let tables = || {
+        db.psql(
+            "SELECT string_agg(table_name || '.' || column_name, ',' \
+               ORDER BY table_name, column_name) \
+             FROM information_schema.columns WHERE table_schema = 'bot_a'",
+        )
+    };
+    assert_eq!(version().trim(), previous.to_string());
+    let tables_before = tables();
+
+    // Every command refuses it with exit 2, names the versions and the way
+    // to upgrade, and leaves the tables as the older bots need them.
+    let head = format!("1:{}", "ab".repeat(32));
+    let commands: [&[&str]; 11] = [
+        &["status"],
+        &["status", "--json"],
+        &["list"],
+        &["list", "--history"],
+        &["show", "welcome"],
+        &["find", "tg-1"],
+        &["verify"],
+        &["verify", "--expect-head", &head],
+        &["export", "--audit"],
+        &["requeue", "welcome", "--reason", "r"],
+        &["cancel", "later", "--reason", "r"],
+    ];
+    for command in commands {
+        let mut args = vec![command[0], &url, "--schema", "bot_a"];
+        args.extend(&command[1..]);
+        let run = cli(&args);
+        run.exits(2)
+            .complains(&format!(
+                "postgres schema \"bot_a\" is at outbox schema version {previous}, \
+                 older than this release's {current}"
+            ))
+            .complains("nothing was written")
+            .complains("durable-outbox upgrade-schema URL");
+        assert!(!run.stdout.contains("verified"), "{args:?}: {run:#?}");
+        assert_eq!(version().trim(), previous.to_string(), "{args:?} migrated");
+        assert_eq!(tables(), tables_before, "{args:?} changed the tables");
+    }
+
+    // The explicit step migrates, once; then the tool works as on any outbox.
+    cli(["upgrade-schema", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says(&format!(
+            "upgraded schema \"bot_a\" from outbox schema version {previous} to {current}"
+        ));
+    assert_eq!(version().trim(), current.to_string());
+    cli(["upgrade-schema", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says("at this release's schema version already; nothing was changed");
+    cli(["list", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says("welcome")
+        .says("later");
+    cli(["find", &url, "tg-1", "--schema", "bot_a"])
+        .exits(0)
+        .says("welcome");
+    cli(["verify", &url, "--schema", "bot_a"])
+        .exits(0)
+        .says("verified");
+    cli([
+        "cancel", &url, "later", "--schema", "bot_a", "--reason", "r",
+    ])
+    .exits(0);
+    // A directory has no schema; a schema without an outbox is not made one.
+    cli(["upgrade-schema", &url, "--schema", "bot_b"])
+        .exits(2)
+        .complains("\"bot_b\" holds no outbox");
+    let dir = tempfile::tempdir().unwrap();
+    cli(["upgrade-schema", dir.path().to_str().unwrap()])
+        .exits(2)
+        .complains("a directory has no schema to upgrade");
+}

@@ -14,7 +14,8 @@ Exit codes:
      verification failed (verify), the action was refused (requeue, cancel),
      nothing matched (show, find), or the outbox could not be read
   2  bad arguments or usage: unknown option, invalid value, DIR is not an
-     outbox, URL's schema holds no outbox";
+     outbox, URL's schema holds no outbox or one at an older schema version
+     (see upgrade-schema)";
 
 /// Inspect and operate a durable-outbox outbox (a directory, or a PostgreSQL
 /// schema given by URL) while the bot runs.
@@ -23,6 +24,7 @@ Exit codes:
 /// each change, so it is safe to run next to a live bot. Read commands record
 /// nothing (opening repairs what a crash left, as the bot's own open would);
 /// `requeue` and `cancel` are recorded in the audit log with who and why.
+/// No command but `upgrade-schema` migrates a PostgreSQL outbox's tables.
 #[derive(Debug, Parser)]
 #[command(name = "durable-outbox", version, after_help = EXIT_CODES)]
 pub struct Cli {
@@ -112,6 +114,45 @@ pub enum Command {
     /// first; start them again with `Outbox::postgres(URL)`.
     #[command(after_help = EXIT_CODES)]
     Migrate(MigrateArgs),
+    /// Migrate a PostgreSQL outbox's tables to this release's schema version.
+    ///
+    /// Every other command refuses an outbox at an older version (exit 2)
+    /// rather than migrate it as it looks: bots of the older release go on
+    /// running on migrated tables, but each refuses them at its next start.
+    /// Run this when you upgrade the bots (an upgraded bot's own start
+    /// migrates too). Nothing else is changed; an outbox already at this
+    /// release's version is left as it is.
+    #[command(after_help = EXIT_CODES)]
+    UpgradeSchema(UpgradeSchemaArgs),
+}
+
+/// `upgrade-schema`.
+#[derive(Debug, Args)]
+pub struct UpgradeSchemaArgs {
+    /// The PostgreSQL database, `postgres://user@host:port/database`.
+    #[arg(value_name = "URL")]
+    pub url: String,
+    /// The schema the outbox lives in (default `durable_outbox`).
+    #[arg(long, value_name = "SCHEMA")]
+    pub schema: Option<String>,
+    /// The audit HMAC key of a keyed chain, as for the other commands.
+    #[arg(long, value_name = "FILE")]
+    pub audit_key_file: Option<PathBuf>,
+    /// Use the --audit-key-file even if group or others can read it.
+    #[arg(long, requires = "audit_key_file")]
+    pub allow_readable_key_file: bool,
+}
+
+impl UpgradeSchemaArgs {
+    /// The outbox, as the other commands name it.
+    pub fn target(&self) -> Target {
+        Target {
+            dir: PathBuf::from(&self.url),
+            schema: self.schema.clone(),
+            audit_key_file: self.audit_key_file.clone(),
+            allow_readable_key_file: self.allow_readable_key_file,
+        }
+    }
 }
 
 /// `migrate`.

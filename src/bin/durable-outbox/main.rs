@@ -10,6 +10,7 @@ mod inspect;
 mod migrate;
 mod operate;
 mod status;
+mod upgrade;
 mod verify;
 mod view;
 
@@ -85,6 +86,7 @@ where
         Command::Cancel(args) => operate::cancel(&args, out, err)?,
         Command::Export(args) => inspect::export(&args, out)?,
         Command::Migrate(args) => migrate::run(&args, out)?,
+        Command::UpgradeSchema(args) => upgrade::run(&args, out)?,
     };
     out.flush()?;
     Ok(code)
@@ -107,13 +109,20 @@ fn report(error: &(dyn Error + 'static), err: &mut dyn Write) -> ExitCode {
     // command line (the URL, `--schema`, migrate's `DIR`): the tool sets
     // nothing else on a builder, and a stored setting that fails its checks
     // is reported as a damaged record instead.
+    let library = error.downcast_ref::<durable_outbox::Error>();
     let bad_argument = error.is::<UsageError>()
-        || matches!(
-            error.downcast_ref::<durable_outbox::Error>(),
-            Some(durable_outbox::Error::InvalidConfig { .. })
-        );
+        || matches!(library, Some(durable_outbox::Error::InvalidConfig { .. }));
+    // An outbox at an older schema version is not usable as it is, as one
+    // that is not an outbox: the tool does not migrate it as it looks.
+    let older_schema = matches!(
+        library,
+        Some(durable_outbox::Error::SchemaUpgradeNeeded { .. })
+    );
     let code = if bad_argument {
         message.push_str("\n\nFor more information, try '--help'.");
+        USAGE
+    } else if older_schema {
+        message.push_str(upgrade::HINT);
         USAGE
     } else {
         ATTENTION
@@ -299,10 +308,13 @@ fn postgres_builder(target: &Target, url: &str) -> Result<OutboxBuilder, Box<dyn
     // A tool that only looks: a schema no bot has opened yet does not get
     // the tool's default settings stored as the outbox's, and a schema
     // holding no outbox (a typo, the wrong database) is refused, with
-    // nothing created, as a directory that is not an outbox is.
+    // nothing created, as a directory that is not an outbox is. Nor is an
+    // outbox at an older schema version migrated: the older bots running on
+    // it would refuse it at their next start (`upgrade-schema` migrates).
     let mut builder = Outbox::postgres(url)
         .compact_on_open(false)
-        .create_if_missing(false);
+        .create_if_missing(false)
+        .upgrade_schema(false);
     if let Some(schema) = &target.schema {
         builder = builder.schema(schema);
     }

@@ -232,8 +232,11 @@ fn check(
     let outbox = match progress.phase(&label, move || builder.open())? {
         Ok(outbox) => outbox,
         // A URL or schema naming no outbox is the argument's fault, as a
-        // directory that is not an outbox is: exit 2, not a failed check.
-        Err(e @ Error::InvalidConfig { .. }) => return Err(Box::new(e)),
+        // directory that is not an outbox is: exit 2, not a failed check;
+        // so is an outbox at an older schema version, not migrated here.
+        Err(e @ (Error::InvalidConfig { .. } | Error::SchemaUpgradeNeeded { .. })) => {
+            return Err(Box::new(e));
+        }
         Err(e) => {
             result.problems.push(problem_of(&e, records, None));
             return Ok(None);
