@@ -57,6 +57,38 @@ fn the_reference_outbox_verifies_with_its_unaudited_items_noted() {
 }
 
 #[test]
+fn looking_leaves_the_reference_snapshot_in_its_version_1_format() {
+    // The file engine's counterpart of a schema migrated by a look: only a
+    // compaction writes `outbox.json` (in this release's format), and the
+    // tool's open does not compact, though the journal holds a bot's entries.
+    let dir = seed();
+    let bot = Outbox::open(dir.path()).unwrap();
+    bot.enqueue(crate::harness::message("after-the-seed", "chat-1"))
+        .unwrap();
+    let before = std::fs::read(dir.path().join("outbox.json")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&before).contains("\"version\": 1"),
+        "the bot's open and enqueue left the reference's snapshot as it was"
+    );
+    for (command, rest) in [
+        ("status", &[][..]),
+        ("list", &["--history"][..]),
+        ("show", &["after-the-seed"][..]),
+        ("find", &["tg-1001"][..]),
+        ("verify", &[][..]),
+        ("export", &["--audit"][..]),
+    ] {
+        run(&dir, command, rest).exits(0);
+        let after = std::fs::read(dir.path().join("outbox.json")).unwrap();
+        assert!(
+            after == before,
+            "{command} rewrote outbox.json: {}",
+            String::from_utf8_lossy(&after[..after.len().min(40)])
+        );
+    }
+}
+
+#[test]
 fn an_ambiguous_claim_needs_attention_until_an_operator_decides() {
     let dir = seed();
     // The bot starts and touches the crashed claim: it fails as ambiguous, unsent.
