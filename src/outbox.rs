@@ -1381,7 +1381,7 @@ impl Outbox {
     ) -> Result<(DeliveryReceipt, Option<Duration>)> {
         let key = claim.key();
         let recorded = self.check_after_send().and_then(|()| {
-            self.transact_waiting(Scope::OneItem(key), Wait::UntilFree, |actor, txn| {
+            self.transact_waiting(Scope::AfterSend(key), Wait::UntilFree, |actor, txn| {
                 lifecycle::finish(actor, txn, claim, &result)
             })
         });
@@ -1403,7 +1403,7 @@ impl Outbox {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn abandon(&self, claim: &ClaimId, code: &str) -> Result<()> {
         let result = self.transact_waiting(
-            Scope::OneItem(claim.key()),
+            Scope::AfterSend(claim.key()),
             Wait::UntilFree,
             |actor, txn| lifecycle::abandon(actor, txn, claim, code),
         );
@@ -1418,7 +1418,7 @@ impl Outbox {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn release(&self, claim: &ClaimId, before: &OutboxItem) -> Result<()> {
         let result = self.transact_waiting(
-            Scope::OneItem(claim.key()),
+            Scope::AfterSend(claim.key()),
             Wait::UntilFree,
             |actor, txn| lifecycle::release(actor, txn, claim, before),
         );

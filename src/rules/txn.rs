@@ -60,6 +60,12 @@ pub(crate) enum Scope<'k> {
     /// An engine may take that place in the transaction's opening, before
     /// the rule asks for it ([`Txn::next_seq`]).
     Enqueue(&'k str, &'k str),
+    /// A [`Scope::OneItem`] transaction about an item this handle claimed,
+    /// after its send: the record of what the send did, or the claim given
+    /// back or abandoned. An engine may decide it first from the version of
+    /// the item its claim committed, and commit only if the item is still at
+    /// that version (see `engine::postgres::speculate`).
+    AfterSend(&'k str),
     /// Anything: a drain step, `enqueue_many`, a bulk action.
     Any,
 }
@@ -69,7 +75,7 @@ impl<'k> Scope<'k> {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn item_key(self) -> Option<&'k str> {
         match self {
-            Self::OneItem(key) | Self::Enqueue(key, _) => Some(key),
+            Self::OneItem(key) | Self::Enqueue(key, _) | Self::AfterSend(key) => Some(key),
             Self::Any => None,
         }
     }

@@ -1237,3 +1237,119 @@ fn a_worker_whose_listening_session_was_cut_delivers_what_another_host_enqueued_
     );
     assert_eq!(report.sent, 1);
 }
+
+/// The outcomes on record for `key`, in order.
+#[cfg(feature = "test-failpoints")]
+fn outcomes(outbox: &Outbox, key: &str) -> Vec<durable_outbox::AuditOutcome> {
+    outbox
+        .history(key)
+        .unwrap()
+        .iter()
+        .map(|record| record.outcome)
+        .collect()
+}
+
+/// A handle records what its sends did in one round trip: decided from the
+/// version its own claim committed, sent with its `COMMIT` (see
+/// `engine::postgres::speculate`). The failpoint counts the records that
+/// went that way (it never fires).
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_handle_records_its_sends_from_the_version_its_claims_committed() {
+    use durable_outbox::FailAction;
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| {
+        b.failpoint(
+            "postgres.speculation_lost_unsent",
+            FailAction::ErrorOnHit(u32::MAX),
+        )
+    });
+    for key in ["a", "b", "c"] {
+        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+        let receipt = outbox
+            .process(key, |_| Ok(Some(format!("m-{key}"))))
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent);
+    }
+    assert_eq!(
+        outbox.failpoint_hits("postgres.speculation_lost_unsent"),
+        3,
+        "every record went the one-round-trip way"
+    );
+    for key in ["a", "b", "c"] {
+        let item = outbox.get(key).unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.transport_ref()),
+            (ItemState::Sent, Some(format!("m-{key}").as_str()))
+        );
+    }
+    // Queued and sent, for each.
+    assert_eq!(outbox.verify_audit().unwrap().records, 6);
+}
+
+/// A record whose connection was lost after its `COMMIT` was carried out
+/// (its answer lost) is found committed by reading the item again: reported
+/// as what it was, on record once, not decided again as a lost claim.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_record_whose_answer_was_lost_after_it_committed_is_reported_once() {
+    use durable_outbox::FailAction;
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| {
+        b.failpoint(
+            "postgres.speculation_lost_committed",
+            FailAction::ErrorOnHit(1),
+        )
+    });
+    for key in ["lost", "plain"] {
+        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+        let receipt = outbox
+            .process(key, |_| Ok(Some(format!("m-{key}"))))
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent, "{key}");
+        let item = outbox.get(key).unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.transport_ref()),
+            (ItemState::Sent, Some(format!("m-{key}").as_str())),
+            "{key}"
+        );
+    }
+    assert_eq!(
+        outbox.failpoint_hits("postgres.speculation_lost_committed"),
+        2,
+        "the lost answer was exercised once, then a record went through"
+    );
+    assert_eq!(outcomes(&outbox, "lost"), outcomes(&outbox, "plain"));
+    assert_eq!(outbox.verify_audit().unwrap().records, 4);
+}
+
+/// A record whose connection was lost before anything reached the server
+/// is found not committed by reading the item again, and made the usual way.
+#[cfg(feature = "test-failpoints")]
+#[test]
+fn a_record_whose_connection_was_lost_before_it_was_sent_is_made_the_usual_way() {
+    use durable_outbox::FailAction;
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| {
+        b.failpoint(
+            "postgres.speculation_lost_unsent",
+            FailAction::ErrorOnHit(1),
+        )
+    });
+    for key in ["lost", "plain"] {
+        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+        let receipt = outbox
+            .process(key, |_| Ok(Some(format!("m-{key}"))))
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent, "{key}");
+        let item = outbox.get(key).unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.transport_ref()),
+            (ItemState::Sent, Some(format!("m-{key}").as_str())),
+            "{key}"
+        );
+    }
+    assert_eq!(outbox.failpoint_hits("postgres.speculation_lost_unsent"), 2);
+    assert_eq!(outcomes(&outbox, "lost"), outcomes(&outbox, "plain"));
+    assert_eq!(outbox.verify_audit().unwrap().records, 4);
+}

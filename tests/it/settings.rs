@@ -82,6 +82,30 @@ on_both_engines! {
         assert!(settings_records(&h).is_empty(), "nothing was changed");
     }
 
+    /// A send's record is decided by the settings stored when it is made, not
+    /// by those its claim was made under (on PostgreSQL the record is first
+    /// decided from what the handle knows, and must not commit on settings
+    /// another handle changed meanwhile).
+    fn a_settings_change_made_while_a_send_runs_governs_its_record(engine) {
+        let h = engine.harness_with(|b| b.max_attempts(5));
+        h.enqueue("a", "chat-1");
+        let receipt = h
+            .outbox
+            .process("a", |_| {
+                drop(h.reopen_with(|b| b.max_attempts(1).update_settings()));
+                Err(durable_outbox::SendError::retryable("http_502"))
+            })
+            .unwrap();
+        // Under the new settings its one attempt was its last.
+        assert_eq!(receipt.outcome, Outcome::Failed);
+        let item = h.outbox.get("a").unwrap().unwrap();
+        assert_eq!(
+            (item.state(), item.attempts()),
+            (durable_outbox::ItemState::Failed, 1)
+        );
+        h.outbox.verify_audit().unwrap();
+    }
+
     fn update_settings_changes_them_for_every_handle_with_an_audit_record(engine) {
         let h = engine.harness_with(|b| b.rate_limit(1, secs(60)));
         for key in ["a", "b", "c"] {

@@ -285,6 +285,11 @@ impl Tx<'_> {
         self.mark_ended();
     }
 
+    /// Whether the connection was found closed (its server session is gone).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.conn.is_closed()
+    }
+
     /// As [`ended`](Self::ended), for a transaction the caller keeps.
     pub(crate) fn mark_ended(&mut self) {
         self.open = false;

@@ -66,6 +66,7 @@ mod schema;
 mod sealing;
 mod session;
 mod settings;
+mod speculate;
 mod transact;
 mod txn;
 mod wire;
@@ -164,6 +165,10 @@ pub(crate) struct PgEngine {
     /// Workers of this handle listening for wake-ups (see
     /// [`PgEngine::stop_listening`]).
     listeners: AtomicU64,
+    /// The versions of its claims this handle committed, and the stored
+    /// settings it last read: what a record of a send decides from before
+    /// reading (see [`speculate`]).
+    known: speculate::Known,
     /// Sends the `NOTIFY`s that commits of this handle request, coalesced
     /// (see [`notify`]); dropped with the handle, it sends what is pending.
     wake: notify::Sender,
@@ -292,6 +297,7 @@ impl PgEngine {
             liveness: Mutex::new(liveness),
             listener: Mutex::new(None),
             listeners: AtomicU64::new(0),
+            known: speculate::Known::default(),
             wake,
         };
         // Events a crashed handle committed and never sealed go on the chain now.

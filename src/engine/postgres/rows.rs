@@ -197,6 +197,49 @@ impl<'i> ItemWrite<'i> {
         strict: bool,
         pending: Option<&'p Vec<String>>,
     ) -> Statement<'p> {
+        let (parts, main, params, op) = self.parts(s, strict, pending);
+        let sql = if parts.is_empty() {
+            main
+        } else {
+            format!("WITH {}\n{main}", parts.join(",\n"))
+        };
+        (sql, params, op)
+    }
+
+    /// This write as [`statement`](Self::statement) writes an update, but
+    /// failing its transaction (division by zero, SQLSTATE `22012`) when the
+    /// row is not at the revision expected, so that a `COMMIT` sent with it
+    /// commits nothing of it (see [`speculate`](super::speculate)): its
+    /// other parts run only with the row's update, and the statement
+    /// returns one row. An insert fails on a row that exists instead (as
+    /// a `strict` one).
+    pub(crate) fn guarded_statement<'p>(
+        &'p self,
+        s: &str,
+        pending: &'p Vec<String>,
+    ) -> Statement<'p> {
+        let (mut parts, main, params, op) = self.parts(s, true, Some(pending));
+        parts.push(format!("written AS ({main}\n RETURNING 1)"));
+        let sql = format!(
+            "WITH {}\nSELECT 1 / count(*) FROM written",
+            parts.join(",\n")
+        );
+        (sql, params, op)
+    }
+
+    /// The parts of this write's statement: its data-modifying `WITH` parts,
+    /// the row's write, their parameters and the operation's name.
+    fn parts<'p>(
+        &'p self,
+        s: &str,
+        strict: bool,
+        pending: Option<&'p Vec<String>>,
+    ) -> (
+        Vec<String>,
+        String,
+        Vec<&'p (dyn postgres::types::ToSql + Sync)>,
+        &'static str,
+    ) {
         let (main, mut params, op) = match &self.revision {
             None => (
                 if strict {
@@ -253,12 +296,7 @@ impl<'i> ItemWrite<'i> {
             let n = params.len();
             parts.push(format!("pended AS ({})", pending_insert_sql(s, n)));
         }
-        let sql = if parts.is_empty() {
-            main
-        } else {
-            format!("WITH {}\n{main}", parts.join(",\n"))
-        };
-        (sql, params, op)
+        (parts, main, params, op)
     }
 }
 

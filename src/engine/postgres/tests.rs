@@ -1540,3 +1540,36 @@ fn a_connection_closed_instead_of_pooled_frees_its_slot_of_the_cap() {
     }
     drop(held);
 }
+
+/// A handle keeps the committed version of its own claims only (what a
+/// record of a send decides from), forgets one once a later version holds
+/// no claim of its, and keeps at most `KNOWN_MAX`: its memory is bounded by
+/// its sends in flight, not by what it ever sent.
+#[test]
+fn a_handle_keeps_the_versions_of_its_own_claims_only_and_boundedly() {
+    use super::speculate::{KNOWN_MAX, Known};
+    use crate::rules::lifecycle::{claim, mark_sent};
+
+    let now = Utc::now();
+    let known = Known::default();
+    let ours = claim(&item("a", "chat-1"), "me", now);
+    known.committed(&ours, 2, "me");
+    known.committed(&claim(&item("b", "chat-1"), "them", now), 2, "me");
+    known.committed(&item("c", "chat-1"), 1, "me");
+    assert_eq!(known.len(), 1, "only our claim is kept");
+    let mut sent = ours.clone();
+    mark_sent(&mut sent, now, None);
+    known.committed(&sent, 3, "me");
+    assert_eq!(known.len(), 0, "a version without our claim forgets it");
+    for n in 0..KNOWN_MAX + 10 {
+        known.committed(
+            &claim(&item(&format!("k{n}"), "chat-2"), "me", now),
+            1,
+            "me",
+        );
+    }
+    assert_eq!(known.len(), KNOWN_MAX);
+    assert!(known.take("k0").is_some_and(|(_, revision)| revision == 1));
+    assert!(known.take(&format!("k{}", KNOWN_MAX + 9)).is_none());
+    assert_eq!(known.len(), KNOWN_MAX - 1, "taken, no longer kept");
+}

@@ -10,6 +10,7 @@ use postgres::types::ToSql;
 
 use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
+use super::speculate::{Settled, Speculated};
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};
 use crate::rules::txn::Wait;
@@ -48,7 +49,7 @@ impl PgEngine {
     /// transaction, exclusive for every other writer.
     pub(super) fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<()> {
         let sql = match scope {
-            txn::Scope::OneItem(_) | txn::Scope::Enqueue(..) => {
+            txn::Scope::OneItem(_) | txn::Scope::Enqueue(..) | txn::Scope::AfterSend(_) => {
                 "SELECT pg_advisory_xact_lock_shared($1)"
             }
             txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
@@ -87,10 +88,10 @@ impl PgEngine {
         let owner = lock_key(&self.schema, &self.owner);
         let enqueue_to = match scope {
             txn::Scope::Enqueue(_, destination) => Some(destination),
-            txn::Scope::OneItem(_) | txn::Scope::Any => None,
+            txn::Scope::OneItem(_) | txn::Scope::AfterSend(_) | txn::Scope::Any => None,
         };
         let results = match scope {
-            txn::Scope::OneItem(key) | txn::Scope::Enqueue(key, _) => {
+            txn::Scope::OneItem(key) | txn::Scope::Enqueue(key, _) | txn::Scope::AfterSend(key) => {
                 let key_lock = lock_key(&self.schema, &format!("key:{key}"));
                 let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
@@ -132,7 +133,9 @@ impl PgEngine {
                 source: "the gate's statement returned no row".into(),
             });
         };
-        let stored = self.stored_of(gate_row.get(0))?;
+        let stored = self
+            .known
+            .stored_settings(gate_row.get(0), |doc| self.stored_of(doc))?;
         let owner_free: bool = gate_row.get(1);
         let row = results.next().and_then(|mut done| done.rows.pop());
         let seq = match enqueue_to {
@@ -205,6 +208,34 @@ impl PgEngine {
     ) -> Result<T> {
         let mut client = self.client_waiting(wait)?;
         let running = Running::enter(&self.in_txn);
+        if let txn::Scope::AfterSend(key) = scope {
+            match self.speculate(&mut client, now, defaults, key, f) {
+                Ok(Speculated::Committed(value, pending)) => {
+                    let others = running.leave();
+                    self.after_txn(&mut client, pending, others);
+                    return Ok(value);
+                }
+                Ok(Speculated::Usual) => {}
+                Ok(Speculated::Lost(value, lost)) => {
+                    // Settled on a fresh connection; the dead one's slot is
+                    // freed first (see the stale reruns below).
+                    drop(client);
+                    client = self.client_waiting(wait)?;
+                    match self.settle(&mut client, lost)? {
+                        Settled::Committed { pending, wake } => {
+                            if wake {
+                                self.wake.request();
+                            }
+                            let others = running.leave();
+                            self.after_txn(&mut client, pending, others);
+                            return Ok(value);
+                        }
+                        Settled::NotCommitted => {}
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
         // A pooled connection found dead by the opening pipeline (nothing of
         // the transaction can have committed, `f` has not run): run it again
         // on the next one (see `connect`).

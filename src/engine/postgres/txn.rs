@@ -107,14 +107,19 @@ type Base = Option<(OutboxItem, u64)>;
 
 /// One transaction of the rules on PostgreSQL.
 pub(crate) struct PgTxn<'e, 'c> {
-    engine: &'e PgEngine,
-    tx: super::conn::Tx<'c>,
-    /// Rows as committed, locked by this transaction when read.
-    base: HashMap<String, Base>,
+    pub(super) engine: &'e PgEngine,
+    pub(super) tx: super::conn::Tx<'c>,
+    /// Rows as committed, locked by this transaction when read (while
+    /// speculating, the one item's as this handle committed it, not read).
+    pub(super) base: HashMap<String, Base>,
     /// Items changed by this transaction (whole new versions).
-    overlay: BTreeMap<String, OutboxItem>,
+    pub(super) overlay: BTreeMap<String, OutboxItem>,
     /// Events sealed by the rule, in order: written as pending at commit.
-    events: Vec<AuditEvent>,
+    pub(super) events: Vec<AuditEvent>,
+    /// Whether this is a speculative run (see [`speculate`](super::speculate)),
+    /// which reads nothing from the server: a rule that asks for a read is
+    /// refused it, and the transaction runs again the usual way.
+    speculation: Speculation,
     /// A one-item transaction (see [`Scope::OneItem`]).
     one_item: bool,
     now: DateTime<Utc>,
@@ -137,6 +142,18 @@ pub(crate) struct PgTxn<'e, 'c> {
     /// the destination's lock (one-item transactions): no other one-item
     /// transaction decides there until this one ends, so they are read once.
     lines: HashMap<String, Line>,
+}
+
+/// Whether a transaction is a speculative run (see
+/// [`speculate`](super::speculate)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Speculation {
+    /// The usual run: reads as it goes.
+    Off,
+    /// A speculative run that has read nothing.
+    On,
+    /// A speculative run whose rule asked for a read (refused).
+    ReadRefused,
 }
 
 /// How many of its newest committed times a line read takes: the newest
@@ -253,6 +270,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             locked: HashSet::new(),
             lines: HashMap::new(),
             seq_taken: None,
+            speculation: Speculation::Off,
         };
         if let Some((destination, seq)) = opened.seq {
             // Taken under the destination's lock, shared, held to the end.
@@ -275,6 +293,55 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         Ok(Some(txn))
     }
 
+    /// A speculative transaction about `item` (see
+    /// [`speculate`](super::speculate)): its base is `item` at `revision`,
+    /// as this handle committed it; nothing is sent before its commit.
+    pub(super) fn speculating(
+        engine: &'e PgEngine,
+        tx: super::conn::Tx<'c>,
+        item: OutboxItem,
+        revision: u64,
+        now: DateTime<Utc>,
+        settings: Settings,
+    ) -> Self {
+        let key = item.idempotency_key.clone();
+        Self {
+            engine,
+            tx,
+            base: HashMap::from([(key, Some((item, revision)))]),
+            overlay: BTreeMap::new(),
+            events: Vec::new(),
+            one_item: true,
+            now,
+            settings,
+            caps_locked: false,
+            destinations: HashMap::new(),
+            key_locked: HashSet::new(),
+            locked: HashSet::new(),
+            seq_taken: None,
+            lines: HashMap::new(),
+            speculation: Speculation::On,
+        }
+    }
+
+    /// Whether this speculative run's rule asked for a read of the server.
+    pub(super) fn needed_reads(&self) -> bool {
+        self.speculation == Speculation::ReadRefused
+    }
+
+    /// Refuses a read of the server to a speculative run (which then runs
+    /// again the usual way); lets any other transaction read.
+    fn reads(&mut self) -> Result<()> {
+        if self.speculation != Speculation::Off {
+            self.speculation = Speculation::ReadRefused;
+            return Err(Error::Database {
+                op: "decide from the version this handle committed",
+                source: "the rule needs a read: it runs again, reading".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Reads (and locks) the committed row of `key`, once per transaction.
     /// A key with no row yet is locked with a transaction advisory lock on
     /// the key and read again (one-item transactions: two enqueues of one
@@ -283,6 +350,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         if self.overlay.contains_key(key) || self.base.contains_key(key) {
             return Ok(());
         }
+        self.reads()?;
         let mut row = self.select_for_update(key)?;
         if row.is_some() {
             self.locked.insert(key.to_owned());
@@ -1030,14 +1098,17 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// [`Error::Database`] (nothing of the transaction is visible, unless the
     /// connection was lost during `COMMIT` itself: then re-read).
     pub(crate) fn commit(mut self) -> Result<Committed> {
+        if self.speculation != Speculation::Off {
+            // `speculate` commits these; nothing may commit one unchecked.
+            return Err(Error::Database {
+                op: "commit",
+                source: "a speculative transaction commits only through its guard".into(),
+            });
+        }
         if !self.changed() {
             self.tx.commit().map_err(db("end a transaction"))?;
             return Ok(Committed::default());
         }
-        let wake = self
-            .overlay
-            .values()
-            .any(|item| item.state == ItemState::Queued && item.claim.is_none());
         let overlay = std::mem::take(&mut self.overlay);
         let sure = overlay.keys().all(|key| self.locked.contains(key));
         let writes: Vec<(&String, ItemWrite<'_>)> = overlay
@@ -1099,12 +1170,47 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             }
             done
         };
-        // Committed and visible: only now may waiting workers be woken (a
-        // request, sent by the handle's wake-up thread: see `notify`).
+        let revisions: Vec<(&String, u64)> = writes
+            .iter()
+            .map(|(key, _)| {
+                let revision = match self.base.get(*key) {
+                    Some(Some((_, revision))) => revision + 1,
+                    _ => 1,
+                };
+                (*key, revision)
+            })
+            .collect();
+        self.after_commit(&overlay, &revisions);
+        Self::check_written(&written, &rows_at)?;
+        Ok(Committed {
+            pending: !docs.is_empty(),
+        })
+    }
+
+    /// What follows a commit of `overlay` (each item now at the revision
+    /// `revisions` gives): waiting workers are woken if an item became
+    /// claimable (a request, sent by the handle's wake-up thread: see
+    /// `notify`; only now, once the commit is visible), the handle keeps the
+    /// versions of its claims (see [`speculate`](super::speculate)), and
+    /// the metrics count the events.
+    pub(super) fn after_commit(
+        &self,
+        overlay: &BTreeMap<String, OutboxItem>,
+        revisions: &[(&String, u64)],
+    ) {
+        let wake = overlay
+            .values()
+            .any(|item| item.state == ItemState::Queued && item.claim.is_none());
         if wake {
             self.engine.wake.request();
         }
-        Self::check_written(&written, &rows_at)?;
+        for (key, revision) in revisions {
+            if let Some(item) = overlay.get(*key) {
+                self.engine
+                    .known
+                    .committed(item, *revision, &self.engine.owner);
+            }
+        }
         crate::metrics::committed(
             self.events.iter().map(|e| {
                 (
@@ -1116,9 +1222,6 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             }),
             |key| overlay.get(key),
         );
-        Ok(Committed {
-            pending: !docs.is_empty(),
-        })
     }
 
     /// Checks that each item's row write changed its one row.
@@ -1175,10 +1278,12 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
     }
 
     fn next_seq(&mut self, destination: &str) -> Result<u64> {
+        self.reads()?;
         Self::next_seq(self, destination)
     }
 
     fn head_of(&mut self, destination: &str) -> Result<Option<OrderKey>> {
+        self.reads()?;
         Self::head_of(self, destination)
     }
 
@@ -1187,18 +1292,22 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         ordering: order::Ordering,
         admits: &mut dyn FnMut(&OutboxItem) -> bool,
     ) -> Result<Vec<(String, OrderKey)>> {
+        self.reads()?;
         Self::candidates(self, ordering, admits)
     }
 
     fn select(&mut self, filter: &crate::filter::ItemFilter) -> Result<Vec<OutboxItem>> {
+        self.reads()?;
         Self::select(self, filter)
     }
 
     fn destination_cooldown(&mut self, destination: &str) -> Result<Option<DateTime<Utc>>> {
+        self.reads()?;
         Self::destination_cooldown(self, destination)
     }
 
     fn all_times(&mut self, since: DateTime<Utc>) -> Result<Vec<DateTime<Utc>>> {
+        self.reads()?;
         Self::all_times(self, since)
     }
 
@@ -1207,6 +1316,7 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         destination: &str,
         since: DateTime<Utc>,
     ) -> Result<Vec<DateTime<Utc>>> {
+        self.reads()?;
         Self::destination_times(self, destination, since)
     }
 
@@ -1216,6 +1326,7 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
         after: DateTime<Utc>,
         n: usize,
     ) -> Result<Option<DateTime<Utc>>> {
+        self.reads()?;
         Self::nth_newest_time(self, destination, after, n)
     }
 
@@ -1229,6 +1340,7 @@ impl crate::rules::txn::Txn for PgTxn<'_, '_> {
     }
 
     fn owner_is_alive(&mut self, owner: &str) -> Result<bool> {
+        self.reads()?;
         Self::owner_is_alive(self, owner)
     }
 }
