@@ -68,11 +68,25 @@ pub(super) const KNOWN_MAX: usize = 4096;
 const REFUSED: &str = "22012";
 
 /// What a handle knows of its own commits: the version of each item it
-/// claimed, as committed, and the stored settings its last transaction read.
+/// claimed, as committed; the destination of each item it left queued and
+/// unclaimed (an enqueue, a retry: what a decision about it may read ahead,
+/// see `PgEngine::open_txn`); and the stored settings its last transaction
+/// read. Each map keeps at most [`KNOWN_MAX`] entries, and starts afresh
+/// when full: what it forgets only costs a round trip.
 #[derive(Default)]
 pub(crate) struct Known {
     rows: Mutex<HashMap<String, (OutboxItem, u64)>>,
+    destinations: Mutex<HashMap<String, String>>,
     settings: Mutex<Option<Seen>>,
+}
+
+/// Keeps `value` under `key` in `map`, which holds at most [`KNOWN_MAX`]
+/// entries: a full map starts afresh.
+fn keep<V>(map: &mut HashMap<String, V>, key: &str, value: V) {
+    if map.len() >= KNOWN_MAX && !map.contains_key(key) {
+        map.clear();
+    }
+    map.insert(key.to_owned(), value);
 }
 
 /// The stored settings as a transaction read them: the row's text (what the
@@ -88,13 +102,36 @@ impl Known {
     /// `owner`): kept if it holds a claim of `owner`'s, forgotten otherwise.
     pub(crate) fn committed(&self, item: &OutboxItem, revision: u64, owner: &str) {
         let key = &item.idempotency_key;
-        let mut rows = lock(&self.rows);
-        let ours = item.state == ItemState::Queued && item.claim_owner() == Some(owner);
-        if ours && (rows.len() < KNOWN_MAX || rows.contains_key(key)) {
-            rows.insert(key.clone(), (item.clone(), revision));
-        } else {
-            rows.remove(key);
+        let queued = item.state == ItemState::Queued;
+        {
+            let mut rows = lock(&self.rows);
+            if queued && item.claim_owner() == Some(owner) {
+                keep(&mut rows, key, (item.clone(), revision));
+            } else {
+                rows.remove(key);
+            }
         }
+        let mut destinations = lock(&self.destinations);
+        if queued && item.claim.is_none() {
+            if destinations.get(key) != Some(&item.destination) {
+                keep(&mut destinations, key, item.destination.clone());
+            }
+        } else {
+            destinations.remove(key);
+        }
+    }
+
+    /// The destination of `key`, if this handle left it queued and
+    /// unclaimed last it wrote it.
+    pub(crate) fn destination_of(&self, key: &str) -> Option<String> {
+        lock(&self.destinations).get(key).cloned()
+    }
+
+    /// The stored settings the handle's last transaction read, if any has.
+    pub(crate) fn seen_stored(&self) -> Option<Stored> {
+        lock(&self.settings)
+            .as_ref()
+            .map(|seen| seen.stored.clone())
     }
 
     /// Takes the version of `key` this handle committed last, if kept.

@@ -1567,9 +1567,19 @@ fn a_handle_keeps_the_versions_of_its_own_claims_only_and_boundedly() {
             1,
             "me",
         );
+        assert!(known.len() <= KNOWN_MAX, "bounded");
     }
-    assert_eq!(known.len(), KNOWN_MAX);
-    assert!(known.take("k0").is_some_and(|(_, revision)| revision == 1));
-    assert!(known.take(&format!("k{}", KNOWN_MAX + 9)).is_none());
-    assert_eq!(known.len(), KNOWN_MAX - 1, "taken, no longer kept");
+    let newest = format!("k{}", KNOWN_MAX + 9);
+    assert!(
+        known
+            .take(&newest)
+            .is_some_and(|(_, revision)| revision == 1)
+    );
+    assert!(known.take(&newest).is_none(), "taken, no longer kept");
+    // Queued and unclaimed: its destination is known, until it is claimed.
+    let queued = item("d", "chat-3");
+    known.committed(&queued, 1, "me");
+    assert_eq!(known.destination_of("d").as_deref(), Some("chat-3"));
+    known.committed(&claim(&queued, "me", now), 2, "me");
+    assert_eq!(known.destination_of("d"), None);
 }

@@ -27,6 +27,41 @@ pub(crate) struct Opened {
     /// For an enqueue ([`txn::Scope::Enqueue`]): its destination, and the
     /// place in its line taken under the destination's lock (shared).
     pub(crate) seq: Option<(String, i64)>,
+    /// For a decision about an item whose destination this handle knows:
+    /// that destination's line, read under its lock (exclusive).
+    pub(crate) line: Option<txn::Prefetched>,
+}
+
+/// Takes a destination's lock exclusive (parameter: its key), as
+/// `txn::DestLock::Exclusive` does.
+const DEST_LOCK_EXCLUSIVE: &str = "SELECT pg_advisory_xact_lock($1)";
+
+/// A decision's line read ahead (see [`PgEngine::open_txn`]).
+struct Ahead {
+    destination: String,
+    /// The destination's lock key.
+    lock: i64,
+    read: txn::LineRead,
+}
+
+impl Ahead {
+    /// The line read, from the opening pipeline's `results` after the
+    /// enqueue's: the lock's statement, then the line's row.
+    fn read_from(self, results: &mut impl Iterator<Item = conn::Done>) -> Result<txn::Prefetched> {
+        results.next();
+        let Some(row) = results.next().and_then(|mut done| done.rows.pop()) else {
+            return Err(Error::Database {
+                op: "read a destination's line",
+                source: "the line's statement returned no row".into(),
+            });
+        };
+        Ok(txn::Prefetched {
+            destination: self.destination,
+            since: self.read.since,
+            offset: self.read.offset,
+            row,
+        })
+    }
 }
 
 /// Runs `steps` as one pipeline in `tx`; the first error is named by its
@@ -80,15 +115,37 @@ impl PgEngine {
     ///    the lock order: after the item's row). An enqueue that finds its
     ///    key taken leaves the place unused, a gap the line skips.
     ///
+    /// 4. for a decision ([`txn::Scope::OneItem`]) about an item this
+    ///    handle knows the destination of (one it enqueued, see
+    ///    [`speculate::Known`](super::speculate::Known)), take that
+    ///    destination's lock exclusive and read its line, head included, as
+    ///    the decision's first line read would, one round trip earlier (in
+    ///    the lock order: after the item's row). The read is made with the
+    ///    settings the handle's last transaction read, at `now`; the
+    ///    decision uses it only if it would read the same (see
+    ///    `PgTxn::read_line`), and reads again otherwise, the lock held.
+    ///
     /// Returns the stored settings, the item's row (one-item transactions),
-    /// whether the owner lock is held and the enqueue's place in line.
-    pub(crate) fn open_txn(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<Opened> {
+    /// whether the owner lock is held, the enqueue's place in line and the
+    /// line read ahead.
+    pub(crate) fn open_txn(
+        &self,
+        tx: &mut Tx<'_>,
+        scope: txn::Scope<'_>,
+        now: DateTime<Utc>,
+        defaults: &Settings,
+    ) -> Result<Opened> {
         let s = &self.s;
         let gate = lock_key(&self.schema, "writers");
         let owner = lock_key(&self.schema, &self.owner);
         let enqueue_to = match scope {
             txn::Scope::Enqueue(_, destination) => Some(destination),
             txn::Scope::OneItem(_) | txn::Scope::AfterSend(_) | txn::Scope::Any => None,
+        };
+        // A decision's line, read ahead when the destination is known.
+        let ahead = match scope {
+            txn::Scope::OneItem(key) => self.line_ahead(key, now, defaults),
+            _ => None,
         };
         let results = match scope {
             txn::Scope::OneItem(key) | txn::Scope::Enqueue(key, _) | txn::Scope::AfterSend(key) => {
@@ -112,6 +169,20 @@ impl PgEngine {
                     dest_lock.iter().map(|l| l as &(dyn ToSql + Sync)).collect();
                 if dest_lock.is_some() {
                     steps.push(Step::QueryOne(&seq_sql, &seq_params));
+                }
+                let no_keys: Vec<String> = Vec::new();
+                let line_params: Vec<&(dyn ToSql + Sync)>;
+                let line_lock: [&(dyn ToSql + Sync); 1];
+                if let Some(ahead) = &ahead {
+                    line_lock = [&ahead.lock];
+                    line_params = vec![
+                        &ahead.destination,
+                        &no_keys,
+                        &ahead.read.since,
+                        &ahead.read.offset,
+                    ];
+                    steps.push(Step::Execute(DEST_LOCK_EXCLUSIVE, &line_lock));
+                    steps.push(Step::QueryOne(&ahead.read.line_sql, &line_params));
                 }
                 tx.pipeline(&steps)
             }
@@ -150,11 +221,28 @@ impl PgEngine {
             }
             None => None,
         };
+        let line = ahead
+            .map(|ahead| ahead.read_from(&mut results))
+            .transpose()?;
         Ok(Opened {
             stored,
             row,
             owner_held: !owner_free,
             seq,
+            line,
+        })
+    }
+
+    /// The line read a decision about `key` may make as it opens: when this
+    /// handle knows the item's destination and the stored settings, the read
+    /// its first line read would make with them at `now`.
+    fn line_ahead(&self, key: &str, now: DateTime<Utc>, defaults: &Settings) -> Option<Ahead> {
+        let destination = self.known.destination_of(key)?;
+        let settings = defaults.with_stored(&self.known.seen_stored()?);
+        Some(Ahead {
+            lock: lock_key(&self.schema, &format!("dest:{destination}")),
+            read: txn::LineRead::new(&self.s, &destination, &settings, now, true),
+            destination,
         })
     }
 

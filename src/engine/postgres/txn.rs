@@ -116,6 +116,9 @@ pub(crate) struct PgTxn<'e, 'c> {
     pub(super) overlay: BTreeMap<String, OutboxItem>,
     /// Events sealed by the rule, in order: written as pending at commit.
     pub(super) events: Vec<AuditEvent>,
+    /// The line of a decision's destination, read when the transaction
+    /// opened (see [`PgEngine::open_txn`]), until a line read takes it.
+    prefetched: Option<Prefetched>,
     /// Whether this is a speculative run (see [`speculate`](super::speculate)),
     /// which reads nothing from the server: a rule that asks for a read is
     /// refused it, and the transaction runs again the usual way.
@@ -185,6 +188,95 @@ impl DestLock {
     }
 }
 
+/// A read of a destination's line (see [`PgTxn::read_line`]): its
+/// statements and the parameters that depend on the settings and the moment
+/// (the others: the destination, then the keys the transaction changed).
+pub(crate) struct LineRead {
+    /// The head's query alone (parameters `$1`, `$2`).
+    head_sql: String,
+    /// The line's query, with the head when asked (parameters `$1`–`$4`).
+    pub(crate) line_sql: String,
+    /// Whether `line_sql` reads the head too.
+    head: bool,
+    /// The start of the cap's window (`$3`).
+    pub(crate) since: DateTime<Utc>,
+    /// The cap's count less one (`$4`).
+    pub(crate) offset: i64,
+    /// The cap's count.
+    count: usize,
+}
+
+impl LineRead {
+    /// The read of `destination`'s line in schema `s` under `settings` at
+    /// `now`, with its head if `head`.
+    pub(crate) fn new(
+        s: &str,
+        destination: &str,
+        settings: &Settings,
+        now: DateTime<Utc>,
+        head: bool,
+    ) -> Self {
+        let rate = settings.rates.for_destination(destination);
+        // The window of send times a decision reads: its cap's (the rules
+        // read no further back, except a learned pace longer than the
+        // window, which reads again).
+        let since = crate::clock::earlier(now, rate.window);
+        let head_sql = format!(
+            "SELECT idempotency_key, revision, doc, seq FROM {s}.items
+             WHERE destination = $1 AND state = 'queued'
+               AND NOT (idempotency_key = ANY($2))
+             ORDER BY seq, created_at, idempotency_key LIMIT 1"
+        );
+        // The window's newest times with their keys (two arrays in one
+        // order, newest first), the cap's answer, and the cooldown.
+        let line_parts = format!(
+            "(SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys,
+                     array_agg(at ORDER BY at DESC, idempotency_key) AS ats
+              FROM (SELECT idempotency_key, at FROM {s}.rate_times
+                    WHERE destination = $1 AND at >= $3
+                    ORDER BY at DESC LIMIT {LINE_NEWEST}) r) t"
+        );
+        let nth = format!(
+            "(SELECT at FROM {s}.rate_times
+              WHERE destination = $1 AND at > $3 AND NOT (idempotency_key = ANY($2))
+              ORDER BY at DESC OFFSET $4 LIMIT 1)"
+        );
+        let cooldown = format!("(SELECT until FROM {s}.cooldowns WHERE destination = $1)");
+        let line_sql = if head {
+            format!(
+                "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}, {nth}
+                 FROM {line_parts} LEFT JOIN LATERAL ({head_sql}) h ON true"
+            )
+        } else {
+            format!(
+                "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown},
+                   {nth}
+                 FROM {line_parts}"
+            )
+        };
+        Self {
+            head_sql,
+            line_sql,
+            head,
+            since,
+            offset: i64::from(rate.count) - 1,
+            count: rate.count as usize,
+        }
+    }
+}
+
+/// A destination's line read when a decision's transaction opened (see
+/// [`PgEngine::open_txn`]), under the destination's lock, exclusive.
+pub(crate) struct Prefetched {
+    /// The destination.
+    pub(crate) destination: String,
+    /// The window's start and the cap's offset it was read with.
+    pub(crate) since: DateTime<Utc>,
+    pub(crate) offset: i64,
+    /// Its row, as [`LineRead::line_sql`] with the head returns it.
+    pub(crate) row: super::conn::Row,
+}
+
 /// What a one-item transaction read about a destination under its lock.
 struct Line {
     /// The start of the cap's window: the times read are at or after it.
@@ -251,7 +343,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         now: DateTime<Utc>,
         defaults: &Settings,
     ) -> Result<Option<Self>> {
-        let opened = engine.open_txn(&mut tx, scope)?;
+        let opened = engine.open_txn(&mut tx, scope, now, defaults)?;
         if !opened.owner_held {
             return Ok(None);
         }
@@ -271,7 +363,14 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             lines: HashMap::new(),
             seq_taken: None,
             speculation: Speculation::Off,
+            prefetched: None,
         };
+        if let Some(prefetched) = opened.line {
+            // Read under the destination's lock, exclusive, held to the end.
+            txn.destinations
+                .insert(prefetched.destination.clone(), DestLock::Exclusive);
+            txn.prefetched = Some(prefetched);
+        }
         if let Some((destination, seq)) = opened.seq {
             // Taken under the destination's lock, shared, held to the end.
             txn.destinations
@@ -321,6 +420,7 @@ impl<'e, 'c> PgTxn<'e, 'c> {
             seq_taken: None,
             lines: HashMap::new(),
             speculation: Speculation::On,
+            prefetched: None,
         }
     }
 
@@ -447,16 +547,6 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         Ok(done)
     }
 
-    /// The window of send times a decision about `destination` reads: its
-    /// cap's (the rules read no further back, except a learned pace longer
-    /// than the window, which reads again).
-    fn line_since(&self, destination: &str) -> DateTime<Utc> {
-        crate::clock::earlier(
-            self.now,
-            self.settings.rates.for_destination(destination).window,
-        )
-    }
-
     /// Reads `destination`'s line under its lock (one-item transactions), in
     /// one round trip: with `head`, its head row (as [`head_of`](Self::head_of)
     /// reads it; returned), and, once per transaction, what its cap decides
@@ -472,58 +562,30 @@ impl<'e, 'c> PgTxn<'e, 'c> {
     /// snapshot holds every decision committed before the lock was granted):
     /// the head, the times and the cooldown as one row, not three statements.
     fn read_line(&mut self, destination: &str, head: bool) -> Result<Vec<super::conn::Row>> {
-        let s = self.engine.s.clone();
-        let changed = self.changed_keys();
-        let head_sql = format!(
-            "SELECT idempotency_key, revision, doc, seq FROM {s}.items
-             WHERE destination = $1 AND state = 'queued'
-               AND NOT (idempotency_key = ANY($2))
-             ORDER BY seq, created_at, idempotency_key LIMIT 1"
-        );
         let fetch = self.one_item && !self.lines.contains_key(destination);
         if !fetch && !head {
             return Ok(Vec::new());
         }
-        let since = self.line_since(destination);
-        let count = self.settings.rates.for_destination(destination).count;
-        let offset = i64::from(count) - 1;
-        // The window's newest times with their keys (two arrays in one
-        // order, newest first), the cap's answer, and the cooldown.
-        let line_parts = format!(
-            "(SELECT array_agg(idempotency_key ORDER BY at DESC, idempotency_key) AS keys,
-                     array_agg(at ORDER BY at DESC, idempotency_key) AS ats
-              FROM (SELECT idempotency_key, at FROM {s}.rate_times
-                    WHERE destination = $1 AND at >= $3
-                    ORDER BY at DESC LIMIT {LINE_NEWEST}) r) t"
-        );
-        let nth = format!(
-            "(SELECT at FROM {s}.rate_times
-              WHERE destination = $1 AND at > $3 AND NOT (idempotency_key = ANY($2))
-              ORDER BY at DESC OFFSET $4 LIMIT 1)"
-        );
-        let cooldown = format!("(SELECT until FROM {s}.cooldowns WHERE destination = $1)");
-        let line_sql = if head {
-            format!(
-                "SELECT h.idempotency_key, h.revision, h.doc, h.seq, t.keys, t.ats, {cooldown}, {nth}
-                 FROM {line_parts} LEFT JOIN LATERAL ({head_sql}) h ON true"
-            )
+        let changed = self.changed_keys();
+        let read = LineRead::new(&self.engine.s, destination, &self.settings, self.now, head);
+        let prefetched = if fetch {
+            self.take_prefetched(destination, &read, &changed)
         } else {
-            format!(
-                "SELECT NULL::text, NULL::bigint, NULL::text, NULL::bigint, t.keys, t.ats, {cooldown},
-                   {nth}
-                 FROM {line_parts}"
-            )
+            None
         };
+        if let Some(row) = prefetched {
+            return Ok(self.absorb_line(destination, &read, row));
+        }
         let params: [&(dyn postgres::types::ToSql + Sync); 4] =
-            [&destination, &changed, &since, &offset];
+            [&destination, &changed, &read.since, &read.offset];
         let step = if fetch {
             (
-                Step::QueryOne(&line_sql, &params),
+                Step::QueryOne(&read.line_sql, &params),
                 "read a destination's line",
             )
         } else {
             (
-                Step::Query(&head_sql, &params[..2]),
+                Step::Query(&read.head_sql, &params[..2]),
                 "read a destination's head",
             )
         };
@@ -534,9 +596,39 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         if !fetch {
             return Ok(rows);
         }
-        let Some(row) = rows.pop() else {
-            return Ok(Vec::new());
-        };
+        Ok(match rows.pop() {
+            Some(row) => self.absorb_line(destination, &read, row),
+            None => Vec::new(),
+        })
+    }
+
+    /// The line of `destination` read when this transaction opened (see
+    /// [`PgEngine::open_txn`]), if it answers `read` as a read now would:
+    /// read for the same destination, window and cap, with nothing changed
+    /// by this transaction since (`changed` is empty). Taken once.
+    fn take_prefetched(
+        &mut self,
+        destination: &str,
+        read: &LineRead,
+        changed: &[String],
+    ) -> Option<super::conn::Row> {
+        let prefetched = self.prefetched.take()?;
+        (prefetched.destination == destination
+            && prefetched.since == read.since
+            && prefetched.offset == read.offset
+            && changed.is_empty())
+        .then_some(prefetched.row)
+    }
+
+    /// Keeps what a line read's `row` says of `destination` (see
+    /// [`read_line`](Self::read_line)); returns the head row, if the line
+    /// has one and `read` asked for it.
+    fn absorb_line(
+        &mut self,
+        destination: &str,
+        read: &LineRead,
+        row: super::conn::Row,
+    ) -> Vec<super::conn::Row> {
         let keys: Vec<String> = row.get::<_, Option<Vec<String>>>(4).unwrap_or_default();
         let ats: Vec<DateTime<Utc>> = row
             .get::<_, Option<Vec<DateTime<Utc>>>>(5)
@@ -547,17 +639,17 @@ impl<'e, 'c> PgTxn<'e, 'c> {
         self.lines.insert(
             destination.to_owned(),
             Line {
-                since,
+                since: read.since,
                 newest: keys.into_iter().zip(ats).collect(),
                 complete,
                 nth,
                 nth_kept: self.overlay.is_empty(),
-                count: count as usize,
+                count: read.count,
                 cooldown,
             },
         );
-        let has_head = head && row.get::<_, Option<&str>>(0).is_some();
-        Ok(if has_head { vec![row] } else { Vec::new() })
+        let has_head = read.head && row.get::<_, Option<&str>>(0).is_some();
+        if has_head { vec![row] } else { Vec::new() }
     }
 
     /// Remembers rows read by a query of this transaction (not locked: a
