@@ -7,10 +7,11 @@
 
 #![allow(dead_code, reason = "each test binary uses part of the support code")]
 
+use std::collections::HashSet;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -30,6 +31,12 @@ struct Flags {
     stalled: AtomicBool,
     /// The proxy is dropped: every thread ends, every socket closes.
     closed: AtomicBool,
+    /// The connections (by the proxy's port towards the server, the
+    /// `client_port` the server shows) to cut on the client's side only.
+    cuts: Mutex<HashSet<u16>>,
+    /// The server's sides of the cut connections, kept open (see
+    /// [`StallProxy::cut_client_of`]).
+    parked: Mutex<Vec<TcpStream>>,
 }
 
 impl StallProxy {
@@ -54,13 +61,18 @@ impl StallProxy {
                     let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else {
                         continue;
                     };
+                    let Ok(towards) = server.local_addr().map(|a| a.port()) else {
+                        continue;
+                    };
                     let (Ok(client2), Ok(server2)) = (client.try_clone(), server.try_clone())
                     else {
                         continue;
                     };
-                    for (from, to) in [(client, server), (server2, client2)] {
+                    for (from, to, server_side) in
+                        [(client, server, false), (server2, client2, true)]
+                    {
                         let flags = Arc::clone(&theirs);
-                        std::thread::spawn(move || pump(from, to, &flags));
+                        std::thread::spawn(move || pump(from, to, server_side, towards, &flags));
                     }
                 }
             })
@@ -82,6 +94,19 @@ impl StallProxy {
     pub fn stall(&self) {
         self.flags.stalled.store(true, Ordering::SeqCst);
     }
+
+    /// Cuts the connection whose server session shows `client_port` (in
+    /// `pg_stat_activity`) on the client's side only: the client finds its
+    /// connection closed, while the server's side stays open and is never
+    /// read or written again, as a network cut the server has not noticed
+    /// looks (the session goes on with whatever it was sent).
+    pub fn cut_client_of(&self, client_port: u16) {
+        self.flags
+            .cuts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(client_port);
+    }
 }
 
 impl Drop for StallProxy {
@@ -96,12 +121,30 @@ impl Drop for StallProxy {
 }
 
 /// Copies `from` to `to` until either closes, the proxy stalls (then holds
-/// both open, forwarding nothing) or the proxy is dropped.
-fn pump(mut from: TcpStream, mut to: TcpStream, flags: &Flags) {
+/// both open, forwarding nothing), the connection is cut (then closes the
+/// client's side and keeps the server's open) or the proxy is dropped.
+/// `from_server` says which side `from` is; `towards` names the connection
+/// (see [`StallProxy::cut_client_of`]).
+fn pump(mut from: TcpStream, mut to: TcpStream, from_server: bool, towards: u16, flags: &Flags) {
     let _ = from.set_read_timeout(Some(POLL));
     let mut buf = [0u8; 16 * 1024];
     loop {
         if flags.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let cut = flags
+            .cuts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&towards);
+        if cut {
+            let (client, server) = if from_server { (to, from) } else { (from, to) };
+            let _ = client.shutdown(Shutdown::Both);
+            flags
+                .parked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(server);
             return;
         }
         if flags.stalled.load(Ordering::SeqCst) {

@@ -40,11 +40,15 @@
 //! **A lost connection.** Without an answer the commit may or may not have
 //! happened. The usual way, a connection found dead before anything ran is
 //! replaced and the transaction run again; here the `COMMIT` went with the
-//! first statement, so the item is read again on a fresh connection
-//! ([`Settled`]): still at the claim's revision, nothing was committed and
-//! the usual run goes on; at the next revision holding exactly the document
-//! written, it was; anything else is reported as the usual commit reports a
-//! lost connection.
+//! first statement, so the usual run, on a fresh connection, reads the item
+//! again once its opening holds the key's lock and the row ([`Settled`]; a
+//! session of the lost connection the server has not noticed yet holds the
+//! key's lock until it ends, so what it does is seen, never overtaken):
+//! still at the claim's revision, nothing was committed, nor can be (the
+//! usual run's write moves the revision past the one the lost write
+//! expects), and the usual run goes on; at the next revision holding
+//! exactly the document written, it was, and the usual run is rolled back;
+//! anything else is reported as the usual commit reports a lost connection.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -198,7 +202,7 @@ pub(super) enum Speculated<T> {
     /// Nothing committed, nothing else to report: run it the usual way.
     Usual,
     /// The connection was lost with the commit sent: settle it with
-    /// [`PgEngine::settle`] on another connection.
+    /// [`PgEngine::settle`] in the usual run, on another connection.
     Lost(T, Lost),
 }
 
@@ -222,6 +226,9 @@ pub(super) enum Settled {
     Committed { pending: bool, wake: bool },
     /// It did not: run the transaction the usual way.
     NotCommitted,
+    /// The row cannot tell (it is gone, or changed again since): the lost
+    /// connection's error is the answer.
+    Unknown,
 }
 
 /// Why a speculative commit wrote nothing.
@@ -270,12 +277,31 @@ impl PgEngine {
     }
 
     /// Settles a speculative commit whose connection was lost, by reading its
-    /// item on `client` (another connection): committed, not committed, or
-    /// the lost connection's error when the row cannot tell (it changed
-    /// again since).
-    pub(super) fn settle(&self, client: &mut Conn, lost: Lost) -> Result<Settled> {
-        let mut rows = client
-            .query(
+    /// item in `txn`, the usual run of the same transaction on another
+    /// connection, once it is open: under the writers' gate and the key's
+    /// lock, with the row locked. Only there can the answer be trusted: the
+    /// server may not have noticed the loss yet, and a session of the lost
+    /// connection may still be waiting on a lock with the whole pipeline,
+    /// its `COMMIT` included, in hand. That session holds the key's lock
+    /// from its first statement to its end, so the usual run reads the row
+    /// after it committed or rolled back; and a pipeline the server has yet
+    /// to run finds the row the usual run leaves, past the revision its
+    /// write expects, and commits nothing. Read on a connection of its own,
+    /// without the locks, the row was found at the claim's revision and
+    /// the late commit then landed before the usual run locked it, which
+    /// took its own record for a lost claim's and recorded the send twice
+    /// (as sent, then as a late delivery).
+    ///
+    /// Committed, not committed (the usual run goes on, in `txn`), or
+    /// [`Settled::Unknown`] when the row cannot tell (it changed again
+    /// since).
+    ///
+    /// # Errors
+    /// [`Error::Database`] (the read failed).
+    pub(super) fn settle(&self, txn: &mut PgTxn<'_, '_>, lost: &Lost) -> Result<Settled> {
+        let row = txn
+            .tx
+            .query_opt(
                 &format!(
                     "SELECT revision, doc FROM {}.items WHERE idempotency_key = $1",
                     self.s
@@ -283,26 +309,34 @@ impl PgEngine {
                 &[&lost.key],
             )
             .map_err(db("read an item again after a lost commit"))?;
-        let Some(row) = rows.pop() else {
-            return Err(lost.error);
+        let Some(row) = row else {
+            return Ok(Settled::Unknown);
         };
         let revision: i64 = row.get(0);
         let doc: &str = row.get(1);
         let revision = u64::try_from(revision).unwrap_or(0);
-        if revision == lost.revision {
-            Ok(Settled::NotCommitted)
+        Ok(if revision == lost.revision {
+            Settled::NotCommitted
         } else if revision == lost.revision + 1 && doc == lost.doc {
-            Ok(Settled::Committed {
+            Settled::Committed {
                 pending: lost.pending,
                 wake: lost.wake,
-            })
+            }
         } else if revision == lost.revision + 1 {
             // Someone else's write followed the claim's version: ours, which
             // expected that version, cannot have committed.
-            Ok(Settled::NotCommitted)
+            Settled::NotCommitted
         } else {
-            Err(lost.error)
-        }
+            Settled::Unknown
+        })
+    }
+}
+
+impl Lost {
+    /// The error the lost connection gave (what a commit whose outcome
+    /// cannot be told reports).
+    pub(super) fn into_error(self) -> Error {
+        self.error
     }
 }
 

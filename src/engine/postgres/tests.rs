@@ -21,6 +21,12 @@ use std::time::Duration;
 use chrono::Utc;
 
 use super::test_server::PgServer;
+#[allow(
+    clippy::duplicate_mod,
+    reason = "the session and wire tests load it too; none can reach the others'"
+)]
+#[path = "../../../tests/support/stall_proxy.rs"]
+mod stall_proxy;
 use super::{DEFAULT_SCHEMA, PgEngine};
 use crate::audit::Hasher;
 use crate::error::{AuditFault, Error};
@@ -1582,4 +1588,116 @@ fn a_handle_keeps_the_versions_of_its_own_claims_only_and_boundedly() {
     assert_eq!(known.destination_of("d").as_deref(), Some("chat-3"));
     known.committed(&claim(&queued, "me", now), 2, "me");
     assert_eq!(known.destination_of("d"), None);
+}
+
+/// The crate's sessions waiting on a lock: their server process ids and
+/// client ports.
+fn waiting_on_a_lock(watcher: &mut postgres::Client) -> Vec<(i32, u16)> {
+    watcher
+        .query(
+            "SELECT pid, client_port FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND application_name = 'durable-outbox' ORDER BY pid",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), u16::try_from(row.get::<_, i32>(1)).unwrap()))
+        .collect()
+}
+
+/// Waits until `n` of the crate's sessions wait on a lock; returns them.
+fn until_waiting(watcher: &mut postgres::Client, n: usize, what: &str) -> Vec<(i32, u16)> {
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let waiting = waiting_on_a_lock(watcher);
+        if waiting.len() >= n {
+            return waiting;
+        }
+        assert!(std::time::Instant::now() < deadline, "watchdog: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A record sent in one round trip whose connection the client finds
+/// closed while the server, which has not noticed, still holds the record's
+/// statements (its `COMMIT` among them) behind a lock: the record may still
+/// commit after the item was read again. Settled under the item's locks, the
+/// record is found committed once it is (or made by the usual run, whose
+/// commit the late one can no longer pass): on record once, never also as a
+/// late delivery of the same send.
+#[test]
+fn a_record_cut_off_while_its_commit_waits_on_a_lock_is_on_record_once() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let proxy = stall_proxy::StallProxy::to(server.port());
+    let through = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?connect_timeout=2",
+        proxy.port(),
+        db.name()
+    );
+    let outbox = crate::Outbox::postgres(&through)
+        .rate_limit(u32::MAX, Duration::from_secs(60))
+        .open()
+        .unwrap();
+    outbox
+        .enqueue(crate::NewMessage {
+            idempotency_key: "a".into(),
+            connector: "telegram".into(),
+            grant_id: "bot-1".into(),
+            destination: "chat".into(),
+            content: "hello".into(),
+            ..Default::default()
+        })
+        .unwrap();
+    let mut holder = postgres::Client::connect(&db.url(), postgres::NoTls).unwrap();
+    let mut watcher = postgres::Client::connect(&db.url(), postgres::NoTls).unwrap();
+    let (locked, is_locked) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let receipt = std::thread::scope(|scope| {
+        let outbox = &outbox;
+        let proxy = &proxy;
+        let receipt = scope.spawn(move || {
+            outbox.process("a", |_| {
+                // The claim is committed: its row is locked now, so that the
+                // record's write waits behind the lock.
+                locked.send(()).unwrap();
+                released.recv().unwrap();
+                Ok(Some("ref-a".to_owned()))
+            })
+        });
+        is_locked.recv().unwrap();
+        let mut row_lock = holder.transaction().unwrap();
+        row_lock
+            .batch_execute(
+                "SELECT 1 FROM durable_outbox.items WHERE idempotency_key = 'a' FOR UPDATE",
+            )
+            .unwrap();
+        release.send(()).unwrap();
+        // The record's one pipeline waits on the row, holding the key's lock.
+        let cut = until_waiting(&mut watcher, 1, "the record waits on the row");
+        proxy.cut_client_of(cut[0].1);
+        // The handle settles on another connection and waits on the key's
+        // lock, which the cut-off session holds.
+        until_waiting(&mut watcher, 2, "the settling run waits on the key's lock");
+        row_lock.rollback().unwrap();
+        receipt.join().unwrap()
+    });
+    let receipt = receipt.unwrap();
+    assert_eq!(receipt.outcome, crate::Outcome::Sent);
+    assert_eq!(receipt.transport_ref.as_deref(), Some("ref-a"));
+    let outcomes: Vec<crate::AuditOutcome> = outbox
+        .history("a")
+        .unwrap()
+        .iter()
+        .map(|record| record.outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        [crate::AuditOutcome::Queued, crate::AuditOutcome::Sent],
+        "the send is on record once"
+    );
+    outbox.verify_audit().unwrap();
 }

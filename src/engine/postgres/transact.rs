@@ -10,7 +10,7 @@ use postgres::types::ToSql;
 
 use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
-use super::speculate::{Settled, Speculated};
+use super::speculate::{Lost, Settled, Speculated};
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};
 use crate::rules::txn::Wait;
@@ -267,8 +267,12 @@ impl PgEngine {
         wait: Wait,
         mut f: impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
     ) -> Result<T> {
+        // A speculative commit whose connection was lost, with `f`'s value:
+        // every attempt settles it before it decides (a retried one too: its
+        // late `COMMIT` may still land while an aborted attempt waits).
+        let mut lost = None;
         retry::retrying("the rules' transaction", |_| {
-            self.transact_once(now, defaults, scope, wait, &mut f)
+            self.transact_once(now, defaults, scope, wait, &mut f, &mut lost)
         })
     }
 
@@ -293,10 +297,11 @@ impl PgEngine {
         scope: txn::Scope<'_>,
         wait: Wait,
         f: &mut impl FnMut(&mut PgTxn<'_, '_>) -> Result<T>,
+        lost: &mut Option<(T, Lost)>,
     ) -> Result<T> {
         let mut client = self.client_waiting(wait)?;
         let running = Running::enter(&self.in_txn);
-        if let txn::Scope::AfterSend(key) = scope {
+        if let (txn::Scope::AfterSend(key), None) = (scope, &lost) {
             match self.speculate(&mut client, now, defaults, key, f) {
                 Ok(Speculated::Committed(value, pending)) => {
                     let others = running.leave();
@@ -304,33 +309,33 @@ impl PgEngine {
                     return Ok(value);
                 }
                 Ok(Speculated::Usual) => {}
-                Ok(Speculated::Lost(value, lost)) => {
-                    // Settled on a fresh connection; the dead one's slot is
-                    // freed first (see the stale reruns below).
+                Ok(Speculated::Lost(value, gone)) => {
+                    // Settled by the usual run, on a fresh connection (see
+                    // `PgEngine::settle`); the dead one's slot is freed
+                    // first (see the stale reruns below).
+                    *lost = Some((value, gone));
                     drop(client);
                     client = self.client_waiting(wait)?;
-                    match self.settle(&mut client, lost)? {
-                        Settled::Committed { pending, wake } => {
-                            if wake {
-                                self.wake.request();
-                            }
-                            let others = running.leave();
-                            self.after_txn(&mut client, pending, others);
-                            return Ok(value);
-                        }
-                        Settled::NotCommitted => {}
-                    }
                 }
                 Err(e) => return Err(e),
             }
         }
+        let settling = lost.as_ref().map(|(_, gone)| gone);
         // A pooled connection found dead by the opening pipeline (nothing of
         // the transaction can have committed, `f` has not run): run it again
         // on the next one (see `connect`).
         let mut reruns = 0;
         let outcome = loop {
             let mut opened = false;
-            match self.run_txn(&mut client, now, defaults, scope, &mut opened, &mut *f) {
+            match self.run_txn(
+                &mut client,
+                now,
+                defaults,
+                scope,
+                settling,
+                &mut opened,
+                &mut *f,
+            ) {
                 Err(e) if !opened && client.is_closed() && reruns < STALE_RERUNS => {
                     reruns += 1;
                     tracing::info!(
@@ -349,23 +354,55 @@ impl PgEngine {
             }
         };
         let others = running.leave();
-        let pending = matches!(outcome, Ok((_, true)));
+        let pending = match &outcome {
+            Ok(Ran::Done(_, pending) | Ran::Settled(Settled::Committed { pending, .. })) => {
+                *pending
+            }
+            _ => false,
+        };
         self.after_txn(&mut client, pending, others);
-        outcome.map(|(value, _)| value)
+        match outcome? {
+            Ran::Done(value, _) => Ok(value),
+            Ran::Settled(settled) => {
+                let Some((value, gone)) = lost.take() else {
+                    unreachable!("only a lost commit is settled")
+                };
+                match settled {
+                    Settled::Committed { wake, .. } => {
+                        // As the commit's own answer would have.
+                        if wake {
+                            self.wake.request();
+                        }
+                        Ok(value)
+                    }
+                    Settled::NotCommitted | Settled::Unknown => Err(gone.into_error()),
+                }
+            }
+        }
     }
 
     /// [`transact_waiting`](Self::transact_waiting)'s transaction: `f`'s value, and whether
     /// the commit left audit events pending. `opened` is set once the
     /// transaction's opening pipeline succeeded, before `f` runs.
+    ///
+    /// With `settling`, a speculative commit whose connection was lost, the
+    /// item is read again first, under the opening's locks (see
+    /// [`PgEngine::settle`]): unless it tells that nothing was committed,
+    /// the transaction is rolled back and what it told returned.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one attempt's inputs, all passed on from `transact_once`"
+    )]
     fn run_txn<T>(
         &self,
         client: &mut Conn,
         now: DateTime<Utc>,
         defaults: &Settings,
         scope: txn::Scope<'_>,
+        settling: Option<&Lost>,
         opened: &mut bool,
         f: impl FnOnce(&mut PgTxn<'_, '_>) -> Result<T>,
-    ) -> Result<(T, bool)> {
+    ) -> Result<Ran<T>> {
         // A claim must name an owner whose lock is held: the transaction's
         // first statement probes it (see `open_txn`); after a cut or a
         // restart it is taken again here, and the transaction begun anew.
@@ -389,10 +426,27 @@ impl PgEngine {
             }
         };
         *opened = true;
+        if let Some(lost) = settling {
+            match self.settle(&mut txn, lost)? {
+                Settled::NotCommitted => {}
+                // Rolled back as `txn` drops.
+                settled => return Ok(Ran::Settled(settled)),
+            }
+        }
         let value = f(&mut txn)?;
         let committed = txn.commit()?;
-        Ok((value, committed.pending))
+        Ok(Ran::Done(value, committed.pending))
     }
+}
+
+/// How [`PgEngine::run_txn`] ended.
+enum Ran<T> {
+    /// Committed (or nothing to commit): `f`'s value, and whether events
+    /// were left pending.
+    Done(T, bool),
+    /// A lost speculative commit was settled as committed, or found
+    /// impossible to tell, before `f` ran (rolled back).
+    Settled(Settled),
 }
 
 /// One transaction of the rules counted among the handle's running ones
