@@ -208,17 +208,30 @@ impl<'i> ItemWrite<'i> {
 
     /// This write as [`statement`](Self::statement) writes an update, but
     /// failing its transaction (division by zero, SQLSTATE `22012`) when the
-    /// row is not at the revision expected, so that a `COMMIT` sent with it
+    /// row is not the version expected, so that a `COMMIT` sent with it
     /// commits nothing of it (see [`speculate`](super::speculate)): its
     /// other parts run only with the row's update, and the statement
     /// returns one row. An insert fails on a row that exists instead (as
     /// a `strict` one).
+    ///
+    /// The version is the revision and `seq`, the place in line its enqueue
+    /// took (never taken twice): a revision alone names a version of one
+    /// row, and the key's row may have been replaced meanwhile by another
+    /// that reached the same revision (a terminal item pruned by retention,
+    /// then enqueued and claimed anew: revisions 1 and 2 again).
     pub(crate) fn guarded_statement<'p>(
         &'p self,
         s: &str,
         pending: &'p Vec<String>,
+        seq: &'p i64,
     ) -> Statement<'p> {
-        let (mut parts, main, params, op) = self.parts(s, true, Some(pending));
+        let (mut parts, main, mut params, op) = self.parts(s, true, Some(pending));
+        let main = if self.revision.is_some() {
+            params.push(seq);
+            format!("{main} AND seq = ${}", params.len())
+        } else {
+            main
+        };
         parts.push(format!("written AS ({main}\n RETURNING 1)"));
         let sql = format!(
             "WITH {}\nSELECT 1 / count(*) FROM written",

@@ -16,9 +16,11 @@
 //!    gate shared, the key's lock), which also fails the transaction unless
 //!    the stored settings are the ones the run decided with ([`guard_sql`]);
 //! 2. the item's write as the usual commit sends it, but as an `UPDATE … WHERE
-//!    revision = <the claim's>` that fails the transaction when it finds no
-//!    such row (someone changed the item meanwhile), with its send times,
-//!    cooldown and pending audit events in the same statement;
+//!    revision = <the claim's> AND seq = <its>` that fails the transaction
+//!    when it finds no such row (someone changed the item meanwhile, or
+//!    replaced it with another item of the key: see
+//!    [`ItemWrite::guarded_statement`]), with its send times, cooldown and
+//!    pending audit events in the same statement;
 //! 3. `COMMIT`.
 //!
 //! The locks are the usual ones in the usual order (gate, key, row), so the
@@ -359,7 +361,11 @@ impl PgTxn<'_, '_> {
         let engine = self.engine;
         let docs = super::pending_docs(&self.events).map_err(failed)?;
         let write = ItemWrite::new(&item, Expect::Revision(revision), Some(&before));
-        let (write_sql, write_params, op) = write.guarded_statement(&engine.s, &docs);
+        // The version's place in line: with the revision, what names it.
+        let Some(seq) = before.seq.and_then(|seq| i64::try_from(seq).ok()) else {
+            return Err(Refusal::Usual);
+        };
+        let (write_sql, write_params, op) = write.guarded_statement(&engine.s, &docs, &seq);
         let guard = guard_sql(&engine.s);
         let gate = lock_key(&engine.schema, "writers");
         let key_lock = lock_key(&engine.schema, &format!("key:{key}"));

@@ -1701,3 +1701,88 @@ fn a_record_cut_off_while_its_commit_waits_on_a_lock_is_on_record_once() {
     );
     outbox.verify_audit().unwrap();
 }
+
+/// A record sent in one round trip commits only on the very version its
+/// claim committed, not on another item of the key that reached the same
+/// revision: here the item, its claim lost, was pruned (as retention does
+/// to a terminal item; done by hand) and enqueued and claimed anew by
+/// another handle, which leaves the new row at the revision the first
+/// claim left (enqueued at 1, claimed at 2). The first send's record must
+/// not write its version over the new claim: it finds the item claimed
+/// again and records a late delivery, and the new claim's send records
+/// itself.
+#[test]
+fn a_record_does_not_commit_on_a_new_item_of_its_key_at_the_same_revision() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let open = || {
+        crate::Outbox::postgres(&db.url())
+            .rate_limit(u32::MAX, Duration::from_secs(60))
+            .open()
+            .unwrap()
+    };
+    let message = |content: &str| crate::NewMessage {
+        idempotency_key: "a".into(),
+        connector: "telegram".into(),
+        grant_id: "bot-1".into(),
+        destination: "chat".into(),
+        content: content.into(),
+        ..Default::default()
+    };
+    let (first, second) = (open(), open());
+    first.enqueue(message("first")).unwrap();
+    let (claimed, is_claimed) = std::sync::mpsc::channel::<()>();
+    let (go, gone) = std::sync::mpsc::channel::<()>();
+    let (receipt, later) = std::thread::scope(|scope| {
+        let second = &second;
+        let mut later = None;
+        let mut signals = Some((claimed, gone));
+        let receipt = first
+            .process("a", |_| {
+                let (claimed, gone) = signals.take().unwrap();
+                db.psql(
+                    "DELETE FROM durable_outbox.items WHERE idempotency_key = 'a';
+                     DELETE FROM durable_outbox.rate_times WHERE idempotency_key = 'a'",
+                );
+                second.enqueue(message("second")).unwrap();
+                later = Some(scope.spawn(move || {
+                    second.process("a", |_| {
+                        claimed.send(()).unwrap();
+                        gone.recv().unwrap();
+                        Ok(Some("ref-second".to_owned()))
+                    })
+                }));
+                is_claimed.recv().unwrap();
+                Ok(Some("ref-first".to_owned()))
+            })
+            .unwrap();
+        go.send(()).unwrap();
+        (receipt, later.unwrap().join().unwrap().unwrap())
+    });
+    assert_eq!(receipt.outcome, crate::Outcome::Sent);
+    assert_eq!(later.outcome, crate::Outcome::Sent);
+    let item = second.get("a").unwrap().unwrap();
+    assert_eq!(
+        (item.content(), item.transport_ref()),
+        ("second", Some("ref-second")),
+        "the new item, sent by its own claim"
+    );
+    let outcomes: Vec<crate::AuditOutcome> = first
+        .history("a")
+        .unwrap()
+        .iter()
+        .map(|record| record.outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            crate::AuditOutcome::Queued,
+            crate::AuditOutcome::Queued,
+            crate::AuditOutcome::LateDelivery,
+            crate::AuditOutcome::Sent
+        ],
+        "the first send a late delivery, the second sent"
+    );
+}
