@@ -13,6 +13,56 @@ use crate::harness::{Harness, builder, secs};
 use durable_outbox::{DESTINATION_COOLDOWN, SendError};
 
 on_both_engines! {
+    /// Threads of one handle deciding about items of one destination at
+    /// the same moment (unordered, so each item is claimable) see each
+    /// other's claims: a cap of one lets exactly one of them send. On
+    /// PostgreSQL the decisions run side by side and only the destination's
+    /// lock, held exclusive from the line's read to the commit, keeps them
+    /// apart, whether the decision reads the line as it opens (an item this
+    /// handle enqueued: even rounds) or later (one another handle enqueued:
+    /// odd rounds).
+    fn a_cap_holds_among_a_handle_s_threads_deciding_at_once(engine) {
+        const THREADS: usize = 8;
+        const ROUNDS: usize = 12;
+        let h = engine.harness_with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
+        let other = h.reopen_with(|b| b.rate_limit(1, secs(60)).ordering(Ordering::Unordered));
+        let mut sent_per_round = Vec::new();
+        for round in 0..ROUNDS {
+            let enqueuer = if round % 2 == 0 { &h.outbox } else { &other };
+            let destination = format!("chat-{round}");
+            let keys: Vec<String> = (0..THREADS).map(|t| format!("r{round}-t{t}")).collect();
+            let start = std::sync::Barrier::new(THREADS);
+            let sends = std::sync::atomic::AtomicUsize::new(0);
+            std::thread::scope(|scope| {
+                for key in &keys {
+                    let (h, start, sends, destination) = (&h, &start, &sends, &destination);
+                    scope.spawn(move || {
+                        enqueuer.enqueue(msg(key, destination)).unwrap();
+                        start.wait();
+                        let receipt = h
+                            .outbox
+                            .process(key, |_| {
+                                sends.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                Ok(None)
+                            })
+                            .unwrap();
+                        assert!(
+                            matches!(receipt.outcome, Outcome::Sent | Outcome::Deferred),
+                            "{key}: {:?}",
+                            receipt.outcome
+                        );
+                    });
+                }
+            });
+            sent_per_round.push(sends.into_inner());
+        }
+        println!("sends per round under a cap of one: {sent_per_round:?}");
+        assert!(
+            sent_per_round.iter().all(|&sent| sent == 1),
+            "a cap of one let {sent_per_round:?} sends through"
+        );
+    }
+
     fn a_capped_item_is_deferred_to_the_exact_moment_a_slot_frees(engine) {
         let h = engine.harness_with(|b| b.rate_limit(2, secs(60)));
         for key in ["a", "b", "c"] {

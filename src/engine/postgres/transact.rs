@@ -317,7 +317,13 @@ impl PgEngine {
                     drop(client);
                     client = self.client_waiting(wait)?;
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // Nothing committed; sealing goes on as after any
+                    // transaction (other calls' events may be waiting).
+                    let others = running.leave();
+                    self.after_txn(&mut client, false, others);
+                    return Err(e);
+                }
             }
         }
         let settling = lost.as_ref().map(|(_, gone)| gone);
