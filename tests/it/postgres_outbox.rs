@@ -1264,25 +1264,12 @@ fn a_handle_records_its_sends_from_the_version_its_claims_committed() {
             FailAction::ErrorOnHit(u32::MAX),
         )
     });
-    for key in ["a", "b", "c"] {
-        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
-        let receipt = outbox
-            .process(key, |_| Ok(Some(format!("m-{key}"))))
-            .unwrap();
-        assert_eq!(receipt.outcome, Outcome::Sent);
-    }
+    send_each(&outbox, &["a", "b", "c"]);
     assert_eq!(
         outbox.failpoint_hits("postgres.speculation_lost_unsent"),
         3,
         "every record went the one-round-trip way"
     );
-    for key in ["a", "b", "c"] {
-        let item = outbox.get(key).unwrap().unwrap();
-        assert_eq!(
-            (item.state(), item.transport_ref()),
-            (ItemState::Sent, Some(format!("m-{key}").as_str()))
-        );
-    }
     // Queued and sent, for each.
     assert_eq!(outbox.verify_audit().unwrap().records, 6);
 }
@@ -1293,34 +1280,7 @@ fn a_handle_records_its_sends_from_the_version_its_claims_committed() {
 #[cfg(feature = "test-failpoints")]
 #[test]
 fn a_record_whose_answer_was_lost_after_it_committed_is_reported_once() {
-    use durable_outbox::FailAction;
-    let Some(engine) = engine() else { return };
-    let outbox = engine.open_with(|b| {
-        b.failpoint(
-            "postgres.speculation_lost_committed",
-            FailAction::ErrorOnHit(1),
-        )
-    });
-    for key in ["lost", "plain"] {
-        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
-        let receipt = outbox
-            .process(key, |_| Ok(Some(format!("m-{key}"))))
-            .unwrap();
-        assert_eq!(receipt.outcome, Outcome::Sent, "{key}");
-        let item = outbox.get(key).unwrap().unwrap();
-        assert_eq!(
-            (item.state(), item.transport_ref()),
-            (ItemState::Sent, Some(format!("m-{key}").as_str())),
-            "{key}"
-        );
-    }
-    assert_eq!(
-        outbox.failpoint_hits("postgres.speculation_lost_committed"),
-        2,
-        "the lost answer was exercised once, then a record went through"
-    );
-    assert_eq!(outcomes(&outbox, "lost"), outcomes(&outbox, "plain"));
-    assert_eq!(outbox.verify_audit().unwrap().records, 4);
+    a_record_lost_once_is_settled("postgres.speculation_lost_committed");
 }
 
 /// A record whose connection was lost before anything reached the server
@@ -1328,15 +1288,14 @@ fn a_record_whose_answer_was_lost_after_it_committed_is_reported_once() {
 #[cfg(feature = "test-failpoints")]
 #[test]
 fn a_record_whose_connection_was_lost_before_it_was_sent_is_made_the_usual_way() {
-    use durable_outbox::FailAction;
-    let Some(engine) = engine() else { return };
-    let outbox = engine.open_with(|b| {
-        b.failpoint(
-            "postgres.speculation_lost_unsent",
-            FailAction::ErrorOnHit(1),
-        )
-    });
-    for key in ["lost", "plain"] {
+    a_record_lost_once_is_settled("postgres.speculation_lost_unsent");
+}
+
+/// Enqueues each key to a chat of its own and processes it with a send that
+/// delivers it as `m-<key>`: each is reported and stored as sent.
+#[cfg(feature = "test-failpoints")]
+fn send_each(outbox: &Outbox, keys: &[&str]) {
+    for key in keys {
         outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
         let receipt = outbox
             .process(key, |_| Ok(Some(format!("m-{key}"))))
@@ -1349,7 +1308,22 @@ fn a_record_whose_connection_was_lost_before_it_was_sent_is_made_the_usual_way()
             "{key}"
         );
     }
-    assert_eq!(outbox.failpoint_hits("postgres.speculation_lost_unsent"), 2);
+}
+
+/// The first one-round-trip record loses its connection at `failpoint`
+/// (once), the second does not: both are sent, on record as a plain send
+/// is, and the chain holds each item's two records once.
+#[cfg(feature = "test-failpoints")]
+fn a_record_lost_once_is_settled(failpoint: &str) {
+    use durable_outbox::FailAction;
+    let Some(engine) = engine() else { return };
+    let outbox = engine.open_with(|b| b.failpoint(failpoint, FailAction::ErrorOnHit(1)));
+    send_each(&outbox, &["lost", "plain"]);
+    assert_eq!(
+        outbox.failpoint_hits(failpoint),
+        2,
+        "the loss was exercised once, then a record went through"
+    );
     assert_eq!(outcomes(&outbox, "lost"), outcomes(&outbox, "plain"));
     assert_eq!(outbox.verify_audit().unwrap().records, 4);
 }

@@ -1291,13 +1291,23 @@ fn hear(listener: &mut postgres::Client, n: u64) -> u64 {
 
 /// Waits until no session has server process id `pid`.
 fn until_the_session_is_gone(db: &super::test_server::PgDatabase<'_>, pid: i32, what: &str) {
+    until(what, || {
+        let left = db.psql(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
+        ));
+        (left == "0").then_some(())
+    });
+}
+
+/// Polls `probe` until it answers, under a watchdog naming `what`.
+fn until<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = std::time::Instant::now() + LIMIT;
-    while db.psql(&format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"
-    )) != "0"
-    {
+    loop {
+        if let Some(answer) = probe() {
+            return answer;
+        }
         assert!(std::time::Instant::now() < deadline, "watchdog: {what}");
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -1608,15 +1618,10 @@ fn waiting_on_a_lock(watcher: &mut postgres::Client) -> Vec<(i32, u16)> {
 
 /// Waits until `n` of the crate's sessions wait on a lock; returns them.
 fn until_waiting(watcher: &mut postgres::Client, n: usize, what: &str) -> Vec<(i32, u16)> {
-    let deadline = std::time::Instant::now() + LIMIT;
-    loop {
+    until(what, || {
         let waiting = waiting_on_a_lock(watcher);
-        if waiting.len() >= n {
-            return waiting;
-        }
-        assert!(std::time::Instant::now() < deadline, "watchdog: {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        (waiting.len() >= n).then_some(waiting)
+    })
 }
 
 /// A record sent in one round trip whose connection the client finds
