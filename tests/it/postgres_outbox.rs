@@ -348,7 +348,17 @@ fn host_processes_racing_one_outbox_send_each_key_at_most_once() {
     for key in delivered.lines() {
         *counts.entry(key).or_default() += 1;
     }
-    assert!(!counts.is_empty(), "the hosts delivered something");
+    println!(
+        "host processes ({rounds} rounds each, one killed): {} of the 64 keys delivered",
+        counts.len()
+    );
+    // Three hosts that ran all their rounds over 64 keys deliver most of
+    // them: a campaign that delivered a handful raced nothing.
+    assert!(
+        counts.len() >= 32,
+        "the hosts delivered only {} keys",
+        counts.len()
+    );
     for (key, n) in &counts {
         assert_eq!(*n, 1, "{key} reached the transport {n} times");
     }
