@@ -133,6 +133,12 @@ impl Known {
         lock(&self.destinations).get(key).cloned()
     }
 
+    /// Forgets the destination of `key` (what was remembered no longer
+    /// holds: the item is not queued and unclaimed there).
+    pub(crate) fn forget_destination(&self, key: &str) {
+        lock(&self.destinations).remove(key);
+    }
+
     /// The stored settings the handle's last transaction read, if any has.
     pub(crate) fn seen_stored(&self) -> Option<Stored> {
         lock(&self.settings)

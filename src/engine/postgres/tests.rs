@@ -1791,3 +1791,89 @@ fn a_record_does_not_commit_on_a_new_item_of_its_key_at_the_same_revision() {
         "the first send a late delivery, the second sent"
     );
 }
+
+/// Whether another session could take `destination`'s lock exclusive now
+/// (taken in a transaction rolled back at once).
+fn destination_free(other: &mut postgres::Client, destination: &str) -> bool {
+    let lock = super::lock_key(DEFAULT_SCHEMA, &format!("dest:{destination}"));
+    let mut tx = other.transaction().unwrap();
+    let free = tx
+        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&lock])
+        .unwrap()
+        .get(0);
+    tx.rollback().unwrap();
+    free
+}
+
+/// A decision about an item this handle left queued and unclaimed takes
+/// the destination's lock and reads its line as it opens, but only while the
+/// item is still queued and unclaimed there: another host may have cancelled
+/// it, or retention removed it and its key came back for another
+/// destination. Then the decision holds no lock of the destination the
+/// handle remembered (two destinations' locks, taken in any order, could
+/// wait for each other in a cycle), takes its own item's when its rule reads
+/// that line, and the handle forgets what it remembered.
+#[test]
+fn a_decision_takes_no_destination_lock_but_its_item_s_whatever_the_handle_remembers() {
+    use crate::rules::bulk::Bulk;
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let ours = open(&db.url());
+    let theirs = open(&db.url());
+    let mut other = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    for key in ["cancelled", "moved", "kept"] {
+        enqueue(&ours, item(key, "chat-a"));
+    }
+    theirs
+        .transact(
+            Utc::now(),
+            &defaults(),
+            Scope::OneItem("cancelled"),
+            |txn| Bulk::Cancel.one(txn, "cancelled", "another host cancels it"),
+        )
+        .unwrap();
+    // As retention removes an item that ended on another host, and the key
+    // is enqueued again there, for another destination.
+    db.psql("DELETE FROM durable_outbox.items WHERE idempotency_key = 'moved'");
+    enqueue(&theirs, item("moved", "chat-b"));
+    ours.transact(Utc::now(), &defaults(), Scope::OneItem("cancelled"), |_| {
+        assert!(
+            destination_free(&mut other, "chat-a"),
+            "a decision about a cancelled item holds no destination lock"
+        );
+        Ok(())
+    })
+    .unwrap();
+    ours.transact(Utc::now(), &defaults(), Scope::OneItem("moved"), |txn| {
+        assert!(
+            destination_free(&mut other, "chat-a"),
+            "a decision holds no lock of the destination its item left"
+        );
+        let head = txn.head_of("chat-b")?;
+        assert_eq!(head.map(|head| head.key).as_deref(), Some("moved"));
+        assert!(
+            !destination_free(&mut other, "chat-b"),
+            "its item's line is read under its item's destination's lock"
+        );
+        Ok(())
+    })
+    .unwrap();
+    for key in ["cancelled", "moved"] {
+        assert_eq!(ours.known.destination_of(key), None, "{key}: forgotten");
+    }
+    ours.transact(Utc::now(), &defaults(), Scope::OneItem("kept"), |txn| {
+        assert!(
+            !destination_free(&mut other, "chat-a"),
+            "the line of an item still queued there is read as the decision opens"
+        );
+        let head = txn.head_of("chat-a")?;
+        assert_eq!(head.map(|head| head.key).as_deref(), Some("kept"));
+        Ok(())
+    })
+    .unwrap();
+}

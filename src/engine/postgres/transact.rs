@@ -10,7 +10,7 @@ use postgres::types::ToSql;
 
 use super::conn::{self, Conn, Row, Step, Tx};
 use super::connect::STALE_RERUNS;
-use super::speculate::{Lost, Settled, Speculated};
+use super::speculate::{Known, Lost, Settled, Speculated};
 use super::{PgEngine, PgTxn, db, lock_key, retry, txn};
 use crate::error::{Error, Result};
 use crate::rules::txn::Wait;
@@ -32,12 +32,25 @@ pub(crate) struct Opened {
     pub(crate) line: Option<txn::Prefetched>,
 }
 
-/// Takes a destination's lock exclusive (parameter: its key), as
-/// `txn::DestLock::Exclusive` does.
-const DEST_LOCK_EXCLUSIVE: &str = "SELECT pg_advisory_xact_lock($1)";
+/// Takes a destination's lock exclusive (parameter `$1`: its key), as
+/// `txn::DestLock::Exclusive` does, only if the item (`$2`) is queued,
+/// unclaimed and in that destination (`$3`), in schema `s`: what the handle
+/// remembers of the item may be stale (another host claimed, sent or
+/// cancelled it; retention removed it and the key came back for another
+/// destination), and a decision takes no destination's lock but its
+/// item's, in the lock order's place, nor one its rule will not read. The
+/// item's row is locked by the statement before: it cannot change meanwhile.
+fn dest_lock_if_sql(s: &str) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock($1) FROM {s}.items
+         WHERE idempotency_key = $2 AND destination = $3 AND state = 'queued' AND NOT claimed"
+    )
+}
 
 /// A decision's line read ahead (see [`PgEngine::open_txn`]).
 struct Ahead {
+    /// The item's key.
+    key: String,
     destination: String,
     /// The destination's lock key.
     lock: i64,
@@ -46,21 +59,34 @@ struct Ahead {
 
 impl Ahead {
     /// The line read, from the opening pipeline's `results` after the
-    /// enqueue's: the lock's statement, then the line's row.
-    fn read_from(self, results: &mut impl Iterator<Item = conn::Done>) -> Result<txn::Prefetched> {
-        results.next();
-        let Some(row) = results.next().and_then(|mut done| done.rows.pop()) else {
+    /// enqueue's: the lock's statement, then the line's row. `None` when the
+    /// lock was not taken (the item is not queued and unclaimed in that
+    /// destination): the line's row, read without it, is dropped, and what
+    /// `known` remembered of the item forgotten.
+    fn read_from(
+        self,
+        results: &mut impl Iterator<Item = conn::Done>,
+        known: &Known,
+    ) -> Result<Option<txn::Prefetched>> {
+        let locked = results.next().is_some_and(|done| done.count == 1);
+        let line = results.next().and_then(|mut done| done.rows.pop());
+        if !locked {
+            // Stale: the next decision about the item opens without it.
+            known.forget_destination(&self.key);
+            return Ok(None);
+        }
+        let Some(row) = line else {
             return Err(Error::Database {
                 op: "read a destination's line",
                 source: "the line's statement returned no row".into(),
             });
         };
-        Ok(txn::Prefetched {
+        Ok(Some(txn::Prefetched {
             destination: self.destination,
             since: self.read.since,
             offset: self.read.offset,
             row,
-        })
+        }))
     }
 }
 
@@ -120,7 +146,13 @@ impl PgEngine {
     ///    [`speculate::Known`](super::speculate::Known)), take that
     ///    destination's lock exclusive and read its line, head included, as
     ///    the decision's first line read would, one round trip earlier (in
-    ///    the lock order: after the item's row). The read is made with the
+    ///    the lock order: after the item's row). The lock is taken only if
+    ///    the item is queued and unclaimed in that destination (a statement
+    ///    that also reads the row, locked by the one before): else what the
+    ///    handle knew is stale, forgotten, and the line's row dropped, so a
+    ///    decision never holds another destination's lock than its item's
+    ///    (two, taken in any order, could wait for each other in a cycle),
+    ///    nor one its rule does not need. The read is made with the
     ///    settings the handle's last transaction read, at `now`; the
     ///    decision uses it only if it would read the same (see
     ///    `PgTxn::read_line`), and reads again otherwise, the lock held.
@@ -172,16 +204,18 @@ impl PgEngine {
                 }
                 let no_keys: Vec<String> = Vec::new();
                 let line_params: Vec<&(dyn ToSql + Sync)>;
-                let line_lock: [&(dyn ToSql + Sync); 1];
+                let line_lock: [&(dyn ToSql + Sync); 3];
+                let line_lock_sql: String;
                 if let Some(ahead) = &ahead {
-                    line_lock = [&ahead.lock];
+                    line_lock_sql = dest_lock_if_sql(s);
+                    line_lock = [&ahead.lock, &key, &ahead.destination];
                     line_params = vec![
                         &ahead.destination,
                         &no_keys,
                         &ahead.read.since,
                         &ahead.read.offset,
                     ];
-                    steps.push(Step::Execute(DEST_LOCK_EXCLUSIVE, &line_lock));
+                    steps.push(Step::Execute(&line_lock_sql, &line_lock));
                     steps.push(Step::QueryOne(&ahead.read.line_sql, &line_params));
                 }
                 tx.pipeline(&steps)
@@ -222,8 +256,9 @@ impl PgEngine {
             None => None,
         };
         let line = ahead
-            .map(|ahead| ahead.read_from(&mut results))
-            .transpose()?;
+            .map(|ahead| ahead.read_from(&mut results, &self.known))
+            .transpose()?
+            .flatten();
         Ok(Opened {
             stored,
             row,
@@ -240,6 +275,7 @@ impl PgEngine {
         let destination = self.known.destination_of(key)?;
         let settings = defaults.with_stored(&self.known.seen_stored()?);
         Some(Ahead {
+            key: key.to_owned(),
             lock: lock_key(&self.schema, &format!("dest:{destination}")),
             read: txn::LineRead::new(&self.s, &destination, &settings, now, true),
             destination,
