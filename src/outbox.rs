@@ -1344,7 +1344,8 @@ impl Outbox {
     /// [`record_result`](Self::record_result) or [`abandon`](Self::abandon).
     pub(crate) fn claim(&self, key: &str) -> Result<Claimed> {
         let mut claimed_here: Option<ClaimId> = None;
-        let decided = self.transact_one(key, |actor, txn| {
+        // A decision: the engine may read the item's line as it opens.
+        let decided = self.transact_in(Scope::Decide(key), |actor, txn| {
             if let Some(claim) = claimed_here.take() {
                 // A rerun: the server rolled back the claim the previous
                 // attempt marked in flight.

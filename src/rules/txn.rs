@@ -66,6 +66,13 @@ pub(crate) enum Scope<'k> {
     /// the item its claim committed, and commit only if the item is still at
     /// that version (see `engine::postgres::speculate`).
     AfterSend(&'k str),
+    /// A [`Scope::OneItem`] transaction deciding whether the item with this
+    /// key is sent now, and claiming it if so (`lifecycle::decide`): it reads
+    /// that item's destination line, times and cooldown. An engine may read
+    /// that line in the transaction's opening, when it knows the item's
+    /// destination (see `engine::postgres::PgEngine::open_txn`). A requeue
+    /// or a cancel of one key is a [`Scope::OneItem`]: it reads no line.
+    Decide(&'k str),
     /// Anything: a drain step, `enqueue_many`, a bulk action.
     Any,
 }
@@ -75,7 +82,10 @@ impl<'k> Scope<'k> {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn item_key(self) -> Option<&'k str> {
         match self {
-            Self::OneItem(key) | Self::Enqueue(key, _) | Self::AfterSend(key) => Some(key),
+            Self::OneItem(key)
+            | Self::Enqueue(key, _)
+            | Self::AfterSend(key)
+            | Self::Decide(key) => Some(key),
             Self::Any => None,
         }
     }

@@ -1085,7 +1085,7 @@ fn a_claim_reads_no_more_send_times_than_its_cap_needs() {
         window: Duration::from_secs(120),
     };
     let (read, capped) = engine
-        .transact(now, &settings, Scope::OneItem("next"), |txn| {
+        .transact(now, &settings, Scope::Decide("next"), |txn| {
             txn.head_of("chat-1")?;
             let read = txn.line_times_read("chat-1");
             let capped =
@@ -1841,7 +1841,7 @@ fn a_decision_takes_no_destination_lock_but_its_item_s_whatever_the_handle_remem
     // is enqueued again there, for another destination.
     db.psql("DELETE FROM durable_outbox.items WHERE idempotency_key = 'moved'");
     enqueue(&theirs, item("moved", "chat-b"));
-    ours.transact(Utc::now(), &defaults(), Scope::OneItem("cancelled"), |_| {
+    ours.transact(Utc::now(), &defaults(), Scope::Decide("cancelled"), |_| {
         assert!(
             destination_free(&mut other, "chat-a"),
             "a decision about a cancelled item holds no destination lock"
@@ -1849,7 +1849,7 @@ fn a_decision_takes_no_destination_lock_but_its_item_s_whatever_the_handle_remem
         Ok(())
     })
     .unwrap();
-    ours.transact(Utc::now(), &defaults(), Scope::OneItem("moved"), |txn| {
+    ours.transact(Utc::now(), &defaults(), Scope::Decide("moved"), |txn| {
         assert!(
             destination_free(&mut other, "chat-a"),
             "a decision holds no lock of the destination its item left"
@@ -1866,7 +1866,7 @@ fn a_decision_takes_no_destination_lock_but_its_item_s_whatever_the_handle_remem
     for key in ["cancelled", "moved"] {
         assert_eq!(ours.known.destination_of(key), None, "{key}: forgotten");
     }
-    ours.transact(Utc::now(), &defaults(), Scope::OneItem("kept"), |txn| {
+    ours.transact(Utc::now(), &defaults(), Scope::Decide("kept"), |txn| {
         assert!(
             !destination_free(&mut other, "chat-a"),
             "the line of an item still queued there is read as the decision opens"
@@ -1876,4 +1876,70 @@ fn a_decision_takes_no_destination_lock_but_its_item_s_whatever_the_handle_remem
         Ok(())
     })
     .unwrap();
+}
+
+/// Only a claim's decision (`Scope::Decide`) reads its destination's line as
+/// it opens: a cancel of an item this handle enqueued takes no destination
+/// lock, and a requeue takes it shared for its sequence (ARCHITECTURE.md,
+/// "the destination's lock"), so neither waits for the destination's
+/// decisions nor holds back its enqueues for a line it never reads.
+#[test]
+fn a_cancel_or_a_requeue_of_an_item_the_handle_enqueued_reads_no_line_as_it_opens() {
+    use crate::rules::bulk::Bulk;
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let db = server.database();
+    let engine = open(&db.url());
+    let mut other = super::Connector::parse(&db.url())
+        .unwrap()
+        .connect()
+        .unwrap();
+    enqueue(&engine, item("cancelled", "chat-c"));
+    engine
+        .transact(
+            Utc::now(),
+            &defaults(),
+            Scope::OneItem("cancelled"),
+            |txn| {
+                assert!(
+                    destination_free(&mut other, "chat-c"),
+                    "a cancel opens without its destination's lock"
+                );
+                Bulk::Cancel.one(txn, "cancelled", "an operator cancels it")?;
+                assert!(
+                    destination_free(&mut other, "chat-c"),
+                    "a cancel takes no destination lock"
+                );
+                Ok(())
+            },
+        )
+        .unwrap();
+    // Queued and unclaimed again: the handle knows its destination.
+    engine
+        .transact(
+            Utc::now(),
+            &defaults(),
+            Scope::OneItem("cancelled"),
+            |txn| Bulk::Requeue.one(txn, "cancelled", "an operator requeues it"),
+        )
+        .unwrap();
+    engine
+        .transact(Utc::now(), &defaults(), Scope::OneItem("cancelled"), |_| {
+            assert!(
+                destination_free(&mut other, "chat-c"),
+                "a cancel of a requeued item opens without its destination's lock"
+            );
+            Ok(())
+        })
+        .unwrap();
+    engine
+        .transact(Utc::now(), &defaults(), Scope::Decide("cancelled"), |_| {
+            assert!(
+                !destination_free(&mut other, "chat-c"),
+                "a decision reads the line as it opens"
+            );
+            Ok(())
+        })
+        .unwrap();
 }

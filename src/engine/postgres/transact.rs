@@ -110,9 +110,10 @@ impl PgEngine {
     /// transaction, exclusive for every other writer.
     pub(super) fn pass_gate(&self, tx: &mut Tx<'_>, scope: txn::Scope<'_>) -> Result<()> {
         let sql = match scope {
-            txn::Scope::OneItem(_) | txn::Scope::Enqueue(..) | txn::Scope::AfterSend(_) => {
-                "SELECT pg_advisory_xact_lock_shared($1)"
-            }
+            txn::Scope::OneItem(_)
+            | txn::Scope::Enqueue(..)
+            | txn::Scope::AfterSend(_)
+            | txn::Scope::Decide(_) => "SELECT pg_advisory_xact_lock_shared($1)",
             txn::Scope::Any => "SELECT pg_advisory_xact_lock($1)",
         };
         tx.execute(sql, &[&lock_key(&self.schema, "writers")])
@@ -141,7 +142,7 @@ impl PgEngine {
     ///    the lock order: after the item's row). An enqueue that finds its
     ///    key taken leaves the place unused, a gap the line skips.
     ///
-    /// 4. for a decision ([`txn::Scope::OneItem`]) about an item this
+    /// 4. for a decision ([`txn::Scope::Decide`]) about an item this
     ///    handle knows the destination of (one it enqueued, see
     ///    [`speculate::Known`](super::speculate::Known)), take that
     ///    destination's lock exclusive and read its line, head included, as
@@ -172,62 +173,61 @@ impl PgEngine {
         let owner = lock_key(&self.schema, &self.owner);
         let enqueue_to = match scope {
             txn::Scope::Enqueue(_, destination) => Some(destination),
-            txn::Scope::OneItem(_) | txn::Scope::AfterSend(_) | txn::Scope::Any => None,
-        };
-        // A decision's line, read ahead when the destination is known.
-        let ahead = match scope {
-            txn::Scope::OneItem(key) => self.line_ahead(key, now, defaults),
             _ => None,
         };
-        let results = match scope {
-            txn::Scope::OneItem(key) | txn::Scope::Enqueue(key, _) | txn::Scope::AfterSend(key) => {
-                let key_lock = lock_key(&self.schema, &format!("key:{key}"));
-                let gate_sql = format!(
+        // A decision's line, read ahead when the destination is known (a
+        // requeue or cancel, `Scope::OneItem`, reads no line: it takes no
+        // destination lock, or the shared one of its sequence).
+        let ahead = match scope {
+            txn::Scope::Decide(key) => self.line_ahead(key, now, defaults),
+            _ => None,
+        };
+        let results = if let Some(key) = scope.item_key() {
+            let key_lock = lock_key(&self.schema, &format!("key:{key}"));
+            let gate_sql = format!(
                     "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
                        pg_try_advisory_xact_lock_shared($3)
                      FROM (SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2)) gate"
                 );
-                let row_sql = txn::select_for_update_sql(s);
-                let dest_lock = enqueue_to
-                    .map(|destination| lock_key(&self.schema, &format!("dest:{destination}")));
-                let seq_sql = txn::next_seq_sql(s, true);
-                let gate_params: [&(dyn ToSql + Sync); 3] = [&gate, &key_lock, &owner];
-                let row_params: [&(dyn ToSql + Sync); 1] = [&key];
-                let mut steps = vec![
-                    Step::QueryOne(&gate_sql, &gate_params),
-                    Step::QueryOpt(&row_sql, &row_params),
-                ];
-                let seq_params: Vec<&(dyn ToSql + Sync)> =
-                    dest_lock.iter().map(|l| l as &(dyn ToSql + Sync)).collect();
-                if dest_lock.is_some() {
-                    steps.push(Step::QueryOne(&seq_sql, &seq_params));
-                }
-                let no_keys: Vec<String> = Vec::new();
-                let line_params: Vec<&(dyn ToSql + Sync)>;
-                let line_lock: [&(dyn ToSql + Sync); 3];
-                let line_lock_sql: String;
-                if let Some(ahead) = &ahead {
-                    line_lock_sql = dest_lock_if_sql(s);
-                    line_lock = [&ahead.lock, &key, &ahead.destination];
-                    line_params = vec![
-                        &ahead.destination,
-                        &no_keys,
-                        &ahead.read.since,
-                        &ahead.read.offset,
-                    ];
-                    steps.push(Step::Execute(&line_lock_sql, &line_lock));
-                    steps.push(Step::QueryOne(&ahead.read.line_sql, &line_params));
-                }
-                tx.pipeline(&steps)
+            let row_sql = txn::select_for_update_sql(s);
+            let dest_lock = enqueue_to
+                .map(|destination| lock_key(&self.schema, &format!("dest:{destination}")));
+            let seq_sql = txn::next_seq_sql(s, true);
+            let gate_params: [&(dyn ToSql + Sync); 3] = [&gate, &key_lock, &owner];
+            let row_params: [&(dyn ToSql + Sync); 1] = [&key];
+            let mut steps = vec![
+                Step::QueryOne(&gate_sql, &gate_params),
+                Step::QueryOpt(&row_sql, &row_params),
+            ];
+            let seq_params: Vec<&(dyn ToSql + Sync)> =
+                dest_lock.iter().map(|l| l as &(dyn ToSql + Sync)).collect();
+            if dest_lock.is_some() {
+                steps.push(Step::QueryOne(&seq_sql, &seq_params));
             }
-            txn::Scope::Any => {
-                let gate_sql = format!(
-                    "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+            let no_keys: Vec<String> = Vec::new();
+            let line_params: Vec<&(dyn ToSql + Sync)>;
+            let line_lock: [&(dyn ToSql + Sync); 3];
+            let line_lock_sql: String;
+            if let Some(ahead) = &ahead {
+                line_lock_sql = dest_lock_if_sql(s);
+                line_lock = [&ahead.lock, &key, &ahead.destination];
+                line_params = vec![
+                    &ahead.destination,
+                    &no_keys,
+                    &ahead.read.since,
+                    &ahead.read.offset,
+                ];
+                steps.push(Step::Execute(&line_lock_sql, &line_lock));
+                steps.push(Step::QueryOne(&ahead.read.line_sql, &line_params));
+            }
+            tx.pipeline(&steps)
+        } else {
+            let gate_sql = format!(
+                "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
                        pg_try_advisory_xact_lock_shared($2)
                      FROM (SELECT pg_advisory_xact_lock($1)) gate"
-                );
-                tx.pipeline(&[Step::QueryOne(&gate_sql, &[&gate, &owner])])
-            }
+            );
+            tx.pipeline(&[Step::QueryOne(&gate_sql, &[&gate, &owner])])
         }
         .map_err(db("pass the writers' gate"))?;
         let mut results = results.into_iter();

@@ -6,8 +6,9 @@
 //!
 //! 1. **The writers' gate** (`pg_advisory_xact_lock` on the schema's `writers`
 //!    key), first. A transaction about one item ([`Scope::OneItem`],
-//!    [`Scope::Enqueue`]: enqueue, decide, finish, release, abandon, requeue
-//!    or cancel of one key) takes it *shared*, so any number of them run at
+//!    [`Scope::Enqueue`], [`Scope::Decide`], [`Scope::AfterSend`]: enqueue,
+//!    decide, finish, release, abandon, requeue or cancel of one key) takes
+//!    it *shared*, so any number of them run at
 //!    once; every other writer (a drain step, `enqueue_many`, a bulk action,
 //!    retention and stored settings) takes it *exclusive* and runs alone, so
 //!    it may lock many rows in any order.
@@ -24,7 +25,10 @@
 //!    until every sequence taken for it has committed or rolled back, and
 //!    a sequence taken after it is larger than every one it read, so it never
 //!    passes over a sequence taken but not yet committed; decisions run one
-//!    at a time per destination, so its cap holds across hosts. (Why the
+//!    at a time per destination, so its cap holds across hosts. A claim's
+//!    decision ([`Scope::Decide`]) may take it exclusive in its opening,
+//!    after the row, if its item is queued and unclaimed there (see
+//!    `PgEngine::open_txn`); no other transaction does. (Why the
 //!    shared mode is enough for what an enqueue writes: ARCHITECTURE.md,
 //!    "the destination's lock".)
 //! 4. **The caps lock** (`caps`, exclusive), before the send times of every
