@@ -802,11 +802,23 @@ struct RateCase {
     asks: Vec<(Option<usize>, bool, i64, usize)>,
     count: u32,
     window: u64,
-    one_item: bool,
+    /// The transaction's scope: a drain step's, a one-item transaction's,
+    /// or a claim's decision about `k0`, queued in `chat-0` by the handle
+    /// (which then reads that line as the transaction opens:
+    /// `PgEngine::open_txn`).
+    scope: RateScope,
     /// Whether the destination's line is read (`head_of`, as a claim does)
     /// before each ask, and whether the items are put before it.
     line_first: bool,
     overlay_first: bool,
+}
+
+/// The scope of a [`RateCase`]'s transaction.
+#[derive(Debug, Clone, Copy)]
+enum RateScope {
+    Any,
+    OneItem,
+    Decide,
 }
 
 fn rate_case() -> impl proptest::strategy::Strategy<Value = RateCase> {
@@ -825,19 +837,23 @@ fn rate_case() -> impl proptest::strategy::Strategy<Value = RateCase> {
         ),
         1..3u32,
         1..9u64,
-        any::<bool>(),
+        prop_oneof![
+            Just(RateScope::Any),
+            Just(RateScope::OneItem),
+            Just(RateScope::Decide)
+        ],
         any::<bool>(),
         any::<bool>(),
     )
         .prop_map(
-            |(committed, overlay, asks, count, window, one_item, line_first, overlay_first)| {
+            |(committed, overlay, asks, count, window, scope, line_first, overlay_first)| {
                 RateCase {
                     committed,
                     overlay,
                     asks,
                     count,
                     window,
-                    one_item,
+                    scope,
                     line_first,
                     overlay_first,
                 }
@@ -1016,10 +1032,16 @@ fn a_cap_s_nth_newest_time_equals_the_naive_count_over_every_time() {
             })
             .collect();
         let expected = naive_answers(&committed, &changed, &asks);
-        let scope = if case.one_item {
-            Scope::OneItem("k0")
-        } else {
-            Scope::Any
+        let scope = match case.scope {
+            RateScope::Decide => {
+                // Queued by this handle: its decision reads the line of
+                // `chat-0` as it opens (used when the rule's first read is
+                // of that line, before any change).
+                enqueue(&engine, item("k0", "chat-0"));
+                Scope::Decide("k0")
+            }
+            RateScope::OneItem => Scope::OneItem("k0"),
+            RateScope::Any => Scope::Any,
         };
         let got = engine
             .transact(now, &settings, scope, |txn| {
