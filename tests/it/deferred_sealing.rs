@@ -529,3 +529,29 @@ fn a_settings_change_seals_the_changes_committed_before_it_first() {
     let file = export(&engine);
     assert_eq!(AuditLog::verify(file.path()).unwrap().records, 3);
 }
+
+/// A lone caller's calls leave nothing to seal: each commit's events are on
+/// the chain when the call returns, the send's record made in one round trip
+/// (`engine::postgres::speculate`) included, so a reader never pays for a
+/// writer's sealing and the pending table stays empty on a quiet bot.
+#[test]
+fn a_lone_caller_s_calls_leave_no_event_pending() {
+    let Some(engine) = EngineUnderTest::postgres() else {
+        return;
+    };
+    let outbox = open(&engine);
+    for key in ["a", "b", "c"] {
+        outbox.enqueue(msg(key, &format!("chat-{key}"))).unwrap();
+        assert_eq!(count(&engine, "audit_pending"), 0, "after enqueueing {key}");
+        let receipt = outbox
+            .process(key, |_| Ok(Some(format!("m-{key}"))))
+            .unwrap();
+        assert_eq!(receipt.outcome, Outcome::Sent);
+        assert_eq!(count(&engine, "audit_pending"), 0, "after sending {key}");
+    }
+    assert_eq!(
+        count(&engine, "audit"),
+        6,
+        "queued and sent, each on the chain"
+    );
+}
