@@ -180,6 +180,11 @@ impl<'i> ItemWrite<'i> {
         }
     }
 
+    /// The document the row's write stores (the item's JSON).
+    pub(crate) fn doc(&self) -> &str {
+        &self.row.doc
+    }
+
     /// This write as one statement in schema `s` (quoted): the row's
     /// `INSERT` or `UPDATE`, with the send times, the cooldown and `pending`
     /// audit events (documents from `pending_docs`, inserted in order) as

@@ -383,12 +383,11 @@ impl PgTxn<'_, '_> {
             Step::Simple("COMMIT"),
         ];
         let ops = ["pass the writers' gate", op, "commit"];
-        let doc = String::from_utf8_lossy(&crate::store::item_to_json(&item)).into_owned();
         let lost = |error: Error| Lost {
             error,
             key: key.clone(),
             revision,
-            doc: doc.clone(),
+            doc: write.doc().to_owned(),
             pending: !docs.is_empty(),
             wake: item.state == ItemState::Queued && item.claim.is_none(),
         };

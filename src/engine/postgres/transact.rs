@@ -47,6 +47,20 @@ fn dest_lock_if_sql(s: &str) -> String {
     )
 }
 
+/// The operation a failure of the gate's statement is named by.
+const GATE: &str = "pass the writers' gate";
+
+/// The gate's statement of a transaction that runs alone among writers
+/// (parameters: the writers' gate, the owner's lock; see
+/// [`PgEngine::open_txn`]).
+fn exclusive_gate_sql(s: &str) -> String {
+    format!(
+        "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
+           pg_try_advisory_xact_lock_shared($2)
+         FROM (SELECT pg_advisory_xact_lock($1)) gate"
+    )
+}
+
 /// A decision's line read ahead (see [`PgEngine::open_txn`]).
 struct Ahead {
     /// The item's key.
@@ -196,13 +210,16 @@ impl PgEngine {
             let gate_params: [&(dyn ToSql + Sync); 3] = [&gate, &key_lock, &owner];
             let row_params: [&(dyn ToSql + Sync); 1] = [&key];
             let mut steps = vec![
-                Step::QueryOne(&gate_sql, &gate_params),
-                Step::QueryOpt(&row_sql, &row_params),
+                (Step::QueryOne(&gate_sql, &gate_params), GATE),
+                (Step::QueryOpt(&row_sql, &row_params), "read an item"),
             ];
             let seq_params: Vec<&(dyn ToSql + Sync)> =
                 dest_lock.iter().map(|l| l as &(dyn ToSql + Sync)).collect();
             if dest_lock.is_some() {
-                steps.push(Step::QueryOne(&seq_sql, &seq_params));
+                steps.push((
+                    Step::QueryOne(&seq_sql, &seq_params),
+                    "take an enqueue sequence",
+                ));
             }
             let no_keys: Vec<String> = Vec::new();
             let line_params: Vec<&(dyn ToSql + Sync)>;
@@ -217,19 +234,21 @@ impl PgEngine {
                     &ahead.read.since,
                     &ahead.read.offset,
                 ];
-                steps.push(Step::Execute(&line_lock_sql, &line_lock));
-                steps.push(Step::QueryOne(&ahead.read.line_sql, &line_params));
+                steps.push((
+                    Step::Execute(&line_lock_sql, &line_lock),
+                    "lock a destination",
+                ));
+                steps.push((
+                    Step::QueryOne(&ahead.read.line_sql, &line_params),
+                    "read a destination's line",
+                ));
             }
-            tx.pipeline(&steps)
+            run_named(tx, &steps)?
         } else {
-            let gate_sql = format!(
-                "SELECT (SELECT doc FROM {s}.settings WHERE id = 1),
-                       pg_try_advisory_xact_lock_shared($2)
-                     FROM (SELECT pg_advisory_xact_lock($1)) gate"
-            );
+            let gate_sql = exclusive_gate_sql(s);
             tx.pipeline(&[Step::QueryOne(&gate_sql, &[&gate, &owner])])
-        }
-        .map_err(db("pass the writers' gate"))?;
+                .map_err(db(GATE))?
+        };
         let mut results = results.into_iter();
         let gate_row = results.next().and_then(|mut done| done.rows.pop());
         let Some(gate_row) = gate_row else {
